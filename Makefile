@@ -1,0 +1,29 @@
+# Two commands matter: `make demo` (the main job) and `make test`. Both build .venv on first use.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PROTOC := $(PY) -m grpc_tools.protoc
+
+.PHONY: demo test lint bench proto clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m client.demo $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.run $(ARGS)
+
+# Regenerates the committed gRPC code from proto/replay.proto (tests/test_proto.py checks they match).
+proto: $(STAMP)
+	$(PROTOC) -Iservice/wire=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/replay.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,243 @@
+"""ReplayClient: one server's buffers over gRPC, batches as numpy dicts.
+
+Only the wire contract (proto + codec) is shared with the server; no torch is imported here.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from service.grpc_server.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from service.wire import codec
+from service.wire import replay_pb2 as pb
+from service.wire import replay_pb2_grpc as pb_grpc
+
+Schema = Mapping[str, tuple[str, tuple[int, ...]]]
+T = TypeVar("T")
+
+
+def new_episode_id() -> int:
+    return secrets.randbits(63)
+
+
+def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
+    which = info.WhichOneof("config")
+    config = getattr(info, which) if which else None
+    return {
+        "name": info.name,
+        "kind": info.kind,
+        "bytes": info.bytes,
+        "shm_name": info.shm_name,
+        "host": info.host,
+        "stored_steps": info.stored_steps,
+        "sampleable_steps": info.sampleable_steps,
+        "episodes": info.episodes,
+        "counters": dict(info.counters),
+        "capacity_steps": getattr(config, "capacity_steps", 0),
+        "fields": {f.name: (f.dtype, tuple(f.shape), f.observation) for f in getattr(config, "fields", [])},
+        "policy_version": info.policy_version,
+        "missing_steps": info.missing_steps,
+        "rollout_complete": info.rollout_complete,
+    }
+
+
+@dataclass
+class Span:
+    """Rows of one episode in ring layout (every field has the same rows; step fields of a final row are
+    padding). `begins`: the first row is the episode's first observation; `ends`: the last row is its
+    final observation."""
+
+    columns: Mapping[str, np.ndarray]
+    episode_id: int
+    begins: bool = True
+    ends: bool = True
+    terminated: bool = False
+
+
+def spans_request(buffer: str, spans: Sequence[Span]) -> pb.InsertRequest:
+    names = list(spans[0].columns)
+    columns = {
+        name: spans[0].columns[name] if len(spans) == 1 else np.concatenate([s.columns[name] for s in spans])
+        for name in names
+    }
+    return pb.InsertRequest(
+        buffer=buffer,
+        steps=codec.encode(columns).to_pybytes(),
+        episode_ids=[s.episode_id for s in spans],
+        span_rows=[len(s.columns[names[0]]) for s in spans],
+        begins=[s.begins for s in spans],
+        ends=[s.ends for s in spans],
+        terminated=[s.terminated for s in spans],
+    )
+
+
+def episode_span(episode: Mapping[str, np.ndarray], terminated: bool, observation_fields: Iterable[str],
+                 episode_id: int | None = None) -> Span:
+    """A whole episode as a span: observation fields have L + 1 rows, step fields L rows (padded here
+    with one zero row, the ring's layout)."""
+    observation_fields = set(observation_fields)
+    arrays = {name: np.asarray(values) for name, values in episode.items()}
+    obs_rows = {len(a) for n, a in arrays.items() if n in observation_fields}
+    step_rows = {len(a) for n, a in arrays.items() if n not in observation_fields}
+    if len(obs_rows) != 1 or (step_rows and step_rows != {next(iter(obs_rows)) - 1}):
+        raise ValueError(
+            "observation fields need L + 1 rows and step fields L rows, got "
+            + ", ".join(f"{n}={len(a)}" for n, a in arrays.items())
+        )
+    columns = {
+        name: array if name in observation_fields
+        else np.concatenate([array, np.zeros((1, *array.shape[1:]), dtype=array.dtype)])
+        for name, array in arrays.items()
+    }
+    return Span(columns, episode_id if episode_id is not None else new_episode_id(), True, True, bool(terminated))
+
+
+class ReplayClient:
+    """Client of one replayd server. Thread-safe: gRPC channels may be shared between threads."""
+
+    RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+    def __init__(self, address: str, timeout: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 retries: int = 5) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._stub = pb_grpc.ReplayStub(self._channel)
+        self._observation_fields: dict[str, tuple[str, ...]] = {}
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ReplayClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Blocks until the server accepts connections (raises grpc.FutureTimeoutError otherwise)."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def _idempotent(self, call: Callable[..., T], request: Any, timeout: float | None) -> T:
+        """Retries UNAVAILABLE with exponential backoff and jitter (safe only for idempotent calls)."""
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                return call(request, timeout=timeout or self.timeout)
+            except grpc.RpcError as exc:
+                if exc.code() not in self.RETRYABLE or attempt == self.retries:
+                    raise
+                time.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- buffers
+    def create_buffer(
+        self,
+        name: str,
+        capacity_steps: int,
+        schema: Schema,
+        observation_fields: Sequence[str] = ("obs",),
+        reward_field: str = "reward",
+    ) -> dict[str, Any]:
+        """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape)."""
+        unknown = set(observation_fields) - set(schema)
+        if unknown:
+            raise ValueError(f"observation_fields {sorted(unknown)} are not in the schema {sorted(schema)}")
+        fields = [
+            pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape), observation=n in observation_fields)
+            for n, (dtype, shape) in schema.items()
+        ]
+        config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field)
+        info = self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config), timeout=self.timeout)
+        self._observation_fields[name] = tuple(observation_fields)
+        return _info_to_dict(info)
+
+    def delete_buffer(self, name: str) -> None:
+        self._stub.DeleteBuffer(pb.DeleteBufferRequest(name=name), timeout=self.timeout)
+
+    def list_buffers(self) -> list[dict[str, Any]]:
+        response = self._idempotent(self._stub.ListBuffers, pb.ListBuffersRequest(), None)
+        return [_info_to_dict(info) for info in response.buffers]
+
+    def describe(self, name: str) -> dict[str, Any]:
+        return _info_to_dict(self._idempotent(self._stub.DescribeBuffer, pb.DescribeBufferRequest(name=name), None))
+
+    def observation_fields(self, buffer: str) -> tuple[str, ...]:
+        if buffer not in self._observation_fields:
+            fields = self.describe(buffer)["fields"]
+            self._observation_fields[buffer] = tuple(n for n, (_, _, obs) in fields.items() if obs)
+        return self._observation_fields[buffer]
+
+    # ---------------------------------------------------------------- inserting
+    def insert(self, requests: Iterable[pb.InsertRequest], timeout: float | None = None) -> pb.InsertResponse:
+        """Streams insert requests; each is stored all-or-nothing, the response acknowledges them all."""
+        return self._stub.Insert(iter(requests), timeout=timeout or self.timeout)
+
+    def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
+                       **columns: np.ndarray) -> int:
+        """Inserts one whole episode: observation fields have L + 1 rows, step fields L rows."""
+        span = episode_span(columns, terminated, self.observation_fields(buffer), episode_id)
+        self.insert([spans_request(buffer, [span])])
+        return span.episode_id
+
+    def insert_episodes(self, buffer: str, episodes: Sequence[Mapping[str, np.ndarray]],
+                        terminated: Sequence[bool]) -> None:
+        """Inserts many whole episodes in one request (one Arrow batch)."""
+        if len(episodes) != len(terminated):
+            raise ValueError(f"{len(episodes)} episodes but {len(terminated)} terminated flags")
+        fields = self.observation_fields(buffer)
+        spans = [episode_span(e, t, fields) for e, t in zip(episodes, terminated, strict=True)]
+        self.insert([spans_request(buffer, spans)])
+
+    # ---------------------------------------------------------------- sampling
+    @staticmethod
+    def sample_request(buffer: str, batch_size: int, mode: str = "transitions", n_step: int = 1,
+                       gamma: float = 0.99, discount: float | None = None, seed: int | None = None,
+                       include_keys: bool = False, wait: bool = False) -> pb.SampleRequest:
+        request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, include_keys=include_keys, wait=wait)
+        if seed is not None:
+            request.seed = seed
+        if mode == "transitions":
+            request.transitions.CopyFrom(pb.TransitionsMode(n_step=n_step, gamma=gamma))
+        elif mode == "geometric":
+            if discount is None:
+                raise ValueError("mode='geometric' needs discount=")
+            request.geometric.CopyFrom(pb.GeometricMode(discount=discount))
+        elif mode == "states":
+            request.states.CopyFrom(pb.StatesMode())
+        else:
+            raise ValueError(f"mode must be transitions, geometric or states, got {mode!r}")
+        return request
+
+    def sample(self, buffer: str, batch_size: int, mode: str = "transitions", *, timeout: float | None = None,
+               **options: Any) -> dict[str, np.ndarray]:
+        """One batch as read-only numpy arrays (views into the received bytes)."""
+        request = self.sample_request(buffer, batch_size, mode, **options)
+        response = self._idempotent(self._stub.Sample, request, timeout)
+        return codec.decode(response.batch)
+
+    def sample_stream(self, buffer: str, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
+                      timeout: float | None = None, **options: Any) -> Iterator[dict[str, np.ndarray]]:
+        """Batches from one server stream; HTTP/2 flow control keeps several in flight.
+
+        `num_batches=0` streams until the iterator is closed (which cancels the call).
+        """
+        request = pb.SampleStreamRequest(
+            request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
+        )
+        call = self._stub.SampleStream(request, timeout=timeout)
+        try:
+            for response in call:
+                yield codec.decode(response.batch)
+        finally:
+            call.cancel()

@@ -1,0 +1,549 @@
+"""Episodic replay: one flat ring of steps in shared memory.
+
+Positions. Absolute positions `pos` increase forever; position `pos` lives in ring row `pos % capacity`.
+An episode of L steps occupies L + 1 consecutive positions: its final observation is stored once, and
+the step fields of that final row are padding.
+
+Extents. Positions are handed out at the head in *extents*, numbered by `seq` in ring order; each live
+episode owns one extent. An open episode (arriving in chunks) reserves room to grow in place; when it
+outgrows its extent it moves to the head with twice the room (amortized O(1) copies per row), so every
+episode stays contiguous. Reserved rows left unused, and rows an episode moved away from, are holes.
+When the head needs room, the oldest extents are evicted whole, so a sample never sees a partially
+overwritten episode.
+
+Precomputed bounds. `row_end[row]` is the absolute position of the episode's final row, written once
+when the episode closes, so a sample finds its bound in O(1) and never searches for boundaries. Rows of
+open episodes hold OPEN and take their bound from the extent table (the last row landed so far); rows
+that hold nothing hold HOLE. Every insert rewrites the bounds of the rows it reuses.
+
+Commit order within an insert: rows first, then row bounds, then the extent table and counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.samplers.draw import Draw
+from service.samplers.modes import BatchMode
+from service.samplers.uniform import UniformSampler
+from service.schema import Field, check_buffer_name, check_columns, check_fields
+from service.storage.shared_arrays import ArraySpec, SharedArrays
+
+OPEN = -1  # row_end of a row whose episode is still open
+HOLE = -2  # row_end of a row that holds no episode
+
+ALIVE, IS_OPEN, TERMINATED = 1, 2, 4  # extent flags
+
+# Indices into the shared `state` array.
+HEAD, TAIL_SEQ, NEXT_SEQ, EPISODES, SAMPLEABLE, STORED = range(6)
+
+
+def shm_name(instance: str, buffer: str) -> str:
+    return f"rpd_{instance}_{buffer}"
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Per-span metadata of an insert: a span is a whole episode or a chunk of an open one."""
+
+    episode_ids: np.ndarray  # uint64
+    rows: np.ndarray  # int64, rows of each span in the request's columns
+    begins: np.ndarray  # bool: the span starts its episode
+    ends: np.ndarray  # bool: the span's last row is the episode's final observation
+    terminated: np.ndarray  # bool: for ends, terminated (else truncated)
+
+    @classmethod
+    def whole_episodes(cls, lengths: np.ndarray, episode_ids: np.ndarray, terminated: np.ndarray) -> Spans:
+        ones = np.ones(len(lengths), dtype=bool)
+        return cls(np.asarray(episode_ids, np.uint64), np.asarray(lengths, np.int64) + 1, ones, ones,
+                   np.asarray(terminated, bool))
+
+
+@dataclass
+class _Extent:
+    """Planning record for an extent touched by an insert (open episodes keep theirs between inserts)."""
+
+    episode_id: int
+    seq: int
+    start: int
+    last: int  # last landed row; start - 1 before the first row lands
+    reserved_end: int  # exclusive
+
+
+@dataclass
+class _Op:
+    kind: str  # "block" (whole episodes), "open", "append", "move"
+    span_lo: int  # first span of the op
+    span_hi: int  # one past the last span
+    row_lo: int  # first row of the op in the request's columns
+    row_hi: int
+    extent: _Extent | None = None  # for open/append/move: the extent after the op
+    moved_from: _Extent | None = None  # for move: the extent the episode leaves
+    closes: bool = False
+    terminated: bool = False
+    head_before: int = 0
+    head_after: int = 0
+
+
+class EpisodicBuffer:
+    """Ring of steps plus its extent table, all in shared memory; single writer, many samplers."""
+
+    kind = "episodic"
+
+    def __init__(
+        self,
+        name: str,
+        instance: str,
+        fields: tuple[Field, ...] | list[Field],
+        capacity_steps: int,
+        reward_field: str = "reward",
+        sampler: UniformSampler | None = None,
+    ) -> None:
+        self.name = check_buffer_name(name)
+        self.fields = check_fields(fields)
+        if not isinstance(capacity_steps, int | np.integer) or capacity_steps < 2:
+            raise InvalidArgument(f"capacity_steps must be an integer >= 2, got {capacity_steps!r}")
+        self.capacity = int(capacity_steps)
+        self.observation_fields = tuple(f for f in self.fields if f.observation)
+        self.step_fields = tuple(f for f in self.fields if not f.observation)
+        if not self.observation_fields:
+            raise InvalidArgument("schema: at least one field must be an observation field (one row per state)")
+        by_name = {f.name: f for f in self.fields}
+        self.reward_field = reward_field if reward_field in by_name else None
+        if self.reward_field is not None:
+            reward = by_name[reward_field]
+            if reward.observation or reward.shape != () or not np.issubdtype(np.dtype(reward.dtype), np.floating):
+                raise InvalidArgument(
+                    f"reward field {reward_field!r} must be a scalar floating per-step field, got "
+                    f"{reward.dtype}{list(reward.shape)} observation={reward.observation}"
+                )
+        self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
+        specs = [ArraySpec(f"field.{f.name}", f.dtype, (self.capacity, *f.shape)) for f in self.fields]
+        specs += [
+            ArraySpec("row.end", "int64", (self.capacity,)),
+            ArraySpec("row.seq", "int64", (self.capacity,)),
+            ArraySpec("extent.episode_id", "uint64", (self.extent_slots,)),
+            ArraySpec("extent.start", "int64", (self.extent_slots,)),
+            ArraySpec("extent.last", "int64", (self.extent_slots,)),
+            ArraySpec("extent.flags", "uint8", (self.extent_slots,)),
+            ArraySpec("state", "int64", (8,)),
+        ]
+        meta = {
+            "kind": self.kind,
+            "name": self.name,
+            "capacity": self.capacity,
+            "reward_field": self.reward_field,
+            "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in self.fields],
+        }
+        self.storage = SharedArrays.create(shm_name(instance, name), specs, meta)
+        arrays = self.storage.arrays
+        self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
+        self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
+        self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]
+        self.extent_last, self.extent_flags = arrays["extent.last"], arrays["extent.flags"]
+        self.state = arrays["state"]
+        self.row_end.fill(HOLE)
+        self.row_seq.fill(-1)
+        self.row_bytes = sum(f.row_bytes for f in self.fields)
+        self.sampler = sampler or UniformSampler()
+        self.lock = threading.Lock()
+        self.inserted = threading.Condition(self.lock)  # wakes samplers waiting for data
+        self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
+        self.counters: Counter[str] = Counter()
+        self._open: dict[int, _Extent] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def head(self) -> int:
+        return int(self.state[HEAD])
+
+    @property
+    def sampleable_steps(self) -> int:
+        return int(self.state[SAMPLEABLE])
+
+    @property
+    def stored_steps(self) -> int:
+        return int(self.state[STORED])
+
+    @property
+    def episodes(self) -> int:
+        return int(self.state[EPISODES])
+
+    @property
+    def open_episodes(self) -> int:
+        return len(self._open)
+
+    def tail_position(self) -> int:
+        """Absolute position of the oldest live extent's first row (the head when empty)."""
+        tail_seq, next_seq = int(self.state[TAIL_SEQ]), int(self.state[NEXT_SEQ])
+        if tail_seq == next_seq:
+            return self.head
+        return int(self.extent_start[tail_seq % self.extent_slots])
+
+    def info(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "capacity_steps": self.capacity,
+            "bytes": self.storage.nbytes,
+            "shm_name": self.storage.header_name,
+            "stored_steps": self.stored_steps,
+            "sampleable_steps": self.sampleable_steps,
+            "episodes": self.episodes,
+            "open_episodes": self.open_episodes,
+            "counters": dict(self.counters),
+        }
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, columns: Mapping[str, np.ndarray], spans: Spans) -> int:
+        """Appends spans all-or-nothing: every check runs before the first byte is written.
+
+        Returns the number of episodes this insert completed.
+        """
+        rows = check_columns(self.fields, columns, "insert")
+        self._check_spans(spans, rows)
+        with self.lock:
+            ops = self._plan(spans)
+            for op in ops:
+                self._apply(op, columns, spans)
+            completed = int(np.count_nonzero(spans.ends))
+            self.counters["inserted_rows"] += rows
+            self.counters["inserted_spans"] += len(spans.rows)
+            self.counters["inserted_episodes"] += completed
+            self.counters["insert_requests"] += 1
+            self.inserted.notify_all()
+        return completed
+
+    def _check_spans(self, spans: Spans, rows: int) -> None:
+        count = len(spans.rows)
+        if count == 0:
+            raise InvalidArgument("insert: no spans (episode_ids, span_rows, begins, ends, terminated are empty)")
+        for label, values in (("episode_ids", spans.episode_ids), ("begins", spans.begins),
+                              ("ends", spans.ends), ("terminated", spans.terminated)):
+            if len(values) != count:
+                raise InvalidArgument(f"insert: {label} has {len(values)} entries, span_rows has {count}")
+        if np.any(spans.rows < 1):
+            bad = int(np.argmax(spans.rows < 1))
+            raise InvalidArgument(f"insert: span_rows[{bad}] = {int(spans.rows[bad])}, expected >= 1")
+        if int(spans.rows.sum()) != rows:
+            raise InvalidArgument(f"insert: span_rows sum to {int(spans.rows.sum())}, but the steps hold {rows} rows")
+        whole = spans.begins & spans.ends
+        short = whole & (spans.rows < 2)
+        if short.any():
+            bad = int(np.argmax(short))
+            raise InvalidArgument(
+                f"insert: span {bad} is a whole episode of {int(spans.rows[bad])} row; an episode needs at least "
+                "2 rows (its first and final observation)"
+            )
+        long = whole & (spans.rows > self.capacity)
+        if long.any():
+            bad = int(np.argmax(long))
+            raise InvalidArgument(
+                f"insert: episode {int(spans.episode_ids[bad])} has {int(spans.rows[bad])} rows, more than "
+                f"capacity_steps={self.capacity}"
+            )
+
+    def _plan(self, spans: Spans) -> list[_Op]:
+        """Simulates the insert on metadata only; raises before anything is written."""
+        head = self.head
+        next_seq = int(self.state[NEXT_SEQ])
+        touched: dict[int, _Extent] = {}
+        ops: list[_Op] = []
+        first_new_start: int | None = None
+        whole = spans.begins & spans.ends
+        row_offsets = np.concatenate([[0], np.cumsum(spans.rows)])
+        i, count = 0, len(spans.rows)
+        while i < count:
+            if whole[i]:
+                j = i
+                while j < count and whole[j]:
+                    j += 1
+                size = int(row_offsets[j] - row_offsets[i])
+                ops.append(_Op("block", i, j, int(row_offsets[i]), int(row_offsets[j]),
+                               head_before=head, head_after=head + size))
+                first_new_start = head if first_new_start is None else first_new_start
+                head += size
+                next_seq += j - i
+                i = j
+                continue
+            episode_id = int(spans.episode_ids[i])
+            k = int(spans.rows[i])
+            op = _Op("open", i, i + 1, int(row_offsets[i]), int(row_offsets[i + 1]),
+                     closes=bool(spans.ends[i]), terminated=bool(spans.terminated[i]), head_before=head)
+            current = touched.get(episode_id) or self._open.get(episode_id)
+            if spans.begins[i]:
+                if current is not None:
+                    raise InvalidArgument(f"insert: span {i} begins episode {episode_id}, which is already open")
+                reserve = min(2 * k, self.capacity)
+                extent = _Extent(episode_id, next_seq, head, head + k - 1, head + reserve)
+                next_seq += 1
+                head += reserve
+            else:
+                if current is None:
+                    raise FailedPrecondition(
+                        f"insert: span {i} continues episode {episode_id}, which is not open (never begun, "
+                        "already ended, or evicted)"
+                    )
+                if current.start < op.head_before - self.capacity:
+                    raise ResourceExhausted(
+                        f"insert: open episode {episode_id} would be overwritten before span {i} lands; "
+                        f"capacity_steps={self.capacity} is too small for this many concurrently open episodes"
+                    )
+                landed = current.last - current.start + 1
+                if landed + k > self.capacity:
+                    raise InvalidArgument(
+                        f"insert: episode {episode_id} would have {landed + k} rows, more than "
+                        f"capacity_steps={self.capacity}"
+                    )
+                if current.last + k < current.reserved_end:
+                    op.kind = "append"
+                    extent = _Extent(episode_id, current.seq, current.start, current.last + k, current.reserved_end)
+                else:
+                    op.kind = "move"
+                    op.moved_from = current
+                    reserve = min(2 * (landed + k), self.capacity)
+                    extent = _Extent(episode_id, next_seq, head, head + landed + k - 1, head + reserve)
+                    next_seq += 1
+                    head += reserve
+            if op.closes:
+                if extent.last - extent.start + 1 < 2:
+                    raise InvalidArgument(
+                        f"insert: span {i} ends episode {episode_id} after 1 row; an episode needs at least 2 rows"
+                    )
+                if extent.reserved_end == head:  # the head extent gives its unused room back
+                    head = extent.last + 1
+                extent.reserved_end = extent.last + 1
+            op.extent = extent
+            op.head_after = head
+            touched[episode_id] = extent
+            first_new_start = extent.start if first_new_start is None else min(first_new_start, extent.start)
+            ops.append(op)
+            i += 1
+        boundary = head - self.capacity
+        survivors = [e.start for e in touched.values()]
+        if first_new_start is not None:
+            survivors.append(first_new_start)
+        if survivors and min(survivors) < boundary:
+            raise ResourceExhausted(
+                f"insert: this request needs {head - self.head} rows of ring space, which would overwrite rows it "
+                f"writes itself (capacity_steps={self.capacity}); split it into smaller inserts"
+            )
+        return ops
+
+    def _apply(self, op: _Op, columns: Mapping[str, np.ndarray], spans: Spans) -> None:
+        if op.kind == "block":
+            self._evict_before(op.head_after - self.capacity)
+            self._write_block(op, columns, spans)
+        elif op.kind == "open":
+            self._evict_before(op.head_after - self.capacity)
+            self._write_extent_rows(op, columns, at=op.extent.start, mark_from=op.extent.start, prev_sampleable=0)
+        elif op.kind == "append":
+            slot = op.extent.seq % self.extent_slots
+            old_last = int(self.extent_last[slot])
+            self._write_extent_rows(op, columns, at=old_last + 1, mark_from=old_last + 1,
+                                    prev_sampleable=old_last - op.extent.start)
+        else:  # move: copy the landed rows out before their old place can be evicted or reused
+            old = op.moved_from
+            landed = self._gather_positions(np.arange(old.start, old.last + 1, dtype=np.int64))
+            self._kill_extent(old)
+            self.counters["moved_open_episodes"] += 1
+            self._evict_before(op.head_after - self.capacity)
+            self._write_rows(op.extent.start, landed, 0, old.last - old.start + 1)
+            self._write_extent_rows(op, columns, at=op.extent.start + old.last - old.start + 1,
+                                    mark_from=op.extent.start, prev_sampleable=0)
+        self.state[HEAD] = op.head_after
+
+    def _write_block(self, op: _Op, columns: Mapping[str, np.ndarray], spans: Spans) -> None:
+        head = op.head_before
+        self._write_rows(head, columns, op.row_lo, op.row_hi)
+        rows = spans.rows[op.span_lo:op.span_hi]
+        starts = head + np.concatenate([[0], np.cumsum(rows[:-1])])
+        lasts = starts + rows - 1
+        seq0 = int(self.state[NEXT_SEQ])
+        seqs = np.arange(seq0, seq0 + len(rows), dtype=np.int64)
+        self._set_ring(self.row_end, head, np.repeat(lasts, rows))
+        self._set_ring(self.row_seq, head, np.repeat(seqs, rows))
+        slots = seqs % self.extent_slots
+        self.extent_episode_id[slots] = spans.episode_ids[op.span_lo:op.span_hi]
+        self.extent_start[slots] = starts
+        self.extent_last[slots] = lasts
+        self.extent_flags[slots] = ALIVE | np.where(spans.terminated[op.span_lo:op.span_hi], TERMINATED, 0)
+        self.state[NEXT_SEQ] = seq0 + len(rows)
+        self.state[EPISODES] += len(rows)
+        self.state[SAMPLEABLE] += int(rows.sum()) - len(rows)
+        self.state[STORED] += int(rows.sum())
+        self.sampler.on_rows_written(self, head, head + int(rows.sum()))
+
+    def _write_extent_rows(self, op: _Op, columns: Mapping[str, np.ndarray], at: int, mark_from: int,
+                           prev_sampleable: int) -> None:
+        """Writes a chunk at position `at`, then the bounds of rows [mark_from, last], then the extent record."""
+        extent = op.extent
+        self._write_rows(at, columns, op.row_lo, op.row_hi)
+        slot = extent.seq % self.extent_slots
+        if op.kind != "append":  # a new extent record (opened, or moved to the head)
+            self.extent_episode_id[slot] = extent.episode_id
+            self.extent_start[slot] = extent.start
+            self.state[NEXT_SEQ] = extent.seq + 1
+        marked = extent.last + 1 - mark_from
+        self._set_ring(self.row_seq, mark_from, np.full(marked, extent.seq, dtype=np.int64))
+        if op.closes:
+            self._set_ring(self.row_end, extent.start, np.full(extent.last + 1 - extent.start, extent.last))
+        else:
+            self._set_ring(self.row_end, mark_from, np.full(marked, OPEN, dtype=np.int64))
+        self.extent_last[slot] = extent.last
+        self.extent_flags[slot] = ALIVE | (TERMINATED if op.closes and op.terminated else 0) | (
+            0 if op.closes else IS_OPEN)
+        # Every landed row but the last has its successor, so it is sampleable.
+        self.state[SAMPLEABLE] += (extent.last - extent.start) - prev_sampleable
+        self.state[STORED] += marked
+        if op.closes:
+            self._open.pop(extent.episode_id, None)
+            self.state[EPISODES] += 1
+        else:
+            self._open[extent.episode_id] = extent
+        self.sampler.on_rows_written(self, max(extent.start, mark_from - 1), extent.last + 1)
+
+    def _kill_extent(self, extent: _Extent) -> None:
+        """Turns a moved-away extent into holes (its rows were copied to the head)."""
+        slot = extent.seq % self.extent_slots
+        self.extent_flags[slot] = 0
+        landed = extent.last - extent.start + 1
+        self._set_ring(self.row_end, extent.start, np.full(landed, HOLE, dtype=np.int64))
+        self._set_ring(self.row_seq, extent.start, np.full(landed, -1, dtype=np.int64))
+        self.state[SAMPLEABLE] -= landed - 1
+        self.state[STORED] -= landed
+        self._open.pop(extent.episode_id, None)
+        self.sampler.on_rows_cleared(self, extent.start, extent.last + 1)
+
+    def _evict_before(self, boundary: int) -> None:
+        """Evicts, oldest first, every extent that starts before `boundary` (whole episodes only)."""
+        tail_seq, next_seq = int(self.state[TAIL_SEQ]), int(self.state[NEXT_SEQ])
+        live = next_seq - tail_seq
+        if live == 0:
+            return
+        first = tail_seq % self.extent_slots
+        n = self._count_starts_before(first, live, boundary)
+        if n == 0:
+            return
+        tail_pos = int(self.extent_start[first])
+        slots = (tail_seq + np.arange(n)) % self.extent_slots
+        flags = self.extent_flags[slots]
+        alive = (flags & ALIVE) != 0
+        is_open = (flags & IS_OPEN) != 0
+        starts, lasts = self.extent_start[slots], self.extent_last[slots]
+        self.state[EPISODES] -= int(np.count_nonzero(alive & ~is_open))
+        self.state[SAMPLEABLE] -= int((lasts - starts)[alive].sum())
+        self.state[STORED] -= int((lasts - starts + 1)[alive].sum())
+        for episode_id in self.extent_episode_id[slots[alive & is_open]]:
+            del self._open[int(episode_id)]
+            self.counters["evicted_open_episodes"] += 1
+        self.counters["evicted_episodes"] += int(np.count_nonzero(alive & ~is_open))
+        self.extent_flags[slots] = 0
+        new_tail_seq = tail_seq + n
+        if new_tail_seq == next_seq:
+            new_tail_pos = self.head
+        else:
+            new_tail_pos = int(self.extent_start[new_tail_seq % self.extent_slots])
+        self._set_ring(self.row_end, tail_pos, np.full(new_tail_pos - tail_pos, HOLE, dtype=np.int64))
+        self._set_ring(self.row_seq, tail_pos, np.full(new_tail_pos - tail_pos, -1, dtype=np.int64))
+        self.state[TAIL_SEQ] = new_tail_seq
+        self.sampler.on_rows_cleared(self, tail_pos, new_tail_pos)
+
+    def _count_starts_before(self, first: int, live: int, boundary: int) -> int:
+        # Extent starts increase with seq, so the ring of starts is two sorted runs.
+        end = first + live
+        if end <= self.extent_slots:
+            return int(np.searchsorted(self.extent_start[first:end], boundary, side="left"))
+        head_run = self.extent_start[first:]
+        n = int(np.searchsorted(head_run, boundary, side="left"))
+        if n < len(head_run):
+            return n
+        return n + int(np.searchsorted(self.extent_start[: end - self.extent_slots], boundary, side="left"))
+
+    # ------------------------------------------------------------------ ring helpers
+    def _ring_pieces(self, pos: int, count: int) -> list[tuple[int, int, int]]:
+        """(ring_row, source_offset, length) pieces covering positions [pos, pos + count)."""
+        row = pos % self.capacity
+        first = min(count, self.capacity - row)
+        pieces = [(row, 0, first)]
+        if first < count:
+            pieces.append((0, first, count - first))
+        return pieces
+
+    def _set_ring(self, array: np.ndarray, pos: int, values: np.ndarray) -> None:
+        for row, offset, length in self._ring_pieces(pos, len(values)):
+            array[row:row + length] = values[offset:offset + length]
+
+    def _write_rows(self, pos: int, columns: Mapping[str, np.ndarray], lo: int, hi: int) -> None:
+        for row, offset, length in self._ring_pieces(pos, hi - lo):
+            for name, target in self.columns.items():
+                target[row:row + length] = columns[name][lo + offset:lo + offset + length]
+
+    def _gather_positions(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        rows = positions % self.capacity
+        return {name: column[rows] for name, column in self.columns.items()}
+
+    # ------------------------------------------------------------------ sampling
+    def episode_bounds(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ring rows, episode bounds and open-episode mask of absolute positions.
+
+        The bound is the absolute position of the episode's final row (the last landed row while the
+        episode is open); positions that hold no episode get HOLE. Sampleable iff position < bound.
+        """
+        rows = positions % self.capacity
+        bounds = self.row_end.take(rows)
+        in_open = bounds == OPEN
+        if np.count_nonzero(in_open):
+            bounds[in_open] = self.extent_last.take(self.row_seq.take(rows[in_open]) % self.extent_slots)
+        return rows, bounds, in_open
+
+    def terminated_at(self, rows: np.ndarray) -> np.ndarray:
+        """Whether the episode of each row ended by termination (False for open or truncated episodes)."""
+        flags = self.extent_flags.take(self.row_seq.take(rows) % self.extent_slots)
+        return (flags & TERMINATED) != 0
+
+    def episode_ids_at(self, rows: np.ndarray) -> np.ndarray:
+        return self.extent_episode_id.take(self.row_seq.take(rows) % self.extent_slots)
+
+    def draw(self, batch_size: int, rng: np.random.Generator) -> Draw:
+        """Draws sampleable positions with the configured sampler. Call with `lock` held."""
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        if self.sampleable_steps == 0:
+            raise FailedPrecondition(
+                f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"
+            )
+        return self.sampler.draw(self, batch_size, rng)
+
+    def sample(self, batch_size: int, mode: BatchMode, rng: np.random.Generator | None = None,
+               include_keys: bool = False, wait_seconds: float | None = None) -> dict[str, np.ndarray]:
+        """One batch: indices from the sampler, columns from the mode, gathered under the lock.
+
+        With `wait_seconds`, an empty buffer is waited on (a condition, not a spin) for that long.
+        """
+        with self.lock:
+            if wait_seconds is not None and not self.inserted.wait_for(
+                lambda: self.sampleable_steps > 0, timeout=wait_seconds
+            ):
+                raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
+            draw = self.draw(batch_size, rng or self.rng)
+            batch = mode.build(self, draw, rng or self.rng)
+            if include_keys:
+                batch["key"] = draw.positions
+                batch["episode_id"] = self.episode_ids_at(draw.rows)
+            batch.update(draw.extra)
+            self.counters["sampled_batches"] += 1
+            self.counters["sampled_items"] += batch_size
+        return batch
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self, unlink: bool = True) -> None:
+        self.storage.close()
+        if unlink:
+            self.storage.unlink()

@@ -1,0 +1,44 @@
+"""`replayd serve`: run a replay server until SIGINT/SIGTERM, then unlink its shared memory."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from service.grpc_server.server import ReplayServer
+
+
+def serve(args: argparse.Namespace) -> None:
+    server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
+                          max_message_bytes=int(args.max_message_mb * 2**20)).start()
+    print(f"replayd {server.instance} listening on {server.address}", flush=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+    print("replayd stopped; shared memory unlinked", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="replayd", description="Experience-replay server for RL.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="run the gRPC replay server")
+    serve_parser.add_argument("--host", default="127.0.0.1",
+                              help="bind address (default 127.0.0.1; use 0.0.0.0 to accept remote actors)")
+    serve_parser.add_argument("--port", type=int, default=50051)
+    serve_parser.add_argument("--instance", default=None,
+                              help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
+    serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
+                              help="largest gRPC message either way (gRPC's default is 4 MB)")
+    serve_parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

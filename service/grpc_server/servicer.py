@@ -1,0 +1,174 @@
+"""The gRPC servicer: decodes requests, calls the buffers, maps errors to status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+
+from service import errors
+from service.buffers.episodic import EpisodicBuffer
+from service.grpc_server import convert
+from service.registry import BufferRegistry
+from service.wire import codec
+from service.wire import replay_pb2 as pb
+from service.wire import replay_pb2_grpc as pb_grpc
+
+log = logging.getLogger("replayd")
+
+STATUS = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def _status_of(exc: Exception) -> grpc.StatusCode:
+    for kind, code in STATUS.items():
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def rpc(method: Callable) -> Callable:
+    """Turns replayd errors into gRPC statuses; anything else is INTERNAL and logged with its trace."""
+
+    @functools.wraps(method)
+    def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
+        try:
+            return method(self, request, context)
+        except (errors.ReplayError, codec.CodecError) as exc:
+            self.counters_rejected(method.__name__, exc)
+            context.abort(_status_of(exc), str(exc))
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+def stream_rpc(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
+        try:
+            yield from method(self, request, context)
+        except (errors.ReplayError, codec.CodecError) as exc:
+            self.counters_rejected(method.__name__, exc)
+            context.abort(_status_of(exc), str(exc))
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+def _wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
+    if not request.wait:
+        return None
+    remaining = context.time_remaining()
+    if remaining is None:
+        raise errors.InvalidArgument("sample: wait=true needs a call deadline (timeout)")
+    return max(0.0, remaining)
+
+
+class ReplayServicer(pb_grpc.ReplayServicer):
+    def __init__(self, registry: BufferRegistry, max_message_bytes: int) -> None:
+        self.registry = registry
+        self.max_message_bytes = max_message_bytes
+        self.rejected: dict[str, int] = {}
+
+    def counters_rejected(self, method: str, exc: Exception) -> None:
+        self.rejected[method] = self.rejected.get(method, 0) + 1
+        log.info("%s rejected: %s", method, exc)
+
+    # ---------------------------------------------------------------- buffers
+    @rpc
+    def CreateBuffer(self, request: pb.CreateBufferRequest, context) -> pb.BufferInfo:
+        kind = request.WhichOneof("kind")
+        if kind != "episodic":
+            raise errors.InvalidArgument(f"create: kind must be episodic or rollout, got {kind}")
+        self.registry.reserve_check(request.name)
+        config = request.episodic
+        if config.sampler.WhichOneof("kind") not in (None, "uniform"):
+            raise errors.InvalidArgument(f"create: sampler {config.sampler.WhichOneof('kind')} is not available")
+        buffer = EpisodicBuffer(
+            request.name,
+            self.registry.instance,
+            convert.fields_from_proto(config.fields),
+            config.capacity_steps,
+            reward_field=config.reward_field or "reward",
+        )
+        self.registry.add(buffer)
+        log.info(
+            "created buffer %r: %d steps x %d bytes/step = %.1f MiB of shared memory (%s)",
+            buffer.name, buffer.capacity, buffer.row_bytes, buffer.storage.nbytes / 2**20, buffer.storage.header_name,
+        )
+        return convert.buffer_info(buffer)
+
+    @rpc
+    def DeleteBuffer(self, request: pb.DeleteBufferRequest, context) -> pb.DeleteBufferResponse:
+        self.registry.delete(request.name)
+        return pb.DeleteBufferResponse()
+
+    @rpc
+    def ListBuffers(self, request: pb.ListBuffersRequest, context) -> pb.ListBuffersResponse:
+        return pb.ListBuffersResponse(buffers=[convert.buffer_info(b) for b in self.registry.all()])
+
+    @rpc
+    def DescribeBuffer(self, request: pb.DescribeBufferRequest, context) -> pb.BufferInfo:
+        return convert.buffer_info(self.registry.get(request.name))
+
+    # ---------------------------------------------------------------- episodic
+    @rpc
+    def Insert(self, request_iterator: Iterator[pb.InsertRequest], context) -> pb.InsertResponse:
+        requests = spans = rows = completed = 0
+        for request in request_iterator:
+            buffer = self.registry.get(request.buffer)
+            try:
+                columns = codec.decode(request.steps)
+                spans_of_request = convert.spans_from_request(request)
+                completed += buffer.insert(columns, spans_of_request)
+            except (errors.ReplayError, codec.CodecError) as exc:
+                if requests:
+                    exc.args = (f"{exc.args[0]} (request {requests} of the stream; the {requests} before it "
+                                "were stored)",)
+                raise
+            requests += 1
+            spans += len(spans_of_request.rows)
+            rows += int(spans_of_request.rows.sum())
+        return pb.InsertResponse(requests=requests, spans=spans, rows=rows, episodes_completed=completed)
+
+    def _sample_payload(self, buffer: EpisodicBuffer, request: pb.SampleRequest, rng: np.random.Generator | None,
+                        wait_seconds: float | None) -> bytes:
+        mode = convert.mode_from_request(request)
+        batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds)
+        payload = codec.encode(batch)
+        if payload.size > self.max_message_bytes:
+            raise errors.ResourceExhausted(
+                f"sample: the batch encodes to {payload.size} bytes, over the server's max_message_bytes="
+                f"{self.max_message_bytes}; lower batch_size or raise --max-message-mb"
+            )
+        return payload.to_pybytes()
+
+    @rpc
+    def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
+        buffer = self.registry.get(request.buffer)
+        rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
+        return pb.SampleResponse(batch=self._sample_payload(buffer, request, rng, _wait_seconds(request, context)))
+
+    @stream_rpc
+    def SampleStream(self, request: pb.SampleStreamRequest, context) -> Iterator[pb.SampleResponse]:
+        inner = request.request
+        buffer = self.registry.get(inner.buffer)
+        # One generator for the whole stream: seeded streams are reproducible batch after batch.
+        rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
+        sent = 0
+        while context.is_active() and (request.num_batches == 0 or sent < request.num_batches):
+            yield pb.SampleResponse(batch=self._sample_payload(buffer, inner, rng, _wait_seconds(inner, context)))
+            sent += 1

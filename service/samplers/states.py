@@ -1,0 +1,17 @@
+"""Uniform states: the observation fields of sampled steps (e.g. ALLO's orthogonality batches)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from service.samplers.draw import Draw
+
+if TYPE_CHECKING:
+    from service.buffers.episodic import EpisodicBuffer
+
+
+class StatesMode:
+    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {f.name: ring.columns[f.name].take(draw.rows, axis=0) for f in ring.observation_fields}

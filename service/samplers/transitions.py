@@ -1,0 +1,75 @@
+"""Transitions with n-step returns, bounded by each episode's precomputed final row."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from service.errors import InvalidArgument
+from service.samplers.draw import Draw
+
+if TYPE_CHECKING:
+    from service.buffers.episodic import EpisodicBuffer
+
+MAX_N_STEP = 1000
+
+
+class TransitionsMode:
+    """obs, step fields, next_obs, 1-step terminated/truncated, and n-step targets.
+
+    n_eff = min(n, steps left to the episode's bound). `n_step_return` = sum_{k<n_eff} gamma^k r_{t+k};
+    `bootstrap_discount` = gamma^n_eff, or 0 when the episode terminated at t + n_eff (truncation keeps
+    bootstrapping); `bootstrap_<obs>` = the observation at t + n_eff (the same array as next_<obs>
+    when n = 1, sent once on the wire).
+    """
+
+    def __init__(self, n_step: int = 1, gamma: float = 0.99) -> None:
+        if not 1 <= n_step <= MAX_N_STEP:
+            raise InvalidArgument(f"transitions.n_step must be in 1..{MAX_N_STEP}, got {n_step}")
+        if not 0.0 <= gamma <= 1.0:
+            raise InvalidArgument(f"transitions.gamma must be in [0, 1], got {gamma}")
+        self.n_step = int(n_step)
+        self.gamma = float(gamma)
+
+    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        positions, rows, bounds = draw.positions, draw.rows, draw.bounds
+        capacity, columns = ring.capacity, ring.columns
+        next_rows = rows + 1
+        next_rows[next_rows == capacity] = 0
+        batch = {f.name: columns[f.name].take(rows, axis=0) for f in ring.observation_fields}
+        batch.update({f.name: columns[f.name].take(rows, axis=0) for f in ring.step_fields})
+        batch.update({f"next_{f.name}": columns[f.name].take(next_rows, axis=0) for f in ring.observation_fields})
+
+        steps_left = bounds - positions
+        n_eff = np.minimum(self.n_step, steps_left) if self.n_step > 1 else 1
+        # Only windows that reach a closed episode's final row can see a termination.
+        at_end = (steps_left == n_eff) & draw.closed
+        episode_terminated = np.zeros(len(rows), dtype=bool)
+        if np.count_nonzero(at_end):
+            episode_terminated[at_end] = ring.terminated_at(rows[at_end])
+        last_step = steps_left == 1
+        batch["terminated"] = episode_terminated & last_step
+        batch["truncated"] = at_end & last_step & ~episode_terminated
+
+        if ring.reward_field is None:
+            if self.n_step > 1:
+                raise InvalidArgument("transitions.n_step > 1 needs a reward field; the buffer has none")
+            return batch
+        reward = ring.columns[ring.reward_field]
+        if self.n_step == 1:
+            batch["n_step_return"] = batch[ring.reward_field].astype(np.float32, copy=False)
+            for f in ring.observation_fields:
+                batch[f"bootstrap_{f.name}"] = batch[f"next_{f.name}"]
+        else:
+            n_step_return = np.zeros(len(rows), dtype=np.float64)
+            for k in range(self.n_step):
+                step_reward = reward.take((rows + k) % capacity)
+                n_step_return += np.where(k < n_eff, step_reward, 0.0) * self.gamma**k
+            batch["n_step_return"] = n_step_return.astype(np.float32)
+            bootstrap_rows = (rows + n_eff) % capacity
+            for f in ring.observation_fields:
+                batch[f"bootstrap_{f.name}"] = columns[f.name].take(bootstrap_rows, axis=0)
+        discount = np.power(np.float32(self.gamma), n_eff, dtype=np.float32)
+        batch["bootstrap_discount"] = np.where(at_end & episode_terminated, np.float32(0.0), discount)
+        return batch

@@ -1,0 +1,86 @@
+"""Field declarations of a buffer and validation of incoming columns against them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import InvalidArgument
+from service.wire.codec import ALLOWED_DTYPES
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# Column names the samplers add to batches; a stored field may not shadow them.
+RESERVED_NAMES = frozenset(
+    ["terminated", "truncated", "n_step_return", "bootstrap_discount", "offset", "key", "episode_id",
+     "probability", "weight", "advantage", "return"]
+)
+RESERVED_PREFIXES = ("next_", "future_", "bootstrap_")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One stored column: `shape` excludes the row axis. Observation fields have a row per state."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+    observation: bool = False
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
+
+
+def check_buffer_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidArgument(f"buffer name {name!r} must match {_NAME.pattern}")
+    return name
+
+
+def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NAMES) -> tuple[Field, ...]:
+    fields = tuple(fields)
+    if not fields:
+        raise InvalidArgument("schema: at least one field is required")
+    seen = set()
+    for field in fields:
+        if not _NAME.match(field.name):
+            raise InvalidArgument(f"field name {field.name!r} must match {_NAME.pattern}")
+        if field.name in reserved or field.name.startswith(RESERVED_PREFIXES):
+            raise InvalidArgument(f"field name {field.name!r} is reserved for sampled columns")
+        if field.name in seen:
+            raise InvalidArgument(f"field {field.name!r} declared twice")
+        seen.add(field.name)
+        if field.dtype not in ALLOWED_DTYPES:
+            raise InvalidArgument(f"field {field.name!r}: dtype {field.dtype!r} not in {sorted(ALLOWED_DTYPES)}")
+        if any(int(d) <= 0 for d in field.shape):
+            raise InvalidArgument(f"field {field.name!r}: shape {field.shape} must have positive dimensions")
+    return fields
+
+
+def check_columns(fields: tuple[Field, ...], columns: Mapping[str, np.ndarray], what: str) -> int:
+    """Checks that `columns` holds exactly the declared fields with equal row counts; returns the row count."""
+    declared = {field.name for field in fields}
+    extra = sorted(set(columns) - declared)
+    if extra:
+        raise InvalidArgument(f"{what}: unknown field(s) {extra}; the buffer declares {sorted(declared)}")
+    rows = None
+    for field in fields:
+        if field.name not in columns:
+            raise InvalidArgument(f"{what}: field {field.name!r} is missing")
+        column = columns[field.name]
+        if column.dtype != np.dtype(field.dtype):
+            raise InvalidArgument(
+                f"{what}: field {field.name!r} expected dtype {field.dtype}, got {column.dtype.name}"
+            )
+        if tuple(column.shape[1:]) != tuple(field.shape):
+            raise InvalidArgument(
+                f"{what}: field {field.name!r} expected row shape {tuple(field.shape)}, got {tuple(column.shape[1:])}"
+            )
+        if rows is None:
+            rows = len(column)
+        elif len(column) != rows:
+            raise InvalidArgument(f"{what}: field {field.name!r} has {len(column)} rows, other fields have {rows}")
+    return int(rows or 0)

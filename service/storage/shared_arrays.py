@@ -1,0 +1,142 @@
+"""Named numpy arrays laid out in POSIX shared memory.
+
+A buffer's arrays live in one data segment at 64-byte aligned offsets; a small header segment holds a
+JSON description (names, dtypes, shapes, offsets, a layout version, and the owner's metadata), so
+another process can attach by the header's name alone.
+"""
+
+from __future__ import annotations
+
+import _posixshmem  # the POSIX calls behind shared_memory; used to unlink without the resource tracker
+import json
+import re
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import numpy as np
+
+LAYOUT_VERSION = 1
+MAGIC = "replayd-shm"
+_ALIGN = 64
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
+
+
+def _untracked(segment: shared_memory.SharedMemory) -> shared_memory.SharedMemory:
+    # Python's resource tracker unlinks segments when the creating process exits; lifetime is ours to
+    # manage (crash recovery reattaches, readers must never unlink), so opt out.
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    return segment
+
+
+def segment_exists(name: str) -> bool:
+    try:
+        segment = _untracked(shared_memory.SharedMemory(name=name, create=False))
+    except FileNotFoundError:
+        return False
+    segment.close()
+    return True
+
+
+class SharedArrays:
+    """A set of numpy arrays over one shared-memory segment, described by a header segment."""
+
+    def __init__(
+        self,
+        header_name: str,
+        header: shared_memory.SharedMemory,
+        data: shared_memory.SharedMemory,
+        layout: dict[str, Any],
+        owner: bool,
+        readonly: bool,
+    ) -> None:
+        self.header_name = header_name
+        self._header = header
+        self._data = data
+        self.owner = owner
+        self.meta: dict[str, Any] = layout["meta"]
+        self.arrays: dict[str, np.ndarray] = {}
+        for entry in layout["arrays"]:
+            dtype = np.dtype(entry["dtype"])
+            shape = tuple(entry["shape"])
+            array = np.ndarray(shape, dtype=dtype, buffer=data.buf, offset=entry["offset"])
+            if readonly:
+                array.flags.writeable = False
+            self.arrays[entry["name"]] = array
+        self.nbytes = int(layout["data_bytes"])
+
+    @classmethod
+    def create(cls, header_name: str, specs: list[ArraySpec], meta: dict[str, Any]) -> SharedArrays:
+        """Creates both segments (zero-filled). Fails with FileExistsError if the name is taken."""
+        if not _NAME_OK.match(header_name):
+            raise ValueError(f"shared-memory name {header_name!r} must match {_NAME_OK.pattern}")
+        entries, offset = [], 0
+        for spec in specs:
+            offset = (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+            entries.append({"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape), "offset": offset})
+            offset += spec.nbytes
+        data_name = header_name + ".data"
+        layout = {
+            "magic": MAGIC,
+            "layout_version": LAYOUT_VERSION,
+            "data_segment": data_name,
+            "data_bytes": offset,
+            "arrays": entries,
+            "meta": meta,
+        }
+        encoded = json.dumps(layout).encode()
+        data = _untracked(shared_memory.SharedMemory(name=data_name, create=True, size=max(offset, 1)))
+        try:
+            header = _untracked(shared_memory.SharedMemory(name=header_name, create=True, size=len(encoded)))
+        except BaseException:
+            data.close()
+            data.unlink()
+            raise
+        header.buf[: len(encoded)] = encoded
+        return cls(header_name, header, data, layout, owner=True, readonly=False)
+
+    @classmethod
+    def attach(cls, header_name: str, readonly: bool = True) -> SharedArrays:
+        """Maps an existing buffer's arrays by its header segment name."""
+        header = _untracked(shared_memory.SharedMemory(name=header_name, create=False))
+        try:
+            layout = json.loads(bytes(header.buf).rstrip(b"\0"))
+            if layout.get("magic") != MAGIC or layout.get("layout_version") != LAYOUT_VERSION:
+                raise ValueError(
+                    f"segment {header_name!r} has layout {layout.get('magic')}/{layout.get('layout_version')},"
+                    f" expected {MAGIC}/{LAYOUT_VERSION}"
+                )
+            data = _untracked(shared_memory.SharedMemory(name=layout["data_segment"], create=False))
+        except BaseException:
+            header.close()
+            raise
+        return cls(header_name, header, data, layout, owner=False, readonly=readonly)
+
+    def close(self) -> None:
+        """Unmaps the segments. Arrays handed out earlier must not be used afterwards."""
+        self.arrays.clear()
+        for segment in (self._data, self._header):
+            try:
+                segment.close()
+            except BufferError:
+                # A numpy view still references the mapping; the OS unmaps it when that view dies.
+                pass
+
+    def unlink(self) -> None:
+        """Removes both segment names from the system (the memory goes once every mapping is closed)."""
+        for segment in (self._data, self._header):
+            try:
+                _posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]
+            except FileNotFoundError:
+                pass

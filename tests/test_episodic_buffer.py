@@ -1,0 +1,301 @@
+"""The episodic buffer against a plain reference written here with loops: episode bounds, n-step targets,
+eviction and wrap-around, chunked (open) episodes, and all-or-nothing inserts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.samplers.geometric import GeometricMode
+from service.samplers.states import StatesMode
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+
+FIELDS = [
+    Field("obs", "float32", (3,), observation=True),
+    Field("t", "int64", (), observation=True),
+    Field("action", "int64"),
+    Field("reward", "float32"),
+]
+
+
+@dataclass
+class RefEpisode:
+    episode_id: int
+    obs: np.ndarray  # (rows landed, 3)
+    reward: np.ndarray  # (rows landed,) reward[t] of step t; the final row's is padding
+    action: np.ndarray
+    complete: bool = False
+    terminated: bool = False
+    rows: list = field(default_factory=list)
+
+
+def make_rows(rng: np.random.Generator, start_t: int, count: int) -> dict[str, np.ndarray]:
+    return {
+        "obs": rng.normal(size=(count, 3)).astype(np.float32),
+        "t": np.arange(start_t, start_t + count, dtype=np.int64),
+        "action": rng.integers(0, 5, count),
+        "reward": rng.normal(size=count).astype(np.float32),
+    }
+
+
+def new_buffer(capacity: int) -> EpisodicBuffer:
+    return EpisodicBuffer("ref", f"test{os.getpid()}", FIELDS, capacity)
+
+
+def expected_item(episode: RefEpisode, t: int, n: int, gamma: float) -> dict:
+    bound = len(episode.obs) - 1  # the last landed row; the final observation once complete
+    assert t < bound, "sampled a step without a successor"
+    n_eff = min(n, bound - t)
+    n_step_return = 0.0
+    for k in range(n_eff):
+        n_step_return += gamma**k * float(episode.reward[t + k])
+    at_final = episode.complete and t + n_eff == bound
+    discount = 0.0 if at_final and episode.terminated else gamma**n_eff
+    last_step = episode.complete and t + 1 == bound
+    return {
+        "obs": episode.obs[t],
+        "action": episode.action[t],
+        "reward": episode.reward[t],
+        "next_obs": episode.obs[t + 1],
+        "terminated": last_step and episode.terminated,
+        "truncated": last_step and not episode.terminated,
+        "n_step_return": n_step_return,
+        "bootstrap_discount": discount,
+        "bootstrap_obs": episode.obs[t + n_eff],
+    }
+
+
+def check_transitions(buffer: EpisodicBuffer, episodes: dict[int, RefEpisode], n: int, gamma: float,
+                      rng: np.random.Generator) -> set[int]:
+    batch = buffer.sample(128, TransitionsMode(n, gamma), rng, include_keys=True)
+    seen = set()
+    for i in range(128):
+        episode = episodes[int(batch["episode_id"][i])]
+        t = int(batch["t"][i])
+        want = expected_item(episode, t, n, gamma)
+        np.testing.assert_array_equal(batch["obs"][i], want["obs"])
+        np.testing.assert_array_equal(batch["next_obs"][i], want["next_obs"])
+        np.testing.assert_array_equal(batch["bootstrap_obs"][i], want["bootstrap_obs"])
+        assert batch["action"][i] == want["action"]
+        assert batch["reward"][i] == want["reward"]
+        assert bool(batch["terminated"][i]) == want["terminated"], (t, len(episode.obs))
+        assert bool(batch["truncated"][i]) == want["truncated"]
+        assert batch["n_step_return"][i] == pytest.approx(want["n_step_return"], rel=1e-5, abs=1e-5)
+        assert batch["bootstrap_discount"][i] == pytest.approx(want["bootstrap_discount"], rel=1e-6)
+        seen.add(episode.episode_id)
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_episodes_with_wraparound_and_eviction_match_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    capacity = 211
+    buffer = new_buffer(capacity)
+    episodes: dict[int, RefEpisode] = {}
+    order: list[int] = []
+    next_id = 1
+    try:
+        for _ in range(60):
+            count = int(rng.integers(1, 5))
+            lengths = rng.integers(1, 40, count)
+            terminated = rng.random(count) < 0.5
+            parts = [make_rows(rng, 0, int(length) + 1) for length in lengths]
+            ids = np.arange(next_id, next_id + count, dtype=np.uint64)
+            next_id += count
+            columns = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+            buffer.insert(columns, Spans.whole_episodes(lengths, ids, terminated))
+            for episode_id, part, term in zip(ids, parts, terminated, strict=True):
+                episodes[int(episode_id)] = RefEpisode(int(episode_id), part["obs"], part["reward"], part["action"],
+                                                       complete=True, terminated=bool(term))
+                order.append(int(episode_id))
+            # FIFO of whole episodes: the newest episodes whose rows fit in the ring are alive.
+            alive, rows = [], 0
+            for episode_id in reversed(order):
+                rows += len(episodes[episode_id].obs)
+                if rows > capacity:
+                    break
+                alive.append(episode_id)
+            assert buffer.episodes == len(alive)
+            assert buffer.sampleable_steps == sum(len(episodes[e].obs) - 1 for e in alive)
+            n = int(rng.integers(1, 6))
+            seen = check_transitions(buffer, episodes, n, float(rng.uniform(0.5, 1.0)), rng)
+            assert seen <= set(alive), "sampled an evicted episode"
+    finally:
+        buffer.close()
+
+
+def test_chunked_episodes_interleaved_match_reference() -> None:
+    """Several actors stream chunks of long episodes while others insert whole episodes: open episodes
+    outgrow their room and move, steps become sampleable once their successor lands."""
+    rng = np.random.default_rng(7)
+    buffer = new_buffer(500)
+    episodes: dict[int, RefEpisode] = {}
+    open_ids: list[int] = []
+    next_id = 1000
+    try:
+        for step in range(300):
+            if open_ids and rng.random() < 0.7:
+                episode_id = int(rng.choice(open_ids))
+                episode = episodes[episode_id]
+                chunk = int(rng.integers(1, 12))
+                ends = rng.random() < 0.15 or len(episode.obs) + chunk > 120
+                part = make_rows(rng, len(episode.obs), chunk)
+                terminated = bool(rng.random() < 0.5)
+                spans = Spans(np.array([episode_id], np.uint64), np.array([chunk]), np.array([False]),
+                              np.array([ends]), np.array([terminated]))
+                buffer.insert(part, spans)
+                episode.obs = np.concatenate([episode.obs, part["obs"]])
+                episode.reward = np.concatenate([episode.reward, part["reward"]])
+                episode.action = np.concatenate([episode.action, part["action"]])
+                if ends:
+                    episode.complete, episode.terminated = True, terminated
+                    open_ids.remove(episode_id)
+            elif len(open_ids) < 4 and rng.random() < 0.5:
+                next_id += 1
+                chunk = int(rng.integers(1, 10))
+                part = make_rows(rng, 0, chunk)
+                spans = Spans(np.array([next_id], np.uint64), np.array([chunk]), np.array([True]),
+                              np.array([False]), np.array([False]))
+                buffer.insert(part, spans)
+                episodes[next_id] = RefEpisode(next_id, part["obs"], part["reward"], part["action"])
+                open_ids.append(next_id)
+            else:
+                next_id += 1
+                length = int(rng.integers(1, 30))
+                part = make_rows(rng, 0, length + 1)
+                terminated = bool(rng.random() < 0.5)
+                buffer.insert(part, Spans.whole_episodes(np.array([length]), np.array([next_id]), np.array([terminated])))
+                episodes[next_id] = RefEpisode(next_id, part["obs"], part["reward"], part["action"], True, terminated)
+            # Evicted open episodes are gone for good: their writers get FAILED_PRECONDITION.
+            open_ids = [e for e in open_ids if e in buffer._open]
+            if buffer.sampleable_steps:
+                check_transitions(buffer, episodes, int(rng.integers(1, 5)), 0.9, rng)
+        assert buffer.counters["evicted_episodes"] > 0
+        assert buffer.counters["moved_open_episodes"] > 0
+        assert buffer.counters["evicted_open_episodes"] > 0
+    finally:
+        buffer.close()
+
+
+def test_open_episode_steps_become_sampleable_when_successor_lands() -> None:
+    rng = np.random.default_rng(1)
+    buffer = new_buffer(100)
+    try:
+        part = make_rows(rng, 0, 1)
+        buffer.insert(part, Spans(np.array([5], np.uint64), np.array([1]), np.array([True]), np.array([False]),
+                                  np.array([False])))
+        assert buffer.sampleable_steps == 0
+        with pytest.raises(FailedPrecondition, match="no sampleable steps"):
+            buffer.sample(4, StatesMode(), rng)
+        buffer.insert(make_rows(rng, 1, 1), Spans(np.array([5], np.uint64), np.array([1]), np.array([False]),
+                                                   np.array([False]), np.array([False])))
+        assert buffer.sampleable_steps == 1
+        batch = buffer.sample(16, TransitionsMode(3, 0.5), rng)
+        assert set(batch["t"]) == {0}
+        assert not batch["terminated"].any() and not batch["truncated"].any()
+        np.testing.assert_allclose(batch["bootstrap_discount"], 0.5)  # open: bootstraps from the last landed row
+    finally:
+        buffer.close()
+
+
+def snapshot(buffer: EpisodicBuffer) -> dict[str, bytes]:
+    return {name: array.tobytes() for name, array in buffer.storage.arrays.items()}
+
+
+def test_rejected_inserts_leave_buffer_byte_identical() -> None:
+    rng = np.random.default_rng(2)
+    buffer = new_buffer(64)
+    try:
+        good = make_rows(rng, 0, 11)
+        buffer.insert(good, Spans.whole_episodes(np.array([10]), np.array([1]), np.array([True])))
+        open_part = make_rows(rng, 0, 3)
+        buffer.insert(open_part, Spans(np.array([2], np.uint64), np.array([3]), np.array([True]),
+                                       np.array([False]), np.array([False])))
+        before, counters = snapshot(buffer), buffer.counters.copy()
+        bad_cases = [
+            ({**good, "obs": good["obs"].astype(np.float64)}, Spans.whole_episodes(np.array([10]), [3], [True]),
+             InvalidArgument, "'obs' expected dtype float32, got float64"),
+            ({**good, "obs": np.zeros((11, 4), np.float32)}, Spans.whole_episodes(np.array([10]), [3], [True]),
+             InvalidArgument, r"'obs' expected row shape \(3,\), got \(4,\)"),
+            ({k: v for k, v in good.items() if k != "reward"}, Spans.whole_episodes(np.array([10]), [3], [True]),
+             InvalidArgument, "'reward' is missing"),
+            (make_rows(rng, 0, 70), Spans.whole_episodes(np.array([69]), [3], [True]),
+             InvalidArgument, "more than capacity_steps=64"),
+            (good, Spans.whole_episodes(np.array([9]), [3], [True]), InvalidArgument, "span_rows sum to 10"),
+            # a valid whole episode followed by a chunk of an episode that is not open: nothing may land
+            (make_rows(rng, 0, 12), Spans(np.array([4, 99], np.uint64), np.array([11, 1]), np.array([True, False]),
+                                          np.array([True, False]), np.array([True, False])),
+             FailedPrecondition, "continues episode 99, which is not open"),
+            (make_rows(rng, 0, 2), Spans(np.array([2], np.uint64), np.array([2]), np.array([True]),
+                                         np.array([False]), np.array([False])),
+             InvalidArgument, "begins episode 2, which is already open"),
+            # 40 + 40 rows in one request would overwrite its own first episode in a 64-row ring
+            (make_rows(rng, 0, 80), Spans.whole_episodes(np.array([39, 39]), [7, 8], [True, True]),
+             ResourceExhausted, "split it"),
+        ]
+        for columns, spans, error, message in bad_cases:
+            with pytest.raises(error, match=message):
+                buffer.insert(columns, spans)
+            assert snapshot(buffer) == before
+            assert buffer.counters == counters
+    finally:
+        buffer.close()
+
+
+def _chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("discount", [0.2, 0.9, 0.99])
+def test_geometric_offsets_follow_truncated_geometric_law(discount: float) -> None:
+    """Through the buffer: for each sample, M = steps from its start to the episode's final observation;
+    offsets must follow P(d) = g^(d-1) (1-g) / (1-g^M) on 1..M. Randomized PIT values are U(0,1) exactly."""
+    rng = np.random.default_rng(3)
+    buffer = new_buffer(4000)
+    try:
+        lengths = rng.integers(1, 60, 60)
+        parts = [make_rows(rng, 0, int(n) + 1) for n in lengths]
+        columns = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        buffer.insert(columns, Spans.whole_episodes(lengths, np.arange(60), np.ones(60, bool)))
+        length_of = dict(enumerate(lengths))
+        pit = []
+        for _ in range(40):
+            batch = buffer.sample(1000, GeometricMode(discount), rng, include_keys=True)
+            horizon = np.array([length_of[int(e)] for e in batch["episode_id"]]) - batch["t"]
+            d = batch["offset"]
+            assert (d >= 1).all() and (d <= horizon).all()
+            np.testing.assert_array_equal(batch["future_t"], batch["t"] + d)
+            cdf = lambda k, m: (1 - discount**k) / (1 - discount**m)  # noqa: E731
+            pit.append(cdf(d - 1, horizon) + rng.random(len(d)) * (cdf(d, horizon) - cdf(d - 1, horizon)))
+        pit = np.concatenate(pit)
+        counts = np.histogram(pit, bins=20, range=(0, 1))[0]
+        expected = len(pit) / 20
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < _chi_square_critical(19), chi2
+    finally:
+        buffer.close()
+
+
+def test_uniform_sampler_is_uniform_over_sampleable_steps() -> None:
+    rng = np.random.default_rng(4)
+    buffer = new_buffer(300)
+    try:
+        lengths = np.array([1, 2, 5, 10, 30])
+        parts = [make_rows(rng, 0, int(n) + 1) for n in lengths]
+        columns = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        buffer.insert(columns, Spans.whole_episodes(lengths, np.arange(5), np.ones(5, bool)))
+        keys = np.concatenate([buffer.sample(1000, StatesMode(), rng, include_keys=True)["key"] for _ in range(60)])
+        values, counts = np.unique(keys, return_counts=True)
+        assert len(values) == lengths.sum()  # every step, never a final observation
+        expected = len(keys) / lengths.sum()
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < _chi_square_critical(len(values) - 1), chi2
+    finally:
+        buffer.close()

@@ -1,0 +1,31 @@
+import os
+
+import numpy as np
+import pytest
+
+from service.storage.shared_arrays import ArraySpec, SharedArrays, segment_exists
+
+
+def test_create_attach_unlink() -> None:
+    name = f"rpd_test_{os.getpid()}_arrays"
+    owner = SharedArrays.create(name, [ArraySpec("a", "float32", (10, 3)), ArraySpec("b", "int64", (7,))], {"k": 1})
+    try:
+        owner.arrays["a"][:] = 1.5
+        owner.arrays["b"][:] = np.arange(7)
+        reader = SharedArrays.attach(name)
+        assert reader.meta == {"k": 1}
+        np.testing.assert_array_equal(reader.arrays["a"], np.full((10, 3), 1.5, np.float32))
+        np.testing.assert_array_equal(reader.arrays["b"], np.arange(7))
+        assert not reader.arrays["a"].flags.writeable
+        owner.arrays["b"][3] = 42  # the reader sees the writer's memory, not a copy
+        assert reader.arrays["b"][3] == 42
+        for array in owner.arrays.values():
+            assert array.ctypes.data % 64 == 0
+        reader.close()
+        with pytest.raises(FileExistsError):
+            SharedArrays.create(name, [ArraySpec("a", "float32", (1,))], {})
+    finally:
+        owner.close()
+        owner.unlink()
+    assert not segment_exists(name)
+    assert not segment_exists(name + ".data")
