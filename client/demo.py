@@ -32,7 +32,8 @@ def free_port() -> int:
 
 
 def start_server(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "WARNING"])
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
+    return subprocess.Popen(command)
 
 
 def scripted_actor(address: str, buffer: str, seed: int, deadline: float) -> None:

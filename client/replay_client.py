@@ -178,6 +178,68 @@ class ReplayClient:
             self._observation_fields[buffer] = tuple(n for n, (_, _, obs) in fields.items() if obs)
         return self._observation_fields[buffer]
 
+    def create_rollout_buffer(self, name: str, num_steps: int, num_envs: int, schema: Schema,
+                              gamma: float = 0.99, gae_lambda: float = 0.95) -> dict[str, Any]:
+        """Creates a PPO rollout buffer of (num_steps, num_envs) cells. `schema` maps field -> (dtype, cell
+        shape); reward, value, terminated, truncated and final_value are added when not listed."""
+        fields = [pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape)) for n, (dtype, shape) in
+                  schema.items()]
+        config = pb.RolloutConfig(fields=fields, num_steps=num_steps, num_envs=num_envs, gamma=gamma,
+                                  gae_lambda=gae_lambda)
+        return _info_to_dict(
+            self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, rollout=config), timeout=self.timeout)
+        )
+
+    # ---------------------------------------------------------------- rollouts (PPO)
+    def push_rollout(self, buffer: str, policy_version: int, env_start: int, step_start: int,
+                     bootstrap_value: np.ndarray | None = None, **columns: np.ndarray) -> dict[str, Any]:
+        """Writes an actor's (steps, envs) part of the rollout in place. Every column is shaped
+        (steps, envs, *cell); `bootstrap_value` (envs,) = V(s_T) is required when the part reaches the
+        rollout's last step. A push for an older policy version fails with FAILED_PRECONDITION."""
+        shapes = {array.shape[:2] for array in columns.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"push_rollout: every column needs the same (steps, envs), got {sorted(shapes)}")
+        steps, envs = shapes.pop()
+        flat = {name: np.ascontiguousarray(a).reshape(steps * envs, *a.shape[2:]) for name, a in columns.items()}
+        request = pb.PushRolloutRequest(buffer=buffer, policy_version=policy_version, env_start=env_start,
+                                        step_start=step_start, steps=codec.encode(flat).to_pybytes(), num_envs=envs)
+        if bootstrap_value is not None:
+            request.bootstrap = codec.encode({"value": np.asarray(bootstrap_value, dtype=np.float32)}).to_pybytes()
+        response = self._stub.PushRollout(request, timeout=self.timeout)
+        return {"missing_steps": response.missing_steps, "rollout_complete": response.rollout_complete}
+
+    def rollout_minibatches(self, buffer: str, minibatch_size: int, epochs: int = 1, normalize_advantages: bool = True,
+                            drop_last: bool = False, seed: int | None = None,
+                            timeout: float | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Shuffled minibatches (with `advantage` and `return`) of the complete rollout, `epochs` times."""
+        request = pb.RolloutMinibatchesRequest(buffer=buffer, minibatch_size=minibatch_size, epochs=epochs,
+                                               normalize_advantages=normalize_advantages, drop_last=drop_last)
+        if seed is not None:
+            request.seed = seed
+        call = self._stub.RolloutMinibatches(request, timeout=timeout or self.timeout)
+        try:
+            for response in call:
+                yield codec.decode(response.batch)
+        finally:
+            call.cancel()
+
+    def finish_rollout(self, buffer: str, next_version: int) -> dict[str, Any]:
+        """Starts the next rollout under `next_version`; pushes for older versions are rejected from now on."""
+        request = pb.FinishRolloutRequest(buffer=buffer, next_version=next_version)
+        return _info_to_dict(self._stub.FinishRollout(request, timeout=self.timeout))
+
+    # ---------------------------------------------------------------- weights
+    def publish_weights(self, name: str, version: int, safetensors: bytes) -> bool:
+        """Publishes a safetensors blob; False when the server already has this or a newer version."""
+        request = pb.PublishWeightsRequest(name=name, version=version, safetensors=safetensors)
+        return self._stub.PublishWeights(request, timeout=self.timeout).accepted
+
+    def fetch_weights(self, name: str, newer_than: int = 0) -> tuple[int, bytes] | None:
+        """(version, safetensors bytes) when the server holds a version newer than `newer_than`, else None."""
+        request = pb.FetchWeightsRequest(name=name, newer_than=newer_than)
+        response = self._idempotent(self._stub.FetchWeights, request, None)
+        return (response.version, response.safetensors) if response.version else None
+
     # ---------------------------------------------------------------- inserting
     def insert(self, requests: Iterable[pb.InsertRequest], timeout: float | None = None) -> pb.InsertResponse:
         """Streams insert requests; each is stored all-or-nothing, the response acknowledges them all."""

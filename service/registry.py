@@ -5,21 +5,24 @@ from __future__ import annotations
 import threading
 
 from service.buffers.episodic import EpisodicBuffer
-from service.errors import FailedPrecondition, NotFound
+from service.buffers.rollout import RolloutBuffer
+from service.errors import FailedPrecondition, InvalidArgument, NotFound
+
+Buffer = EpisodicBuffer | RolloutBuffer
 
 
 class BufferRegistry:
     def __init__(self, instance: str) -> None:
         self.instance = instance
-        self._buffers: dict[str, EpisodicBuffer] = {}
+        self._buffers: dict[str, Buffer] = {}
         self._lock = threading.Lock()
 
-    def add(self, buffer: EpisodicBuffer) -> None:
+    def add(self, name: str, buffer: Buffer) -> None:
         with self._lock:
-            if buffer.name in self._buffers:
-                buffer.close()
-                raise FailedPrecondition(f"buffer {buffer.name!r} already exists")
-            self._buffers[buffer.name] = buffer
+            if name in self._buffers:
+                buffer.close(unlink=True)
+                raise FailedPrecondition(f"buffer {name!r} already exists")
+            self._buffers[name] = buffer
 
     def reserve_check(self, name: str) -> None:
         """Fails fast before allocating shared memory for a name that is taken."""
@@ -27,11 +30,23 @@ class BufferRegistry:
             if name in self._buffers:
                 raise FailedPrecondition(f"buffer {name!r} already exists")
 
-    def get(self, name: str) -> EpisodicBuffer:
+    def get(self, name: str) -> Buffer:
         try:
             return self._buffers[name]
         except KeyError:
             raise NotFound(f"buffer {name!r} does not exist (have: {sorted(self._buffers)})") from None
+
+    def episodic(self, name: str) -> EpisodicBuffer:
+        buffer = self.get(name)
+        if not isinstance(buffer, EpisodicBuffer):
+            raise InvalidArgument(f"buffer {name!r} is a rollout buffer; this call needs an episodic one")
+        return buffer
+
+    def rollout(self, name: str) -> RolloutBuffer:
+        buffer = self.get(name)
+        if not isinstance(buffer, RolloutBuffer):
+            raise InvalidArgument(f"buffer {name!r} is an episodic buffer; this call needs a rollout one")
+        return buffer
 
     def delete(self, name: str) -> None:
         with self._lock:
@@ -40,9 +55,9 @@ class BufferRegistry:
             raise NotFound(f"buffer {name!r} does not exist")
         buffer.close(unlink=True)
 
-    def all(self) -> list[EpisodicBuffer]:
+    def all(self) -> list[tuple[str, Buffer]]:
         with self._lock:
-            return list(self._buffers.values())
+            return list(self._buffers.items())
 
     def close(self) -> None:
         """Unlinks every buffer's shared memory (clean shutdown)."""

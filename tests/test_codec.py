@@ -53,7 +53,7 @@ def test_foreign_arrow_without_metadata_is_rejected() -> None:
 
 
 def test_unsupported_dtype_names_the_field() -> None:
-    with pytest.raises(codec.CodecError, match="'name'.*not supported"):
+    with pytest.raises(codec.CodecError, match=r"'name'.*not supported"):
         codec.encode({"name": np.array(["a", "b"])})
 
 

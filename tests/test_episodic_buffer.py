@@ -139,7 +139,7 @@ def test_chunked_episodes_interleaved_match_reference() -> None:
     open_ids: list[int] = []
     next_id = 1000
     try:
-        for step in range(300):
+        for _ in range(300):
             if open_ids and rng.random() < 0.7:
                 episode_id = int(rng.choice(open_ids))
                 episode = episodes[episode_id]

@@ -398,9 +398,11 @@ class RolloutBuffer:
                 "counters": dict(self.counters),
             }
 
-    def close(self) -> None:
+    def close(self, unlink: bool = True) -> None:
         self.columns.clear()
         self.shared.close()
+        if unlink:
+            self.shared.unlink()
 
     def unlink(self) -> None:
         self.shared.unlink()

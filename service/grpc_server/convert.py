@@ -7,6 +7,7 @@ import socket
 import numpy as np
 
 from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.errors import InvalidArgument
 from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
@@ -24,6 +25,17 @@ def fields_from_proto(specs) -> tuple[Field, ...]:
 
 def fields_to_proto(fields: tuple[Field, ...]) -> list[pb.FieldSpec]:
     return [pb.FieldSpec(name=f.name, dtype=f.dtype, shape=list(f.shape), observation=f.observation) for f in fields]
+
+
+def rollout_config_from_proto(config: pb.RolloutConfig) -> RolloutConfig:
+    fields = tuple(RolloutField(s.name, s.dtype, tuple(int(d) for d in s.shape)) for s in config.fields)
+    return RolloutConfig(
+        fields,
+        int(config.num_steps),
+        int(config.num_envs),
+        gamma=config.gamma if config.HasField("gamma") else 0.99,
+        gae_lambda=config.gae_lambda if config.HasField("gae_lambda") else 0.95,
+    )
 
 
 def mode_from_request(request: pb.SampleRequest) -> BatchMode:
@@ -49,7 +61,34 @@ def spans_from_request(request: pb.InsertRequest) -> Spans:
     )
 
 
-def buffer_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
+def buffer_info(name: str, buffer: EpisodicBuffer | RolloutBuffer) -> pb.BufferInfo:
+    if isinstance(buffer, RolloutBuffer):
+        return rollout_info(name, buffer)
+    return episodic_info(buffer)
+
+
+def rollout_info(name: str, buffer: RolloutBuffer) -> pb.BufferInfo:
+    info = buffer.info()
+    config = buffer.config
+    return pb.BufferInfo(
+        name=name,
+        kind="rollout",
+        rollout=pb.RolloutConfig(
+            fields=[pb.FieldSpec(name=f.name, dtype=f.dtype, shape=list(f.shape)) for f in config.columns],
+            num_steps=config.num_steps, num_envs=config.num_envs, gamma=config.gamma, gae_lambda=config.gae_lambda,
+        ),
+        bytes=info["bytes"],
+        shm_name=info["shm_name"],
+        host=HOST,
+        stored_steps=config.num_steps * config.num_envs - info["missing_steps"],
+        counters={k: float(v) for k, v in info["counters"].items()},
+        policy_version=info["policy_version"],
+        missing_steps=info["missing_steps"],
+        rollout_complete=info["rollout_complete"],
+    )
+
+
+def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
     info = buffer.info()
     config = pb.EpisodicConfig(
         fields=fields_to_proto(buffer.fields),

@@ -10,9 +10,12 @@ import grpc
 import numpy as np
 
 from service import errors
-from service.buffers.episodic import EpisodicBuffer
+from service.buffers.episodic import EpisodicBuffer, shm_name
+from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
 from service.registry import BufferRegistry
+from service.schema import check_buffer_name
+from service.weights import WeightStore
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
@@ -80,6 +83,7 @@ def _wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> f
 class ReplayServicer(pb_grpc.ReplayServicer):
     def __init__(self, registry: BufferRegistry, max_message_bytes: int) -> None:
         self.registry = registry
+        self.weights = WeightStore()
         self.max_message_bytes = max_message_bytes
         self.rejected: dict[str, int] = {}
 
@@ -91,9 +95,17 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @rpc
     def CreateBuffer(self, request: pb.CreateBufferRequest, context) -> pb.BufferInfo:
         kind = request.WhichOneof("kind")
-        if kind != "episodic":
+        if kind not in ("episodic", "rollout"):
             raise errors.InvalidArgument(f"create: kind must be episodic or rollout, got {kind}")
         self.registry.reserve_check(request.name)
+        if kind == "rollout":
+            check_buffer_name(request.name)
+            rollout = RolloutBuffer.create(shm_name(self.registry.instance, request.name),
+                                           convert.rollout_config_from_proto(request.rollout))
+            self.registry.add(request.name, rollout)
+            log.info("created rollout buffer %r: %.1f MiB of shared memory", request.name,
+                     rollout.shared.nbytes / 2**20)
+            return convert.buffer_info(request.name, rollout)
         config = request.episodic
         if config.sampler.WhichOneof("kind") not in (None, "uniform"):
             raise errors.InvalidArgument(f"create: sampler {config.sampler.WhichOneof('kind')} is not available")
@@ -104,12 +116,12 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             config.capacity_steps,
             reward_field=config.reward_field or "reward",
         )
-        self.registry.add(buffer)
+        self.registry.add(buffer.name, buffer)
         log.info(
             "created buffer %r: %d steps x %d bytes/step = %.1f MiB of shared memory (%s)",
             buffer.name, buffer.capacity, buffer.row_bytes, buffer.storage.nbytes / 2**20, buffer.storage.header_name,
         )
-        return convert.buffer_info(buffer)
+        return convert.buffer_info(buffer.name, buffer)
 
     @rpc
     def DeleteBuffer(self, request: pb.DeleteBufferRequest, context) -> pb.DeleteBufferResponse:
@@ -118,18 +130,18 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @rpc
     def ListBuffers(self, request: pb.ListBuffersRequest, context) -> pb.ListBuffersResponse:
-        return pb.ListBuffersResponse(buffers=[convert.buffer_info(b) for b in self.registry.all()])
+        return pb.ListBuffersResponse(buffers=[convert.buffer_info(n, b) for n, b in self.registry.all()])
 
     @rpc
     def DescribeBuffer(self, request: pb.DescribeBufferRequest, context) -> pb.BufferInfo:
-        return convert.buffer_info(self.registry.get(request.name))
+        return convert.buffer_info(request.name, self.registry.get(request.name))
 
     # ---------------------------------------------------------------- episodic
     @rpc
     def Insert(self, request_iterator: Iterator[pb.InsertRequest], context) -> pb.InsertResponse:
         requests = spans = rows = completed = 0
         for request in request_iterator:
-            buffer = self.registry.get(request.buffer)
+            buffer = self.registry.episodic(request.buffer)
             try:
                 columns = codec.decode(request.steps)
                 spans_of_request = convert.spans_from_request(request)
@@ -158,17 +170,69 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
-        buffer = self.registry.get(request.buffer)
+        buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
         return pb.SampleResponse(batch=self._sample_payload(buffer, request, rng, _wait_seconds(request, context)))
 
     @stream_rpc
     def SampleStream(self, request: pb.SampleStreamRequest, context) -> Iterator[pb.SampleResponse]:
         inner = request.request
-        buffer = self.registry.get(inner.buffer)
+        buffer = self.registry.episodic(inner.buffer)
         # One generator for the whole stream: seeded streams are reproducible batch after batch.
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
         sent = 0
         while context.is_active() and (request.num_batches == 0 or sent < request.num_batches):
             yield pb.SampleResponse(batch=self._sample_payload(buffer, inner, rng, _wait_seconds(inner, context)))
             sent += 1
+
+    # ---------------------------------------------------------------- rollout
+    @rpc
+    def PushRollout(self, request: pb.PushRolloutRequest, context) -> pb.PushRolloutResponse:
+        buffer = self.registry.rollout(request.buffer)
+        columns = codec.decode(request.steps)
+        rows = len(next(iter(columns.values()))) if columns else 0
+        envs = request.num_envs
+        if envs < 1 or rows % envs:
+            raise errors.InvalidArgument(f"push_rollout: num_envs={envs} must be >= 1 and divide the {rows} rows")
+        steps = rows // envs
+        cells = {name: array.reshape(steps, envs, *array.shape[1:]) for name, array in columns.items()}
+        bootstrap = None
+        if request.bootstrap:
+            bootstrap_columns = codec.decode(request.bootstrap)
+            if set(bootstrap_columns) != {"value"}:
+                raise errors.InvalidArgument(
+                    f"push_rollout: bootstrap must hold exactly one column 'value', got {sorted(bootstrap_columns)}"
+                )
+            bootstrap = bootstrap_columns["value"]
+        result = buffer.push(request.policy_version, request.env_start, request.step_start, cells, bootstrap)
+        return pb.PushRolloutResponse(missing_steps=result["missing_steps"],
+                                      rollout_complete=result["rollout_complete"])
+
+    @stream_rpc
+    def RolloutMinibatches(self, request: pb.RolloutMinibatchesRequest, context) -> Iterator[pb.SampleResponse]:
+        buffer = self.registry.rollout(request.buffer)
+        minibatches = buffer.minibatches(
+            request.minibatch_size, request.epochs or 1, request.normalize_advantages, request.drop_last,
+            request.seed if request.HasField("seed") else None,
+        )
+        for batch in minibatches:
+            if not context.is_active():
+                return
+            yield pb.SampleResponse(batch=codec.encode(batch).to_pybytes())
+
+    @rpc
+    def FinishRollout(self, request: pb.FinishRolloutRequest, context) -> pb.BufferInfo:
+        buffer = self.registry.rollout(request.buffer)
+        buffer.finish_rollout(request.next_version)
+        return convert.buffer_info(request.buffer, buffer)
+
+    # ---------------------------------------------------------------- weights
+    @rpc
+    def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:
+        accepted, version = self.weights.publish(request.name, request.version, request.safetensors)
+        return pb.PublishWeightsResponse(accepted=accepted, version=version)
+
+    @rpc
+    def FetchWeights(self, request: pb.FetchWeightsRequest, context) -> pb.FetchWeightsResponse:
+        version, payload = self.weights.fetch(request.name, request.newer_than)
+        return pb.FetchWeightsResponse(version=version, safetensors=payload)

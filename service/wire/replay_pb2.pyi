@@ -272,20 +272,22 @@ class UpdatePrioritiesResponse(_message.Message):
     def __init__(self, applied: _Optional[int] = ..., ignored_stale: _Optional[int] = ...) -> None: ...
 
 class PushRolloutRequest(_message.Message):
-    __slots__ = ("buffer", "policy_version", "env_start", "step_start", "steps", "bootstrap")
+    __slots__ = ("buffer", "policy_version", "env_start", "step_start", "steps", "num_envs", "bootstrap")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENV_START_FIELD_NUMBER: _ClassVar[int]
     STEP_START_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     policy_version: int
     env_start: int
     step_start: int
     steps: bytes
+    num_envs: int
     bootstrap: bytes
-    def __init__(self, buffer: _Optional[str] = ..., policy_version: _Optional[int] = ..., env_start: _Optional[int] = ..., step_start: _Optional[int] = ..., steps: _Optional[bytes] = ..., bootstrap: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, buffer: _Optional[str] = ..., policy_version: _Optional[int] = ..., env_start: _Optional[int] = ..., step_start: _Optional[int] = ..., steps: _Optional[bytes] = ..., num_envs: _Optional[int] = ..., bootstrap: _Optional[bytes] = ...) -> None: ...
 
 class PushRolloutResponse(_message.Message):
     __slots__ = ("missing_steps", "rollout_complete")
