@@ -1,7 +1,12 @@
-"""Shared fixtures: an in-process server on a free port, and a check that no shared memory leaks."""
+"""Shared fixtures: an in-process server on a free port, and a check that no shared memory leaks.
+
+Every segment a test creates is named rpd_test<pid>..., so the leak check ignores other processes
+(a benchmark or a second test run) working on the same machine.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -10,9 +15,12 @@ import pytest
 from client import ReplayClient
 from service.grpc_server.server import ReplayServer
 
+TEST_INSTANCE = f"test{os.getpid()}"
+_servers = itertools.count()
+
 
 def _segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("rpd_")}
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"rpd_{TEST_INSTANCE}")}
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +35,8 @@ def no_leaked_segments() -> Iterator[None]:
 
 @pytest.fixture
 def server() -> Iterator[ReplayServer]:
-    replay_server = ReplayServer("127.0.0.1:0", max_message_bytes=64 * 2**20).start()
+    instance = f"{TEST_INSTANCE}s{next(_servers)}"
+    replay_server = ReplayServer("127.0.0.1:0", instance=instance, max_message_bytes=64 * 2**20).start()
     yield replay_server
     replay_server.stop(grace=0)
 

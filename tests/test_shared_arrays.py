@@ -7,7 +7,7 @@ from service.storage.shared_arrays import ArraySpec, SharedArrays, segment_exist
 
 
 def test_create_attach_unlink() -> None:
-    name = f"rpd_test_{os.getpid()}_arrays"
+    name = f"rpd_test{os.getpid()}_arrays"
     owner = SharedArrays.create(name, [ArraySpec("a", "float32", (10, 3)), ArraySpec("b", "int64", (7,))], {"k": 1})
     try:
         owner.arrays["a"][:] = 1.5
