@@ -1,8 +1,8 @@
-"""`make demo`: a replay server, two scripted CartPole actors and a sampling learner on one machine.
+"""`make demo`: the whole system on one machine: a replay server, 2 DQN actors and a learner on
+CartPole-v1, until the greedy policy's mean return over 20 episodes reaches 475 or the budget runs out.
 
-The actors step gymnasium's CartPole-v1 with a random policy and stream episodes through EpisodeWriter;
-the learner pulls n-step transition batches from a sample stream. Everything runs as separate
-processes talking gRPC on loopback, and the server unlinks its shared memory on exit.
+Every part is its own process talking gRPC on loopback, as it would across machines. The run folder
+gets a learning curve (PNG) and a JSON summary; the server unlinks its shared memory on exit.
 """
 
 from __future__ import annotations
@@ -10,19 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import numpy as np
+import torch
 from tqdm import tqdm
 
-from client import EpisodeWriter, ReplayClient
-
-SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+from client.actor import DQNActorConfig, run_dqn_actor
+from client.learner import DQNLearnerConfig, Progress, learn_dqn
+from client.replay_client import ReplayClient
 
 
 def free_port() -> int:
@@ -31,80 +29,62 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
+def start_server(port: int, instance: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
+               "--log-level", "WARNING"]
     return subprocess.Popen(command)
 
 
-def scripted_actor(address: str, buffer: str, seed: int, deadline: float) -> None:
-    import gymnasium as gym
-
-    env = gym.make("CartPole-v1")
-    rng = np.random.default_rng(seed)
-    with ReplayClient(address) as client:
-        writer = EpisodeWriter(client, buffer, batch_rows=2048)
-        obs, _ = env.reset(seed=seed)
-        while time.monotonic() < deadline:
-            action = int(rng.integers(2))
-            next_obs, reward, terminated, truncated, _ = env.step(action)
-            writer.append(obs=obs, action=action, reward=reward)
-            obs = next_obs
-            if terminated or truncated:
-                writer.end_episode(terminated=terminated, obs=obs)
-                obs, _ = env.reset()
-        writer.flush()
-
-
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="how long the actors run")
+    parser.add_argument("--seconds", type=float, default=300.0, help="time budget of the learner")
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--run-dir", default="runs/demo")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--eval-every", type=int, default=1_000, help="learner steps between evaluations")
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)
 
     port = free_port()
     address = f"127.0.0.1:{port}"
-    server = start_server(port)
+    server = start_server(port, instance=f"demo{port}")
+    context = mp.get_context("spawn")
+    actors = [context.Process(target=run_dqn_actor, args=(DQNActorConfig(address, seed=i, seconds=args.seconds + 60),),
+                              daemon=True) for i in range(args.actors)]
     try:
-        client = ReplayClient(address)
-        client.wait_ready(timeout=30)
-        client.create_buffer("cartpole", 100_000, SCHEMA)
-        deadline = time.monotonic() + args.seconds
-        actors = [mp.get_context("spawn").Process(target=scripted_actor, args=(address, "cartpole", i, deadline))
-                  for i in range(args.actors)]
         for actor in actors:
             actor.start()
-        batches = 0
-        with tqdm(total=int(args.seconds), unit="s", desc="learner") as progress:
-            stream = client.sample_stream("cartpole", 256, n_step=3, gamma=0.99, wait=True, timeout=args.seconds + 30)
-            started = time.monotonic()
-            for batch in stream:
-                batches += 1
-                if batches % 200 == 0:
-                    info = client.describe("cartpole")
-                    progress.n = min(int(time.monotonic() - started), int(args.seconds))
-                    progress.set_postfix(stored=info["stored_steps"], episodes=info["episodes"],
-                                         batches_per_s=f"{batches / (time.monotonic() - started):.0f}",
-                                         mean_return=f"{batch['n_step_return'].mean():.2f}")
-                if time.monotonic() > deadline:
-                    stream.close()
-                    break
-        for actor in actors:
-            actor.join()
-        info = client.describe("cartpole")
-        summary = {"stored_steps": info["stored_steps"], "episodes": info["episodes"],
-                   "inserted_episodes": info["counters"].get("inserted_episodes", 0), "learner_batches": batches}
-        run_dir = Path(args.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(json.dumps(summary))
-        print(f"wrote {run_dir / 'summary.json'}")
-        client.close()
+        monitor = ReplayClient(address)
+        with tqdm(total=475, desc="greedy return", unit="") as bar:
+            last_inserted, last_sampled, last_time = 0.0, 0.0, time.monotonic()
+
+            def report(progress: Progress) -> None:
+                nonlocal last_inserted, last_sampled, last_time
+                counters = monitor.describe("cartpole")["counters"]
+                now = time.monotonic()
+                inserted, sampled = counters.get("inserted_rows", 0.0), counters.get("sampled_items", 0.0)
+                bar.n = int(min(progress.eval_return or 0.0, 475))
+                bar.set_postfix(env_steps=progress.env_steps, learner_steps_per_s=f"{progress.steps_per_second:.0f}",
+                                insert_per_s=f"{(inserted - last_inserted) / (now - last_time):.0f}",
+                                sample_per_s=f"{(sampled - last_sampled) / (now - last_time):.0f}",
+                                eval_return=f"{progress.eval_return:.1f}")
+                bar.refresh()
+                last_inserted, last_sampled, last_time = inserted, sampled, now
+
+            summary = learn_dqn(DQNLearnerConfig(address, run_dir=args.run_dir, device=args.device,
+                                                 seconds=args.seconds, eval_every=args.eval_every), report)
+        monitor.close()
     finally:
+        for actor in actors:
+            actor.terminate()
+            actor.join(timeout=10)
         server.terminate()
         server.wait(timeout=30)
+    brief = {k: summary[k] for k in ("solved", "final_eval_return", "seconds", "env_steps", "learner_steps")}
+    print(json.dumps(brief))
+    print(f"run folder: {args.run_dir} (learning_curve.png, summary.json)")
+    return summary
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

@@ -18,13 +18,15 @@ class EpisodeWriter:
     pending (or `flush()`); an open episode is sent as a chunk every `chunk_rows` rows.
     """
 
-    def __init__(self, client: ReplayClient, buffer: str, chunk_rows: int = 1000, batch_rows: int = 4096) -> None:
+    def __init__(self, client: ReplayClient, buffer: str, chunk_rows: int = 1000, batch_rows: int = 4096,
+                 auto_flush: bool = True) -> None:
         if chunk_rows < 2:
             raise ValueError(f"chunk_rows must be >= 2, got {chunk_rows}")
         self.client = client
         self.buffer = buffer
         self.chunk_rows = chunk_rows
         self.batch_rows = batch_rows
+        self.auto_flush = auto_flush  # False: the caller flushes (e.g. to retry while a server restarts)
         fields = client.describe(buffer)["fields"]
         self.observation_fields = {name for name, (_, _, observation) in fields.items() if observation}
         self.dtypes = {name: np.dtype(dtype) for name, (dtype, _, _) in fields.items()}
@@ -43,7 +45,9 @@ class EpisodeWriter:
                                    if n not in self.observation_fields}
         if len(self._steps) >= self.chunk_rows:
             self._pending.append(self._chunk(ends=False, terminated=False))
-            self.flush()
+            self._pending_rows += self.chunk_rows
+            if self.auto_flush:
+                self.flush()
 
     def end_episode(self, terminated: bool, **final_observation: Any) -> None:
         """Closes the episode with its final observation (the state after the last step)."""
@@ -59,7 +63,7 @@ class EpisodeWriter:
         self._episode_id = new_episode_id()
         self._rows_sent = 0
         self.episodes_written += 1
-        if self._pending_rows >= self.batch_rows:
+        if self.auto_flush and self._pending_rows >= self.batch_rows:
             self.flush()
 
     def _chunk(self, ends: bool, terminated: bool) -> Span:
@@ -71,6 +75,10 @@ class EpisodeWriter:
         self._rows_sent += len(self._steps)
         self._steps = []
         return span
+
+    @property
+    def pending_rows(self) -> int:
+        return self._pending_rows
 
     def flush(self) -> None:
         """Sends every pending span in one request (completed episodes and chunks, in order)."""

@@ -148,8 +148,18 @@ class ReplayClient:
         schema: Schema,
         observation_fields: Sequence[str] = ("obs",),
         reward_field: str = "reward",
+        sampler: str = "uniform",
+        alpha: float = 0.6,
+        remover: str = "fifo",
+        max_times_sampled: int = 0,
+        rate_limiter: Mapping[str, float] | None = None,
     ) -> dict[str, Any]:
-        """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape)."""
+        """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape).
+
+        sampler: "uniform" or "prioritized" (P(i) ~ p_i^alpha). remover: "fifo" or "max_times_sampled"
+        (a step is retired after `max_times_sampled` draws). rate_limiter: dict of min_size_to_sample,
+        samples_per_insert, error_buffer (Reverb's SampleToInsertRatio).
+        """
         unknown = set(observation_fields) - set(schema)
         if unknown:
             raise ValueError(f"observation_fields {sorted(unknown)} are not in the schema {sorted(schema)}")
@@ -157,10 +167,29 @@ class ReplayClient:
             pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape), observation=n in observation_fields)
             for n, (dtype, shape) in schema.items()
         ]
-        config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field)
+        config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field,
+                                   **self._components(sampler, alpha, remover, max_times_sampled, rate_limiter))
         info = self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config), timeout=self.timeout)
         self._observation_fields[name] = tuple(observation_fields)
         return _info_to_dict(info)
+
+    @staticmethod
+    def _components(sampler: str, alpha: float, remover: str, max_times_sampled: int,
+                    rate_limiter: Mapping[str, float] | None) -> dict[str, Any]:
+        if sampler not in ("uniform", "prioritized"):
+            raise ValueError(f"sampler must be uniform or prioritized, got {sampler!r}")
+        if remover not in ("fifo", "max_times_sampled"):
+            raise ValueError(f"remover must be fifo or max_times_sampled, got {remover!r}")
+        components: dict[str, Any] = {
+            "sampler": pb.SamplerConfig(prioritized=pb.PrioritizedSampler(alpha=alpha)) if sampler == "prioritized"
+            else pb.SamplerConfig(uniform=pb.UniformSampler()),
+            "remover": pb.RemoverConfig(
+                max_times_sampled=pb.MaxTimesSampledRemover(max_times_sampled=max_times_sampled))
+            if remover == "max_times_sampled" else pb.RemoverConfig(fifo=pb.FifoRemover()),
+        }
+        if rate_limiter is not None:
+            components["rate_limiter"] = pb.RateLimiterConfig(**rate_limiter)
+        return components
 
     def delete_buffer(self, name: str) -> None:
         self._stub.DeleteBuffer(pb.DeleteBufferRequest(name=name), timeout=self.timeout)
@@ -265,8 +294,10 @@ class ReplayClient:
     @staticmethod
     def sample_request(buffer: str, batch_size: int, mode: str = "transitions", n_step: int = 1,
                        gamma: float = 0.99, discount: float | None = None, seed: int | None = None,
-                       include_keys: bool = False, wait: bool = False) -> pb.SampleRequest:
-        request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, include_keys=include_keys, wait=wait)
+                       include_keys: bool = False, wait: bool = False,
+                       importance_beta: float = 0.0) -> pb.SampleRequest:
+        request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, include_keys=include_keys, wait=wait,
+                                   importance_beta=importance_beta)
         if seed is not None:
             request.seed = seed
         if mode == "transitions":
@@ -287,6 +318,14 @@ class ReplayClient:
         request = self.sample_request(buffer, batch_size, mode, **options)
         response = self._idempotent(self._stub.Sample, request, timeout)
         return codec.decode(response.batch)
+
+    def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
+                          priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
+        """Sets priorities of sampled keys (batch["key"]); returns (applied, ignored_stale)."""
+        request = pb.UpdatePrioritiesRequest(buffer=buffer, keys=np.asarray(keys, dtype=np.int64).tolist(),
+                                             priorities=np.asarray(priorities, dtype=np.float64).tolist())
+        response = self._stub.UpdatePriorities(request, timeout=timeout or self.timeout)
+        return response.applied, response.ignored_stale
 
     def sample_stream(self, buffer: str, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
                       timeout: float | None = None, **options: Any) -> Iterator[dict[str, np.ndarray]]:

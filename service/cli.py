@@ -34,10 +34,25 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
     serve_parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
+    # Actors and learners need the client extras (torch, gymnasium); they are imported only when asked for,
+    # so the server never imports torch.
+    commands.add_parser("actor", help="run an actor (python -m client.actor --help)", add_help=False)
+    commands.add_parser("learn", help="run a learner (python -m client.learner --help)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "actor":
+        from client.actor import main as actor_main
+
+        actor_main(rest)
+        return
+    if args.command == "learn":
+        from client.learner import main as learner_main
+
+        learner_main(rest)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command == "serve":
-        serve(args)
+    serve(args)
 
 
 if __name__ == "__main__":

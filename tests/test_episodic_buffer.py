@@ -170,7 +170,8 @@ def test_chunked_episodes_interleaved_match_reference() -> None:
                 length = int(rng.integers(1, 30))
                 part = make_rows(rng, 0, length + 1)
                 terminated = bool(rng.random() < 0.5)
-                buffer.insert(part, Spans.whole_episodes(np.array([length]), np.array([next_id]), np.array([terminated])))
+                spans = Spans.whole_episodes(np.array([length]), np.array([next_id]), np.array([terminated]))
+                buffer.insert(part, spans)
                 episodes[next_id] = RefEpisode(next_id, part["obs"], part["reward"], part["action"], True, terminated)
             # Evicted open episodes are gone for good: their writers get FAILED_PRECONDITION.
             open_ids = [e for e in open_ids if e in buffer._open]

@@ -29,8 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.limiters import RateLimiter
+from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers.draw import Draw
 from service.samplers.modes import BatchMode
+from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.uniform import UniformSampler
 from service.schema import Field, check_buffer_name, check_columns, check_fields
 from service.storage.shared_arrays import ArraySpec, SharedArrays
@@ -103,7 +106,9 @@ class EpisodicBuffer:
         fields: tuple[Field, ...] | list[Field],
         capacity_steps: int,
         reward_field: str = "reward",
-        sampler: UniformSampler | None = None,
+        sampler: UniformSampler | PrioritizedSampler | None = None,
+        remover: FifoRemover | MaxTimesSampledRemover | None = None,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.name = check_buffer_name(name)
         self.fields = check_fields(fields)
@@ -134,6 +139,11 @@ class EpisodicBuffer:
             ArraySpec("extent.flags", "uint8", (self.extent_slots,)),
             ArraySpec("state", "int64", (8,)),
         ]
+        # Sampler, remover and limiter are composed in; the first two keep per-row state next to the rows.
+        self.sampler = sampler or UniformSampler()
+        self.remover = remover or FifoRemover()
+        self.limiter = limiter
+        specs += self.sampler.array_specs(self.capacity) + self.remover.array_specs(self.capacity)
         meta = {
             "kind": self.kind,
             "name": self.name,
@@ -151,7 +161,8 @@ class EpisodicBuffer:
         self.row_end.fill(HOLE)
         self.row_seq.fill(-1)
         self.row_bytes = sum(f.row_bytes for f in self.fields)
-        self.sampler = sampler or UniformSampler()
+        self.sampler.bind(arrays)
+        self.remover.bind(arrays)
         self.lock = threading.Lock()
         self.inserted = threading.Condition(self.lock)  # wakes samplers waiting for data
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
@@ -201,14 +212,17 @@ class EpisodicBuffer:
         }
 
     # ------------------------------------------------------------------ insert
-    def insert(self, columns: Mapping[str, np.ndarray], spans: Spans) -> int:
+    def insert(self, columns: Mapping[str, np.ndarray], spans: Spans, timeout: float | None = None) -> int:
         """Appends spans all-or-nothing: every check runs before the first byte is written.
 
+        With a rate limiter, waits up to `timeout` seconds (None: no deadline) for it to admit the insert.
         Returns the number of episodes this insert completed.
         """
         rows = check_columns(self.fields, columns, "insert")
         self._check_spans(spans, rows)
         with self.lock:
+            if self.limiter is not None:
+                self.limiter.await_insert(self, timeout)
             ops = self._plan(spans)
             for op in ops:
                 self._apply(op, columns, spans)
@@ -217,6 +231,9 @@ class EpisodicBuffer:
             self.counters["inserted_spans"] += len(spans.rows)
             self.counters["inserted_episodes"] += completed
             self.counters["insert_requests"] += 1
+            if self.limiter is not None:
+                # Items: each row that got a successor; a span that begins an episode has one row fewer.
+                self.limiter.record_insert(rows - int(np.count_nonzero(spans.begins)))
             self.inserted.notify_all()
         return completed
 
@@ -378,7 +395,7 @@ class EpisodicBuffer:
         self.state[EPISODES] += len(rows)
         self.state[SAMPLEABLE] += int(rows.sum()) - len(rows)
         self.state[STORED] += int(rows.sum())
-        self.sampler.on_rows_written(self, head, head + int(rows.sum()))
+        self._rows_written(head, head + int(rows.sum()))
 
     def _write_extent_rows(self, op: _Op, columns: Mapping[str, np.ndarray], at: int, mark_from: int,
                            prev_sampleable: int) -> None:
@@ -407,7 +424,7 @@ class EpisodicBuffer:
             self.state[EPISODES] += 1
         else:
             self._open[extent.episode_id] = extent
-        self.sampler.on_rows_written(self, max(extent.start, mark_from - 1), extent.last + 1)
+        self._rows_written(max(extent.start, mark_from - 1), extent.last + 1)
 
     def _kill_extent(self, extent: _Extent) -> None:
         """Turns a moved-away extent into holes (its rows were copied to the head)."""
@@ -419,7 +436,7 @@ class EpisodicBuffer:
         self.state[SAMPLEABLE] -= landed - 1
         self.state[STORED] -= landed
         self._open.pop(extent.episode_id, None)
-        self.sampler.on_rows_cleared(self, extent.start, extent.last + 1)
+        self._rows_cleared(extent.start, extent.last + 1)
 
     def _evict_before(self, boundary: int) -> None:
         """Evicts, oldest first, every extent that starts before `boundary` (whole episodes only)."""
@@ -453,7 +470,15 @@ class EpisodicBuffer:
         self._set_ring(self.row_end, tail_pos, np.full(new_tail_pos - tail_pos, HOLE, dtype=np.int64))
         self._set_ring(self.row_seq, tail_pos, np.full(new_tail_pos - tail_pos, -1, dtype=np.int64))
         self.state[TAIL_SEQ] = new_tail_seq
-        self.sampler.on_rows_cleared(self, tail_pos, new_tail_pos)
+        self._rows_cleared(tail_pos, new_tail_pos)
+
+    def _rows_written(self, lo: int, hi: int) -> None:
+        self.remover.on_rows_written(self, lo, hi)  # first: the sampler reads which rows are retired
+        self.sampler.on_rows_written(self, lo, hi)
+
+    def _rows_cleared(self, lo: int, hi: int) -> None:
+        self.remover.on_rows_cleared(self, lo, hi)
+        self.sampler.on_rows_cleared(self, lo, hi)
 
     def _count_starts_before(self, first: int, live: int, boundary: int) -> int:
         # Extent starts increase with seq, so the ring of starts is two sorted runs.
@@ -501,6 +526,8 @@ class EpisodicBuffer:
         in_open = bounds == OPEN
         if np.count_nonzero(in_open):
             bounds[in_open] = self.extent_last.take(self.row_seq.take(rows[in_open]) % self.extent_slots)
+        if self.remover.retires:  # a retired step is no longer an item: samplers see a hole
+            bounds[self.remover.is_retired(rows)] = HOLE
         return rows, bounds, in_open
 
     def terminated_at(self, rows: np.ndarray) -> np.ndarray:
@@ -511,28 +538,35 @@ class EpisodicBuffer:
     def episode_ids_at(self, rows: np.ndarray) -> np.ndarray:
         return self.extent_episode_id.take(self.row_seq.take(rows) % self.extent_slots)
 
-    def draw(self, batch_size: int, rng: np.random.Generator) -> Draw:
-        """Draws sampleable positions with the configured sampler. Call with `lock` held."""
+    def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0) -> Draw:
+        """Draws sampleable positions with the configured sampler. Call with `lock` held.
+
+        `importance_beta` is the prioritized sampler's importance-weight exponent (others ignore it).
+        """
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
         if self.sampleable_steps == 0:
             raise FailedPrecondition(
                 f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"
             )
-        return self.sampler.draw(self, batch_size, rng)
+        return self.sampler.draw(self, batch_size, rng, importance_beta)
 
     def sample(self, batch_size: int, mode: BatchMode, rng: np.random.Generator | None = None,
-               include_keys: bool = False, wait_seconds: float | None = None) -> dict[str, np.ndarray]:
+               include_keys: bool = False, wait_seconds: float | None = None,
+               importance_beta: float = 0.0) -> dict[str, np.ndarray]:
         """One batch: indices from the sampler, columns from the mode, gathered under the lock.
 
-        With `wait_seconds`, an empty buffer is waited on (a condition, not a spin) for that long.
+        With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back) is waited on
+        (a condition, not a spin) for that long; without, it fails at once.
         """
         with self.lock:
-            if wait_seconds is not None and not self.inserted.wait_for(
+            if self.limiter is not None:
+                self.limiter.await_sample(self, batch_size, wait_seconds)
+            elif wait_seconds is not None and not self.inserted.wait_for(
                 lambda: self.sampleable_steps > 0, timeout=wait_seconds
             ):
                 raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
-            draw = self.draw(batch_size, rng or self.rng)
+            draw = self.draw(batch_size, rng or self.rng, importance_beta)
             batch = mode.build(self, draw, rng or self.rng)
             if include_keys:
                 batch["key"] = draw.positions
@@ -540,7 +574,22 @@ class EpisodicBuffer:
             batch.update(draw.extra)
             self.counters["sampled_batches"] += 1
             self.counters["sampled_items"] += batch_size
+            retired = self.remover.on_sampled(self, draw.positions)
+            if retired.size:
+                self.sampler.on_positions_cleared(self, retired)
+            if self.limiter is not None:
+                self.limiter.record_sample(batch_size)
+                self.inserted.notify_all()  # `inserted` also wakes inserts the limiter holds back
         return batch
+
+    def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
+        """(applied, ignored_stale): see PrioritizedSampler.update_priorities."""
+        if not isinstance(self.sampler, PrioritizedSampler):
+            raise FailedPrecondition(
+                f"update_priorities: buffer {self.name!r} uses the {self.sampler.name} sampler, not prioritized"
+            )
+        with self.lock:
+            return self.sampler.update_priorities(self, keys, priorities)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, unlink: bool = True) -> None:

@@ -9,10 +9,14 @@ import numpy as np
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.errors import InvalidArgument
+from service.limiters import RateLimiter
+from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
+from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.states import StatesMode
 from service.samplers.transitions import TransitionsMode
+from service.samplers.uniform import UniformSampler
 from service.schema import Field
 from service.wire import replay_pb2 as pb
 
@@ -88,13 +92,53 @@ def rollout_info(name: str, buffer: RolloutBuffer) -> pb.BufferInfo:
     )
 
 
+# ---- sampler, remover, rate limiter (prioritized replay) ----
+def components_from_config(
+    config: pb.EpisodicConfig,
+) -> tuple[UniformSampler | PrioritizedSampler, FifoRemover | MaxTimesSampledRemover, RateLimiter | None]:
+    sampler = (PrioritizedSampler(config.sampler.prioritized.alpha)
+               if config.sampler.WhichOneof("kind") == "prioritized" else UniformSampler())
+    remover = (MaxTimesSampledRemover(config.remover.max_times_sampled.max_times_sampled)
+               if config.remover.WhichOneof("kind") == "max_times_sampled" else FifoRemover())
+    limiter = None
+    if config.HasField("rate_limiter"):
+        limits = config.rate_limiter
+        limiter = RateLimiter(limits.min_size_to_sample, limits.samples_per_insert, limits.error_buffer)
+    return sampler, remover, limiter
+
+
+def components_to_proto(buffer: EpisodicBuffer) -> dict:
+    sampler = buffer.sampler
+    remover = buffer.remover
+    fields: dict = {
+        "sampler": pb.SamplerConfig(prioritized=pb.PrioritizedSampler(alpha=sampler.alpha))
+        if isinstance(sampler, PrioritizedSampler) else pb.SamplerConfig(uniform=pb.UniformSampler()),
+        "remover": pb.RemoverConfig(
+            max_times_sampled=pb.MaxTimesSampledRemover(max_times_sampled=remover.max_times_sampled))
+        if isinstance(remover, MaxTimesSampledRemover) else pb.RemoverConfig(fifo=pb.FifoRemover()),
+    }
+    if buffer.limiter is not None:
+        fields["rate_limiter"] = pb.RateLimiterConfig(**buffer.limiter.config())
+    return fields
+
+
+def components_counters(buffer: EpisodicBuffer) -> dict[str, float]:
+    counters = {f"remover.{k}": float(v) for k, v in buffer.remover.counters.items()}
+    if isinstance(buffer.sampler, PrioritizedSampler):
+        counters |= {f"prioritized.{k}": v for k, v in buffer.sampler.config().items()}
+    if buffer.limiter is not None:
+        counters |= {k: float(v) for k, v in buffer.limiter.counters().items()}
+    return counters
+# ---- end prioritized replay ----
+
+
 def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
     info = buffer.info()
     config = pb.EpisodicConfig(
         fields=fields_to_proto(buffer.fields),
         capacity_steps=buffer.capacity,
         reward_field=buffer.reward_field or "",
-        sampler=pb.SamplerConfig(uniform=pb.UniformSampler()),
+        **components_to_proto(buffer),
     )
     return pb.BufferInfo(
         name=info["name"],
@@ -106,5 +150,6 @@ def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
         stored_steps=info["stored_steps"],
         sampleable_steps=info["sampleable_steps"],
         episodes=info["episodes"],
-        counters={k: float(v) for k, v in info["counters"].items()} | {"open_episodes": info["open_episodes"]},
+        counters={k: float(v) for k, v in info["counters"].items()} | {"open_episodes": info["open_episodes"]}
+        | components_counters(buffer),
     )

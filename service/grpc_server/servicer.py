@@ -107,14 +107,16 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                      rollout.shared.nbytes / 2**20)
             return convert.buffer_info(request.name, rollout)
         config = request.episodic
-        if config.sampler.WhichOneof("kind") not in (None, "uniform"):
-            raise errors.InvalidArgument(f"create: sampler {config.sampler.WhichOneof('kind')} is not available")
+        sampler, remover, limiter = convert.components_from_config(config)
         buffer = EpisodicBuffer(
             request.name,
             self.registry.instance,
             convert.fields_from_proto(config.fields),
             config.capacity_steps,
             reward_field=config.reward_field or "reward",
+            sampler=sampler,
+            remover=remover,
+            limiter=limiter,
         )
         self.registry.add(buffer.name, buffer)
         log.info(
@@ -145,7 +147,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             try:
                 columns = codec.decode(request.steps)
                 spans_of_request = convert.spans_from_request(request)
-                completed += buffer.insert(columns, spans_of_request)
+                completed += buffer.insert(columns, spans_of_request, timeout=context.time_remaining())
             except (errors.ReplayError, codec.CodecError) as exc:
                 if requests:
                     exc.args = (f"{exc.args[0]} (request {requests} of the stream; the {requests} before it "
@@ -159,7 +161,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     def _sample_payload(self, buffer: EpisodicBuffer, request: pb.SampleRequest, rng: np.random.Generator | None,
                         wait_seconds: float | None) -> bytes:
         mode = convert.mode_from_request(request)
-        batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds)
+        batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds,
+                              importance_beta=request.importance_beta)
         payload = codec.encode(batch)
         if payload.size > self.max_message_bytes:
             raise errors.ResourceExhausted(
@@ -173,6 +176,13 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
         return pb.SampleResponse(batch=self._sample_payload(buffer, request, rng, _wait_seconds(request, context)))
+
+    @rpc
+    def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context) -> pb.UpdatePrioritiesResponse:
+        buffer = self.registry.episodic(request.buffer)
+        applied, ignored = buffer.update_priorities(np.array(request.keys, dtype=np.int64),
+                                                    np.array(request.priorities, dtype=np.float64))
+        return pb.UpdatePrioritiesResponse(applied=applied, ignored_stale=ignored)
 
     @stream_rpc
     def SampleStream(self, request: pb.SampleStreamRequest, context) -> Iterator[pb.SampleResponse]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.samplers.draw import Draw
+from service.storage.shared_arrays import ArraySpec
 
 if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
@@ -25,7 +26,15 @@ def _uniform_integers(rng: np.random.Generator, low: int, high: int, size: int) 
 class UniformSampler:
     name = "uniform"
 
-    def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator) -> Draw:
+    def array_specs(self, capacity: int) -> list[ArraySpec]:
+        return []  # no per-row state: validity comes from the ring's bounds
+
+    def bind(self, arrays: dict[str, np.ndarray]) -> None:
+        pass
+
+    def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
+             importance_beta: float = 0.0) -> Draw:
+        """Every weight would be 1, so `importance_beta` adds no column."""
         low, high = ring.tail_position(), ring.head
         if ring.sampleable_steps < _DENSE_ENOUGH * (high - low):
             candidates = np.arange(low, high, dtype=np.int64)
@@ -51,3 +60,6 @@ class UniformSampler:
 
     def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
         """Positions [lo, hi) no longer hold sampleable steps."""
+
+    def on_positions_cleared(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
+        """Scattered positions no longer hold sampleable steps (retired by a remover)."""

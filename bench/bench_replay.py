@@ -1,0 +1,405 @@
+"""Replay sampling and insert speed: in-process against bare numpy and seed 000, and over gRPC.
+
+    .venv/bin/python -m bench.bench_replay [--quick]      # JSON lines on stdout
+
+1. In-process `EpisodicBuffer.sample` (transitions n=1, n=3, geometric) per profile, median and p90 µs
+   per call, beside (a) the bare numpy gather of the same rows from precomputed random indices (fresh
+   each call; fancy indexing and np.take both timed, the faster one is the baseline), (b) seed 000's
+   per-sample loop and (c) its vectorized sampler, on the seed's own (episodes, max_len + 1) layout.
+   The rings are filled past wrap-around; `wrong_bound_fraction` counts samples whose episode bound is
+   wrong there (seed 000's vectorized terminal table is never cleared when a slot is reused).
+2. gRPC sampling over loopback from a server subprocess (separate GIL): one client, `sample_stream` and
+   unary `sample`; cartpole transitions/s, mujoco and atari MB/s (decoded batch nbytes, aliased arrays
+   once) against plain loopback TCP measured in the same run.
+3. gRPC insert: whole episodes, many spans per request, prebuilt, streamed with `client.insert`.
+
+Targets (in the case text): in-process within 2x of the bare gather and >= 4x faster than seed 000's
+vectorized sampler (cartpole); stream >= 500k transitions/s (cartpole), >= 700 MB/s (mujoco), >= 40% of
+TCP (atari); insert >= 1.2 GB/s (atari), >= 1.5M steps/s (cartpole).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.baselines.loopback_tcp import loopback_tcp_gbps
+from bench.baselines.seed000_sampler import SeedEpisodicReplayBuffer
+from client.replay_client import ReplayClient, Span, spans_request
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.samplers.geometric import GeometricMode
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+
+MB = 1e6
+DISCOUNT = 0.99
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    schema: dict  # field -> (dtype, shape); "obs" is the observation field
+    batch: int
+    capacity: int
+    quick_capacity: int
+    min_len: int
+    max_len: int
+    truncated_share: float  # episodes that run to max_len and are truncated (no terminal)
+
+
+PROFILES = [
+    Profile("cartpole", {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())},
+            256, 1_000_000, 200_000, 100, 200, 0.5),
+    Profile("mujoco", {"obs": ("float32", (376,)), "action": ("float32", (17,)), "reward": ("float32", ())},
+            256, 200_000, 50_000, 500, 1000, 0.7),
+    Profile("atari", {"obs": ("uint8", (84, 84, 4)), "action": ("int64", ()), "reward": ("float32", ())},
+            32, 20_000, 10_000, 1000, 2000, 0.2),
+]
+
+
+def record(case: str, metric: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0,
+           speedup: float = 0.0) -> dict:
+    return {"bench": "replay", "case": case, "metric": metric, "value": float(value), "unit": unit,
+            "baseline": baseline, "baseline_value": float(baseline_value), "speedup": float(speedup)}
+
+
+def time_calls(fn: Callable[[], object], calls: int, warmup: int = 20) -> tuple[float, float]:
+    """(median, p90) µs per call over `calls` individually timed calls."""
+    for _ in range(warmup):
+        fn()
+    times = np.empty(calls)
+    clock = time.perf_counter
+    for i in range(calls):
+        start = clock()
+        fn()
+        times[i] = clock() - start
+    return float(np.median(times)) * 1e6, float(np.percentile(times, 90)) * 1e6
+
+
+# ---------------------------------------------------------------------- episodes
+def episode_plan(profile: Profile, steps: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Episode lengths (steps, not rows) summing to about `steps`, and their terminated flags."""
+    count = int(steps / ((profile.min_len + profile.max_len) / 2)) + 1
+    truncated = rng.random(count) < profile.truncated_share
+    lengths = np.where(truncated, profile.max_len, rng.integers(profile.min_len, profile.max_len, count))
+    return lengths.astype(np.int64), ~truncated
+
+
+def row_pool(profile: Profile, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """max_len + 1 rows of every field; every episode's rows are a prefix (content does not matter)."""
+    rows = profile.max_len + 1
+    pool = {}
+    for name, (dtype, shape) in profile.schema.items():
+        if np.dtype(dtype).kind == "f":
+            pool[name] = rng.standard_normal((rows, *shape)).astype(dtype)
+        else:
+            pool[name] = rng.integers(0, 200, (rows, *shape)).astype(dtype)
+    return pool
+
+
+def episode_blocks(profile: Profile, lengths: np.ndarray, terminated: np.ndarray, pool: dict[str, np.ndarray],
+                   rows_per_block: int) -> list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
+    """Groups consecutive episodes into blocks of about `rows_per_block` rows: (columns, lengths, terminated)."""
+    blocks, i = [], 0
+    while i < len(lengths):
+        j, rows = i, 0
+        while j < len(lengths) and (j == i or rows + lengths[j] + 1 <= rows_per_block):
+            rows += lengths[j] + 1
+            j += 1
+        columns = {name: np.concatenate([pool[name][:n + 1] for n in lengths[i:j]]) for name in pool}
+        blocks.append((columns, lengths[i:j], terminated[i:j]))
+        i = j
+    return blocks
+
+
+# ---------------------------------------------------------------------- in-process
+def fill_ours(profile: Profile, capacity: int, rng: np.random.Generator) -> tuple[EpisodicBuffer, np.ndarray]:
+    """Our ring filled with 1.6x its capacity; returns it and the start position of every episode."""
+    fields = [Field(name, dtype, shape, observation=name == "obs") for name, (dtype, shape) in profile.schema.items()]
+    buffer = EpisodicBuffer(f"bench_{profile.name}", f"b{uuid.uuid4().hex[:8]}", fields, capacity)
+    pool = row_pool(profile, rng)
+    lengths, terminated = episode_plan(profile, int(capacity * 1.6), rng)
+    starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]])
+    blocks = episode_blocks(profile, lengths, terminated, pool, max(capacity // 8, profile.max_len + 1))
+    episode_id = 0
+    for columns, block_lengths, block_terminated in blocks:
+        ids = np.arange(episode_id, episode_id + len(block_lengths), dtype=np.uint64)
+        episode_id += len(block_lengths)
+        buffer.insert(columns, Spans.whole_episodes(block_lengths, ids, block_terminated))
+    return buffer, starts
+
+
+def fill_seed(profile: Profile, capacity: int, rng: np.random.Generator) -> SeedEpisodicReplayBuffer:
+    """The seed's buffer holding about as many steps, filled with 1.6x its episode slots."""
+    max_episodes = max(2, capacity // ((profile.min_len + profile.max_len) // 2))
+    seed = SeedEpisodicReplayBuffer(max_episodes, profile.max_len, profile.schema)
+    pool = row_pool(profile, rng)
+    lengths, terminated = episode_plan(profile, int(max_episodes * 1.6 * (profile.min_len + profile.max_len) / 2),
+                                       rng)
+    for length, term in zip(lengths, terminated, strict=True):
+        terminals = np.zeros(length + 1, dtype=np.float32)
+        if term:
+            terminals[length - 1] = 1.0  # the step that ended the episode
+        seed.add_episode({**{name: pool[name][:length + 1] for name in pool}, "terminals": terminals})
+    return seed
+
+
+def ours_wrong_bounds(buffer: EpisodicBuffer, starts: np.ndarray, batch: int, batches: int) -> tuple[int, int]:
+    """Samples whose bound differs from the true final position of their episode (the bench knows it)."""
+    rng = np.random.default_rng(1)
+    ends = np.concatenate([starts[1:], [buffer.head]]) - 1  # each episode's final observation
+    wrong = total = 0
+    with buffer.lock:
+        for _ in range(batches):
+            draw = buffer.draw(batch, rng)
+            true = ends[np.searchsorted(starts, draw.positions, side="right") - 1]
+            wrong += int(np.count_nonzero(draw.bounds != true))
+            total += batch
+    return wrong, total
+
+
+def bench_in_process(profile: Profile, quick: bool) -> list[dict]:
+    capacity = profile.quick_capacity if quick else profile.capacity
+    rng = np.random.default_rng(0)
+    calls = 300 if quick else 3000
+    loop_calls = 20 if quick else 150
+    batch = profile.batch
+    out = []
+    buffer, starts = fill_ours(profile, capacity, rng)
+    try:
+        obs, action, reward = (buffer.columns[n] for n in ("obs", "action", "reward"))
+        index_sets = [rng.integers(0, capacity - 1, batch) for _ in range(256)]
+        offset_sets = [np.minimum(idx + rng.geometric(1 - DISCOUNT, batch), capacity - 1) for idx in index_sets]
+        counter = [0]
+
+        def next_index() -> tuple[np.ndarray, np.ndarray]:
+            counter[0] = (counter[0] + 1) % len(index_sets)
+            return index_sets[counter[0]], offset_sets[counter[0]]
+
+        def gather_fancy() -> object:
+            idx, _ = next_index()
+            return obs[idx], obs[idx + 1], action[idx], reward[idx]
+
+        def gather_take() -> object:
+            idx, _ = next_index()
+            return obs.take(idx, axis=0), obs.take(idx + 1, axis=0), action.take(idx), reward.take(idx)
+
+        def geo_fancy() -> object:
+            idx, fut = next_index()
+            return obs[idx], obs[fut]
+
+        def geo_take() -> object:
+            idx, fut = next_index()
+            return obs.take(idx, axis=0), obs.take(fut, axis=0)
+
+        seed = fill_seed(profile, capacity, rng)
+        sample_rng = np.random.default_rng(2)
+        cases = [
+            ("transitions n_step=1", TransitionsMode(1, DISCOUNT), gather_fancy, gather_take,
+             lambda: seed.sample_transitions_loop(batch), lambda: seed.sample_transitions_vectorized(batch)),
+            ("transitions n_step=3", TransitionsMode(3, DISCOUNT), gather_fancy, gather_take,
+             lambda: seed.sample_transitions_loop(batch), lambda: seed.sample_transitions_vectorized(batch)),
+            (f"geometric discount={DISCOUNT}", GeometricMode(DISCOUNT), geo_fancy, geo_take,
+             lambda: seed.sample_loop(batch, DISCOUNT), lambda: seed.sample_vectorized(batch, DISCOUNT)),
+        ]
+        for label, mode, fancy, take, seed_loop, seed_vec in cases:
+            case = f"{profile.name} {label} batch={batch} cap={capacity}"
+            ours_med, ours_p90 = time_calls(lambda m=mode: buffer.sample(batch, m, sample_rng), calls)
+            fancy_med, _ = time_calls(fancy, calls)
+            take_med, _ = time_calls(take, calls)
+            bare_name, bare = ("bare_gather_np.take", take_med) if take_med <= fancy_med else \
+                ("bare_gather_fancy_index", fancy_med)
+            vec_med, vec_p90 = time_calls(seed_vec, calls)
+            loop_med, _ = time_calls(seed_loop, loop_calls, warmup=2)
+            target = " (target: speedup >= 0.5)" if profile.name == "cartpole" else ""
+            out += [
+                record(case + target, "sample_us", ours_med, "us", bare_name, bare, bare / ours_med),
+                record(case, "sample_us", ours_med, "us",
+                       "bare_gather_fancy_index" if bare_name.endswith("take") else "bare_gather_np.take",
+                       max(fancy_med, take_med), max(fancy_med, take_med) / ours_med),
+                record(case + (" (target: speedup >= 4)" if profile.name == "cartpole" else ""), "sample_us",
+                       ours_med, "us", "seed000_vectorized", vec_med, vec_med / ours_med),
+                record(case, "sample_us_p90", ours_p90, "us", "seed000_vectorized", vec_p90, vec_p90 / ours_p90),
+                record(case, "sample_us", ours_med, "us", "seed000_per_sample_loop", loop_med, loop_med / ours_med),
+            ]
+        ours_wrong, ours_total = ours_wrong_bounds(buffer, starts, batch, 20 if quick else 200)
+        seed_wrong, seed_total = seed.bound_errors(batch, 5 if quick else 40)
+        out.append(record(f"{profile.name} after wrap-around ({len(starts)} episodes into {capacity} steps)",
+                          "wrong_bound_fraction", ours_wrong / ours_total, "ratio", "seed000_vectorized",
+                          seed_wrong / seed_total))
+    finally:
+        buffer.close()
+    return out
+
+
+# ---------------------------------------------------------------------- gRPC
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# glibc serves allocations >= 32 MiB (and, until the first free, >= 128 KiB) with fresh mmaps, so every
+# large protobuf bytes copy faults its pages in again (~0.9 GB/s here). Raising the mmap threshold keeps
+# those buffers in the reused heap. The same knobs as environment variables for the server process:
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32),
+              "MALLOC_TOP_PAD_": str(2**28)}
+
+
+def tune_malloc_here() -> bool:
+    """mallopt() in this process, the runtime form of MALLOC_ENV; False where glibc is not available."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    return bool(libc.mallopt(m_mmap_threshold, 2**30) and libc.mallopt(m_trim_threshold, 2**31 - 1)
+                and libc.mallopt(m_top_pad, 2**28))
+
+
+class ServerProcess:
+    """`python -m service.cli serve` on a free port; SIGTERM makes it unlink its shared memory."""
+
+    def __init__(self, tuned_malloc: bool = False) -> None:
+        self.port = free_port()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--log-level", "WARNING",
+             "--instance", f"bench{uuid.uuid4().hex[:6]}"],
+            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=self.log,
+            env={**os.environ, **(MALLOC_ENV if tuned_malloc else {})},
+        )
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def batch_nbytes(batch: dict[str, np.ndarray]) -> int:
+    seen, total = set(), 0
+    for array in batch.values():
+        if id(array) not in seen:
+            seen.add(id(array))
+            total += array.nbytes
+    return total
+
+
+def insert_requests(profile: Profile, buffer: str, rows_per_request: int, steps: int,
+                    rng: np.random.Generator) -> tuple[list, int, int]:
+    """Prebuilt requests of whole episodes totalling about `steps` steps: (requests, steps, payload bytes)."""
+    pool = row_pool(profile, rng)
+    lengths, terminated = episode_plan(profile, steps, rng)
+    requests, total_steps, total_bytes = [], 0, 0
+    for columns, block_lengths, block_terminated in episode_blocks(profile, lengths, terminated, pool,
+                                                                   rows_per_request):
+        offsets = np.concatenate([[0], np.cumsum(block_lengths + 1)])
+        spans = [Span({n: c[offsets[k]:offsets[k + 1]] for n, c in columns.items()}, k, True, True, bool(t))
+                 for k, t in enumerate(block_terminated)]
+        requests.append(spans_request(buffer, spans))
+        total_steps += int(block_lengths.sum())
+        total_bytes += sum(c.nbytes for c in columns.values())
+    return requests, total_steps, total_bytes
+
+
+def bench_grpc(quick: bool, tcp_mbps: float, tuned_malloc: bool = False) -> list[dict]:
+    """Insert and sample over gRPC; `tuned_malloc` runs both processes with a raised glibc mmap threshold
+    (the client's tuning is process-wide and stays on, so run the untuned pass first)."""
+    out = []
+    tag = " [malloc tuned]" if tuned_malloc else ""
+    if tuned_malloc and not tune_malloc_here():
+        return out
+    server = ServerProcess(tuned_malloc)
+    client = ReplayClient(server.address, timeout=600)
+    try:
+        client.wait_ready(30)
+        for profile in PROFILES:
+            capacity = profile.quick_capacity if quick else profile.capacity
+            rng = np.random.default_rng(3)
+            name = f"bench_{profile.name}"
+            client.create_buffer(name, capacity, profile.schema, observation_fields=("obs",))
+            rows_per_request = {"cartpole": 50_000, "mujoco": 20_000, "atari": 4_000}[profile.name]
+            requests, steps, nbytes = insert_requests(profile, name, min(rows_per_request, capacity // 2),
+                                                      int(capacity * 1.3), rng)
+            rates = []
+            for _ in range(2 if quick else 3):
+                start = time.perf_counter()
+                client.insert(iter(requests))
+                elapsed = time.perf_counter() - start
+                rates.append((steps / elapsed, nbytes / elapsed))
+            steps_per_s = float(np.median([r[0] for r in rates]))
+            bytes_per_s = float(np.median([r[1] for r in rates]))
+            spans = len(requests[0].span_rows)
+            case = f"{profile.name} insert {len(requests)} requests x ~{spans} episodes, cap={capacity}{tag}"
+            del requests
+            if profile.name == "cartpole":
+                out.append(record(case + " (target >= 1.5M steps/s)", "insert_steps_per_s", steps_per_s,
+                                  "steps/s"))
+            out.append(record(case + (" (target >= 1.2 GB/s)" if profile.name == "atari" else ""),
+                              "insert_MB_per_s", bytes_per_s / MB, "MB/s", "loopback_tcp", tcp_mbps,
+                              bytes_per_s / MB / tcp_mbps))
+
+            batches = {"cartpole": 2000, "mujoco": 600, "atari": 400}[profile.name] // (4 if quick else 1)
+            for how in ("sample_stream", "sample"):
+                def one_pass(count: int, how: str = how, name: str = name, batch_size: int = profile.batch
+                             ) -> tuple[float, int]:
+                    total = 0
+                    start = time.perf_counter()
+                    if how == "sample_stream":
+                        for batch in client.sample_stream(name, batch_size, "transitions", num_batches=count):
+                            total += batch_nbytes(batch)
+                    else:
+                        for _ in range(count):
+                            total += batch_nbytes(client.sample(name, batch_size, "transitions"))
+                    return time.perf_counter() - start, total
+
+                one_pass(20)
+                runs = [one_pass(batches) for _ in range(3)]
+                elapsed, total = sorted(runs)[1]  # the median run
+                case = f"{profile.name} {how} transitions n_step=1 batch={profile.batch}{tag}"
+                mbps = total / elapsed / MB
+                if profile.name == "cartpole":
+                    out.append(record(case + (" (target >= 500k/s)" if how == "sample_stream" else ""),
+                                      "transitions_per_s", batches * profile.batch / elapsed, "transitions/s"))
+                target = {"mujoco": " (target >= 700 MB/s)", "atari": " (target: speedup >= 0.4)"}
+                out.append(record(case + (target.get(profile.name, "") if how == "sample_stream" else ""),
+                                  "MB_per_s", mbps, "MB/s", "loopback_tcp", tcp_mbps, mbps / tcp_mbps))
+            client.delete_buffer(name)
+    finally:
+        client.close()
+        server.stop()
+    return out
+
+
+def run(quick: bool = False) -> list[dict]:
+    records = []
+    for profile in PROFILES:
+        records += bench_in_process(profile, quick)
+    tcp_gbps = loopback_tcp_gbps(512 if quick else 2048)
+    records.append(record("loopback TCP, 4 MiB writes, one connection", "tcp_MB_per_s", tcp_gbps * 1e3, "MB/s"))
+    records += bench_grpc(quick, tcp_gbps * 1e3)
+    records += bench_grpc(quick, tcp_gbps * 1e3, tuned_malloc=True)
+    return records
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for row in run(quick="--quick" in sys.argv):
+        print(json.dumps(row), flush=True)

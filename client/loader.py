@@ -1,0 +1,88 @@
+"""Prefetching loader: server batches -> torch tensors on the learner's device, ahead of the learner.
+
+The sample stream keeps requests in flight on the wire; a background thread decodes each Arrow batch
+into tensors without copying (`torch.from_numpy` over the received bytes) and, on CUDA, stages them
+in pinned host memory and copies with `non_blocking=True`, so the learner never waits while the server
+keeps up. Batches come out in the order the server sent them, each exactly once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+_DONE = object()
+
+
+def to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    with warnings.catch_warnings():
+        # Decoded arrays are read-only views of the received message; the trainers never write to them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensors = {name: torch.from_numpy(array) for name, array in batch.items()}
+    if device.type == "cuda":
+        return {name: t.pin_memory().to(device, non_blocking=True) for name, t in tensors.items()}
+    if device.type != "cpu":
+        return {name: t.to(device) for name, t in tensors.items()}
+    return tensors
+
+
+class Loader:
+    """Iterates `source` (numpy batches) in a background thread, yielding tensor dicts on `device`."""
+
+    def __init__(self, source: Iterable[dict[str, np.ndarray]], device: torch.device | str = "cpu",
+                 prefetch: int = 4) -> None:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        self.device = torch.device(device)
+        self._source = iter(source)
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="replayd-loader", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for batch in self._source:
+                tensors = to_tensors(batch, self.device)
+                if self.device.type == "cuda":
+                    # The copy was queued on this thread's stream; the learner's stream waits for it.
+                    event = torch.cuda.Event()
+                    event.record()
+                    tensors = (tensors, event)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(tensors, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._queue.put(exc)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, tuple):
+                tensors, event = item
+                torch.cuda.current_stream().wait_event(event)
+                item = tensors
+            yield item
+
+    def close(self) -> None:
+        """Stops the background thread and closes the source (cancelling a server stream)."""
+        self._stop.set()
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,10 @@
+# Actors and learners: the client library with torch (CPU wheel by default; pass a CUDA base image and
+# TORCH_INDEX_URL for GPUs), gymnasium, safetensors.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+WORKDIR /app
+COPY constraints.txt pyproject.toml README.md ./
+COPY service ./service
+COPY client ./client
+RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX_URL} --constraint constraints.txt '.[learner]'

@@ -1,0 +1,137 @@
+"""Reverb's rate limiter (SampleToInsertRatio / MinSize) for an episodic buffer.
+
+Units: items, as the samplers see them. An insert adds one item per step it makes sampleable
+(rows - 1 for a span that begins an episode, rows for a continuation chunk); a sample of B takes B.
+size = the buffer's sampleable steps.
+
+    diff = inserts * samples_per_insert - samples
+    min_diff = min_size_to_sample * samples_per_insert - error_buffer
+    max_diff = min_size_to_sample * samples_per_insert + error_buffer
+
+A sample of B may proceed iff size >= min_size_to_sample and, with samples_per_insert > 0,
+diff - B >= min_diff: samples never run ahead of the ratio by more than error_buffer.
+An insert may proceed iff size < min_size_to_sample (filling up; also keeps a remover from starving
+the buffer) or diff + samples_per_insert <= max_diff, i.e. its first item fits, as Reverb admits
+items one by one. The rest of a multi-step insert may overshoot max_diff: inserts are whole episodes
+and cannot be split, and running ahead on inserts only leaves data less reused.
+
+No deadlock: both sides block only if max_diff - min_diff < B + samples_per_insert, so a sample with
+a batch too large for error_buffer is rejected up front instead of waiting forever.
+
+Blocked calls wait on the buffer's Condition (`ring.inserted`, over `ring.lock`), which releases the
+buffer's lock while waiting, so the other side can proceed; the buffer notifies it after every insert
+and, with a limiter, after every sample.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    from service.buffers.episodic import EpisodicBuffer
+
+
+class RateLimiter:
+    def __init__(self, min_size_to_sample: int = 1, samples_per_insert: float = 0.0, error_buffer: float = 0.0) -> None:
+        if not isinstance(min_size_to_sample, int | np.integer) or min_size_to_sample < 0:
+            raise InvalidArgument(
+                f"rate_limiter.min_size_to_sample must be an integer >= 0, got {min_size_to_sample!r}")
+        if not np.isfinite(samples_per_insert) or samples_per_insert < 0:
+            raise InvalidArgument(f"rate_limiter.samples_per_insert must be finite and >= 0, got {samples_per_insert}")
+        if not np.isfinite(error_buffer) or error_buffer < 0:
+            raise InvalidArgument(f"rate_limiter.error_buffer must be finite and >= 0, got {error_buffer}")
+        if samples_per_insert > 0 and 2 * error_buffer < samples_per_insert + 1:
+            raise InvalidArgument(
+                f"rate_limiter.error_buffer={error_buffer} is too small for samples_per_insert={samples_per_insert}: "
+                f"need 2 * error_buffer >= samples_per_insert + 1, or inserts and samples could block each other"
+            )
+        self.min_size_to_sample = max(1, int(min_size_to_sample))  # an empty buffer cannot be sampled anyway
+        self.samples_per_insert = float(samples_per_insert)
+        self.error_buffer = float(error_buffer)
+        center = self.min_size_to_sample * self.samples_per_insert
+        self.min_diff, self.max_diff = center - self.error_buffer, center + self.error_buffer
+        self.inserts = 0
+        self.samples = 0
+        self.insert_waits = self.sample_waits = 0
+        self.insert_wait_seconds = self.sample_wait_seconds = 0.0
+
+    @property
+    def diff(self) -> float:
+        return self.inserts * self.samples_per_insert - self.samples
+
+    def can_insert(self, ring: EpisodicBuffer) -> bool:
+        return (ring.sampleable_steps < self.min_size_to_sample or self.samples_per_insert == 0
+                or self.diff + self.samples_per_insert <= self.max_diff)
+
+    def can_sample(self, ring: EpisodicBuffer, batch_size: int) -> bool:
+        if ring.sampleable_steps < self.min_size_to_sample:
+            return False
+        return self.samples_per_insert == 0 or self.diff - batch_size >= self.min_diff
+
+    # ---------------------------------------------------------------- called with ring.lock held
+    def await_insert(self, ring: EpisodicBuffer, timeout: float | None) -> None:
+        """Waits (releasing ring.lock) until an insert may proceed; None = no deadline."""
+        if not self._wait(ring, lambda: self.can_insert(ring), timeout, "insert"):
+            raise DeadlineExceeded(
+                f"insert: rate limiter of buffer {ring.name!r} kept the insert waiting past its deadline "
+                f"({timeout:.3g}s): samples are behind (diff={self.diff:g} > max_diff - samples_per_insert="
+                f"{self.max_diff - self.samples_per_insert:g})"
+            )
+
+    def await_sample(self, ring: EpisodicBuffer, batch_size: int, timeout: float | None) -> None:
+        """Waits (releasing ring.lock) until a sample may proceed; timeout None = fail at once."""
+        if self.samples_per_insert > 0 and batch_size + self.samples_per_insert > self.max_diff - self.min_diff:
+            raise InvalidArgument(
+                f"sample: batch_size={batch_size} can never pass the rate limiter of buffer {ring.name!r}: "
+                f"2 * error_buffer={2 * self.error_buffer:g} must be >= batch_size + samples_per_insert"
+            )
+        if timeout is None:
+            if not self.can_sample(ring, batch_size):
+                raise FailedPrecondition(f"sample: rate limiter of buffer {ring.name!r} blocks it: {self._why(ring)}")
+            return
+        if not self._wait(ring, lambda: self.can_sample(ring, batch_size), timeout, "sample"):
+            raise DeadlineExceeded(
+                f"sample: rate limiter of buffer {ring.name!r} kept the sample waiting past its deadline "
+                f"({timeout:.3g}s): {self._why(ring)}"
+            )
+
+    def _why(self, ring: EpisodicBuffer) -> str:
+        if ring.sampleable_steps < self.min_size_to_sample:
+            return f"sampleable_steps={ring.sampleable_steps} < min_size_to_sample={self.min_size_to_sample}"
+        return f"inserts are behind (diff={self.diff:g}, min_diff={self.min_diff:g})"
+
+    def _wait(self, ring: EpisodicBuffer, ready: Callable[[], bool], timeout: float | None, side: str) -> bool:
+        if ready():
+            return True
+        start = time.monotonic()
+        ok = ring.inserted.wait_for(ready, timeout=timeout)
+        waited = time.monotonic() - start
+        if side == "insert":
+            self.insert_waits += 1
+            self.insert_wait_seconds += waited
+        else:
+            self.sample_waits += 1
+            self.sample_wait_seconds += waited
+        return ok
+
+    def record_insert(self, items: int) -> None:
+        self.inserts += items
+
+    def record_sample(self, items: int) -> None:
+        self.samples += items
+
+    def config(self) -> dict[str, float]:
+        return {"min_size_to_sample": self.min_size_to_sample, "samples_per_insert": self.samples_per_insert,
+                "error_buffer": self.error_buffer}
+
+    def counters(self) -> dict[str, float]:
+        return {"rate_limiter.inserts": self.inserts, "rate_limiter.samples": self.samples,
+                "rate_limiter.insert_waits": self.insert_waits, "rate_limiter.sample_waits": self.sample_waits,
+                "rate_limiter.insert_wait_seconds": self.insert_wait_seconds,
+                "rate_limiter.sample_wait_seconds": self.sample_wait_seconds, "rate_limiter.diff": self.diff}

@@ -1,0 +1,110 @@
+"""Removers: which stored steps stop being sample items, besides the ring's own eviction.
+
+An item is a step (a position with a successor, the unit every sampler draws). Removal retires the
+item: it is never drawn again, but its row stays in place as data, so n-step windows and future
+states of earlier steps in its episode still read it. Its row is reclaimed by the ring's eviction.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from service.errors import InvalidArgument
+from service.storage.shared_arrays import ArraySpec
+
+if TYPE_CHECKING:
+    from service.buffers.episodic import EpisodicBuffer
+
+_NOTHING = np.empty(0, dtype=np.int64)
+
+
+class FifoRemover:
+    """First in, first out: the ring evicts its oldest whole episodes when the head needs room
+    (EpisodicBuffer._evict_before); there is nothing else to remove or track."""
+
+    name = "fifo"
+    retires = False
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+
+    def array_specs(self, capacity: int) -> list[ArraySpec]:
+        return []
+
+    def bind(self, arrays: dict[str, np.ndarray]) -> None:
+        pass
+
+    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
+        pass
+
+    def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
+        pass
+
+    def on_sampled(self, ring: EpisodicBuffer, positions: np.ndarray) -> np.ndarray:
+        return _NOTHING
+
+    def config(self) -> dict[str, float]:
+        return {}
+
+
+class MaxTimesSampledRemover(FifoRemover):
+    """Reverb's MaxTimesSampled with item = step: a step sampled `max_times_sampled` times is retired.
+
+    A per-row counter in shared memory counts draws. Retired rows read as holes to the samplers
+    (EpisodicBuffer.episode_bounds) and leave the buffer's sampleable count. A step drawn several
+    times in one batch counts each draw, so a batch may hold a step more often than it had draws left.
+    """
+
+    name = "max_times_sampled"
+    retires = True
+
+    def __init__(self, max_times_sampled: int) -> None:
+        super().__init__()
+        if not isinstance(max_times_sampled, int | np.integer) or max_times_sampled < 1:
+            raise InvalidArgument(f"remover.max_times_sampled must be an integer >= 1, got {max_times_sampled!r}")
+        self.max_times_sampled = int(max_times_sampled)
+        self.times_sampled: np.ndarray | None = None
+
+    def array_specs(self, capacity: int) -> list[ArraySpec]:
+        return [ArraySpec("remover.times_sampled", "int64", (capacity,))]
+
+    def bind(self, arrays: dict[str, np.ndarray]) -> None:
+        self.times_sampled = arrays["remover.times_sampled"]
+
+    def is_retired(self, rows: np.ndarray) -> np.ndarray:
+        return self.times_sampled.take(rows) >= self.max_times_sampled
+
+    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
+        # Rows in the range were not items before (new rows, or a last row that just got its successor).
+        for row, _, length in ring._ring_pieces(lo, hi - lo):
+            self.times_sampled[row:row + length] = 0
+
+    def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
+        # The buffer has just subtracted every step of the range from its sampleable count, retired
+        # ones included; those had already left it when retired, so they are given back once.
+        from service.buffers.episodic import SAMPLEABLE
+
+        for row, _, length in ring._ring_pieces(lo, hi - lo):
+            counts = self.times_sampled[row:row + length]
+            ring.state[SAMPLEABLE] += int(np.count_nonzero(counts >= self.max_times_sampled))
+            counts.fill(0)
+
+    def on_sampled(self, ring: EpisodicBuffer, positions: np.ndarray) -> np.ndarray:
+        """Counts the draws; returns the positions retired by them (each once)."""
+        from service.buffers.episodic import SAMPLEABLE
+
+        unique, draws = np.unique(positions, return_counts=True)
+        rows = unique % ring.capacity
+        before = self.times_sampled.take(rows)
+        after = before + draws
+        self.times_sampled[rows] = after
+        retired = unique[(before < self.max_times_sampled) & (after >= self.max_times_sampled)]
+        ring.state[SAMPLEABLE] -= retired.size
+        self.counters["retired_steps"] += retired.size
+        return retired
+
+    def config(self) -> dict[str, float]:
+        return {"max_times_sampled": float(self.max_times_sampled)}

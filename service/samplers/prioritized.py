@@ -1,0 +1,113 @@
+"""Prioritized index sampler (Schaul et al. 2016): P(i) = p_i^alpha / sum_j p_j^alpha over sampleable steps.
+
+Leaf `row` of a sum tree holds p^alpha of the step in that ring row, or 0 when the row holds no
+sampleable step (final observations, holes, evicted or retired steps), so draws land only on
+sampleable positions. The trees live in the buffer's shared memory. New steps get the largest
+priority ever given (1.0 before any update), so each is likely to be seen once before its TD error
+is known.
+
+Draws are independent (with replacement, as in Reverb), so `probability` is exactly each item's
+sampling probability. Importance weights w_i = (N P(i))^-beta / max_j w_j; the maximum belongs to
+the smallest positive probability, so w_i = (p_i^alpha / min_j p_j^alpha)^-beta (N cancels).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from service.errors import FailedPrecondition, InvalidArgument
+from service.samplers.draw import Draw
+from service.samplers.sum_tree import SumTree
+from service.storage.shared_arrays import ArraySpec
+
+if TYPE_CHECKING:
+    from service.buffers.episodic import EpisodicBuffer
+
+
+class PrioritizedSampler:
+    name = "prioritized"
+
+    def __init__(self, alpha: float) -> None:
+        if not np.isfinite(alpha) or alpha < 0:
+            raise InvalidArgument(f"prioritized.alpha must be finite and >= 0, got {alpha}")
+        self.alpha = float(alpha)
+        self.tree: SumTree | None = None
+        self._max_priority: np.ndarray | None = None
+
+    def array_specs(self, capacity: int) -> list[ArraySpec]:
+        return [*SumTree.array_specs("prioritized", capacity), ArraySpec("prioritized.max_priority", "float64", (1,))]
+
+    def bind(self, arrays: dict[str, np.ndarray]) -> None:
+        """Takes the freshly created arrays named by array_specs and initializes them (no step stored)."""
+        self.tree = SumTree(arrays["prioritized.sum"], arrays["prioritized.min"])
+        self.tree.clear()
+        self._max_priority = arrays["prioritized.max_priority"]
+        self._max_priority[0] = 1.0
+
+    def _leaf_values(self, priorities: np.ndarray) -> np.ndarray:
+        # Priority 0 means "never sample", also for alpha = 0 where 0**0 would be 1.
+        return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)
+
+    # ---------------------------------------------------------------- buffer hooks (under ring.lock)
+    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
+        """Positions [lo, hi) changed: the sampleable ones among them are new items."""
+        positions = np.arange(lo, hi, dtype=np.int64)
+        rows, bounds, _ = ring.episode_bounds(positions)
+        fresh = self._leaf_values(self._max_priority[:1])[0]
+        self.tree.update(rows, np.where(positions < bounds, fresh, 0.0))
+
+    def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
+        self.tree.update(np.arange(lo, hi, dtype=np.int64) % ring.capacity, 0.0)
+
+    def on_positions_cleared(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
+        """Scattered positions stopped being items (a remover retired them)."""
+        self.tree.update(positions % ring.capacity, 0.0)
+
+    # ---------------------------------------------------------------- sampling
+    def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
+             importance_beta: float = 0.0) -> Draw:
+        if not np.isfinite(importance_beta) or importance_beta < 0:
+            raise InvalidArgument(f"importance_beta must be finite and >= 0, got {importance_beta}")
+        total = self.tree.total
+        if total <= 0:
+            raise FailedPrecondition(
+                f"buffer {ring.name!r} has no sampleable step with a positive priority "
+                f"(sampleable_steps={ring.sampleable_steps})"
+            )
+        leaves = self.tree.find_prefix(rng.random(batch_size) * total)
+        # Leaf = ring row; the live range lies within the last `capacity` positions before the head.
+        base = ring.head - ring.capacity
+        positions = base + (leaves - base) % ring.capacity
+        rows, bounds, in_open = ring.episode_bounds(positions)
+        values = self.tree.get(leaves)
+        weight = np.power(values / self.tree.min_positive, -importance_beta).astype(np.float32)
+        return Draw(positions, rows, bounds, ~in_open, {"probability": values / total, "weight": weight})
+
+    def update_priorities(self, ring: EpisodicBuffer, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
+        """Sets the priorities of live keys; returns (applied, ignored_stale). Call with ring.lock held.
+
+        A key is stale when its position is no longer a sampleable step of the ring (evicted, moved,
+        overwritten, retired): its row may hold another step now, which must keep its own priority.
+        """
+        keys = np.asarray(keys, dtype=np.int64).ravel()
+        priorities = np.asarray(priorities, dtype=np.float64).ravel()
+        if keys.size != priorities.size:
+            raise InvalidArgument(f"update_priorities: {keys.size} keys but {priorities.size} priorities")
+        bad = ~np.isfinite(priorities) | (priorities < 0)
+        if bad.any():
+            index = int(np.argmax(bad))
+            raise InvalidArgument(
+                f"update_priorities: priorities[{index}] = {priorities[index]!r}; priorities must be finite and >= 0"
+            )
+        rows, bounds, _ = ring.episode_bounds(keys)
+        live = (keys >= ring.tail_position()) & (keys < ring.head) & (keys < bounds)
+        applied = int(np.count_nonzero(live))
+        if applied:
+            self._max_priority[0] = max(float(self._max_priority[0]), float(priorities[live].max()))
+            self.tree.update(rows[live], self._leaf_values(priorities[live]))
+        return applied, keys.size - applied
+
+    def config(self) -> dict[str, float]:
+        return {"alpha": self.alpha, "max_priority": float(self._max_priority[0])}

@@ -1,0 +1,91 @@
+"""The main job end to end on loopback with a tiny budget: `make demo`'s processes, and the services of
+docker-compose.yml run as local processes (no Docker engine in CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from client import ReplayClient
+from client.demo import main as demo_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_processes_end_to_end(tmp_path: Path) -> None:
+    summary = demo_main(["--seconds", "10", "--eval-every", "50", "--run-dir", str(tmp_path)])
+    assert summary["env_steps"] > 1000  # episodes flowed from the actors into the buffer
+    assert summary["learner_steps"] > 0
+    assert summary["weights_version"] > 1  # the learner published after training
+    assert summary["buffer"]["episodes"] > 0
+    assert (tmp_path / "learning_curve.png").stat().st_size > 1000
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["curve"] and saved["learner_steps"] == summary["learner_steps"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _interpolate(text: str, env: dict[str, str]) -> str:
+    """docker compose's ${VAR:-default} interpolation."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m.group(1), m.group(2) or ""), text)
+
+
+def _local_command(command: str, env: dict[str, str]) -> list[str]:
+    words = shlex.split(_interpolate(command, env))
+    assert words[0] == "replayd"
+    return [sys.executable, "-m", "service.cli", *words[1:]]
+
+
+def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"server", "actor", "learner"}
+    assert services["server"]["shm_size"] and "healthcheck" in services["server"]
+    port = _free_port()
+    env = {
+        "REPLAYD_HOST": "127.0.0.1",
+        "REPLAYD_PORT": str(port),
+        "REPLAYD_ADDRESS": f"127.0.0.1:{port}",
+        "REPLAYD_INSTANCE": f"test{os.getpid()}compose",
+        "REPLAYD_SECONDS": "10",
+        "REPLAYD_RUN_DIR": str(tmp_path / "run"),
+        "REPLAYD_EVAL_EVERY": "50",
+    }
+    process_env = {**os.environ, **{k: _interpolate(str(v), env) for k, v in
+                                    (services["learner"].get("environment") or {}).items()}}
+    server = subprocess.Popen(_local_command(services["server"]["command"], env), cwd=ROOT)
+    processes = [server]
+    try:
+        ReplayClient(env["REPLAYD_ADDRESS"]).wait_ready(timeout=60)
+        actor = subprocess.Popen(_local_command(services["actor"]["command"], env), cwd=ROOT, env=process_env,
+                                 stdout=subprocess.PIPE, text=True)
+        learner = subprocess.Popen(_local_command(services["learner"]["command"], env), cwd=ROOT, env=process_env,
+                                   stdout=subprocess.PIPE, text=True)
+        processes += [actor, learner]
+        learner_out, _ = learner.communicate(timeout=180)
+        actor_out, _ = actor.communicate(timeout=180)
+        assert learner.returncode == 0 and actor.returncode == 0
+        final = json.loads(learner_out.strip().splitlines()[-1])
+        assert final["env_steps"] > 0
+        version = int(re.search(r"weights version (\d+)", actor_out).group(1))
+        assert version >= 1  # the actor fetched weights the learner published
+        assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "learning_curve.png").exists()
+    finally:
+        for process in processes:
+            process.terminate()
+        deadline = time.monotonic() + 30
+        for process in processes:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))

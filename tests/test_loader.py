@@ -1,0 +1,42 @@
+import numpy as np
+import torch
+
+from client import ReplayClient
+from client.loader import Loader
+
+
+def test_loader_delivers_every_batch_in_order_once() -> None:
+    batches = [{"obs": np.full((4, 3), i, np.float32), "i": np.array([i])} for i in range(50)]
+    loader = Loader(iter(batches), device="cpu", prefetch=3)
+    got = [int(batch["i"][0]) for batch in loader]
+    assert got == list(range(50))
+
+
+def test_loader_over_a_server_stream_is_zero_copy(client: ReplayClient) -> None:
+    client.create_buffer("b", 1000, {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())})
+    rng = np.random.default_rng(0)
+    client.insert_episode("b", terminated=True, obs=rng.normal(size=(11, 4)).astype(np.float32),
+                          action=rng.integers(0, 2, 10), reward=np.ones(10, np.float32))
+    loader = Loader(client.sample_stream("b", 32, num_batches=10, seed=1), device="cpu")
+    batches = list(loader)
+    assert len(batches) == 10
+    assert all(b["obs"].shape == (32, 4) and b["obs"].dtype == torch.float32 for b in batches)
+    expected = list(client.sample_stream("b", 32, num_batches=10, seed=1))
+    for got, want in zip(batches, expected, strict=True):
+        np.testing.assert_array_equal(got["obs"].numpy(), want["obs"])
+
+
+def test_loader_raises_source_errors_in_the_consumer() -> None:
+    def broken():
+        yield {"x": np.zeros(2)}
+        raise RuntimeError("stream broke")
+
+    loader = Loader(broken())
+    iterator = iter(loader)
+    next(iterator)
+    try:
+        next(iterator)
+    except RuntimeError as exc:
+        assert "stream broke" in str(exc)
+    else:
+        raise AssertionError("the source's error was swallowed")

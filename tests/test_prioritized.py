@@ -1,0 +1,146 @@
+"""Prioritized sampling through the buffer: P(i) = p_i^alpha / sum p^alpha (chi-square), importance weights,
+stale keys, rejected priorities, and the gRPC round trip."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.errors import InvalidArgument
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.states import StatesMode
+from tests.test_episodic_buffer import FIELDS, _chi_square_critical, make_rows
+
+ALPHA = 0.7
+
+
+def new_buffer(capacity: int, alpha: float = ALPHA) -> EpisodicBuffer:
+    return EpisodicBuffer("prio", f"test{os.getpid()}", FIELDS, capacity, sampler=PrioritizedSampler(alpha))
+
+
+def insert_episodes(buffer: EpisodicBuffer, rng: np.random.Generator, lengths: list[int], first_id: int) -> None:
+    parts = [make_rows(rng, 0, n + 1) for n in lengths]
+    columns = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    ids = np.arange(first_id, first_id + len(lengths))
+    buffer.insert(columns, Spans.whole_episodes(np.array(lengths), ids, np.ones(len(lengths), bool)))
+
+
+def live_keys(buffer: EpisodicBuffer) -> np.ndarray:
+    positions = np.arange(buffer.tail_position(), buffer.head)
+    _, bounds, _ = buffer.episode_bounds(positions)
+    return positions[positions < bounds]
+
+
+def assert_proportional(buffer: EpisodicBuffer, priority: dict[int, float], rng: np.random.Generator) -> None:
+    keys = np.concatenate([buffer.sample(2000, StatesMode(), rng, include_keys=True)["key"] for _ in range(20)])
+    expected_keys = np.array(sorted(priority))
+    assert np.isin(keys, expected_keys).all(), "drew a non-sampleable position"
+    counts = np.array([np.count_nonzero(keys == k) for k in expected_keys])
+    p = np.array([priority[int(k)] for k in expected_keys]) ** ALPHA
+    expected = len(keys) * p / p.sum()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < _chi_square_critical(len(expected_keys) - 1), chi2
+
+
+def test_distribution_follows_priorities_before_and_after_updates_across_wraparound() -> None:
+    rng = np.random.default_rng(0)
+    buffer = new_buffer(100)
+    try:
+        insert_episodes(buffer, rng, [5, 9, 14], 0)
+        keys = live_keys(buffer)
+        assert_proportional(buffer, {int(k): 1.0 for k in keys}, rng)  # new steps share the max priority
+        priorities = rng.uniform(0.1, 5.0, keys.size)
+        assert buffer.update_priorities(keys, priorities) == (keys.size, 0)
+        assert_proportional(buffer, dict(zip(keys.tolist(), priorities.tolist(), strict=True)), rng)
+        for i in range(40):  # wrap the ring several times; old keys go stale
+            insert_episodes(buffer, rng, [int(rng.integers(3, 20))], 100 + i)
+        keys = live_keys(buffer)
+        assert buffer.head > 3 * buffer.capacity
+        priorities = rng.uniform(0.1, 5.0, keys.size)
+        buffer.update_priorities(keys, priorities)
+        assert_proportional(buffer, dict(zip(keys.tolist(), priorities.tolist(), strict=True)), rng)
+    finally:
+        buffer.close()
+
+
+def test_new_steps_get_the_max_priority_and_importance_weights_follow_the_formula() -> None:
+    rng = np.random.default_rng(1)
+    buffer = new_buffer(200)
+    try:
+        insert_episodes(buffer, rng, [10, 10], 0)
+        keys = live_keys(buffer)
+        priorities = rng.uniform(0.5, 3.0, keys.size)
+        buffer.update_priorities(keys, priorities)
+        insert_episodes(buffer, rng, [4], 2)  # 4 new steps at max priority
+        priority = dict(zip(keys.tolist(), priorities.tolist(), strict=True))
+        for key in live_keys(buffer)[-4:]:
+            priority[int(key)] = priorities.max()
+        beta = 0.4
+        batch = buffer.sample(500, StatesMode(), rng, include_keys=True, importance_beta=beta)
+        p = {k: v**ALPHA for k, v in priority.items()}
+        total, n = sum(p.values()), len(p)
+        probability = np.array([p[int(k)] / total for k in batch["key"]])
+        np.testing.assert_allclose(batch["probability"], probability, rtol=1e-9)
+        weight = (n * probability) ** -beta / (n * min(p.values()) / total) ** -beta
+        np.testing.assert_allclose(batch["weight"], weight, rtol=1e-6)
+        assert buffer.sample(10, StatesMode(), rng)["weight"].max() <= 1.0
+    finally:
+        buffer.close()
+
+
+def test_stale_keys_are_ignored_and_never_reach_the_new_occupant() -> None:
+    rng = np.random.default_rng(2)
+    buffer = new_buffer(40)
+    try:
+        insert_episodes(buffer, rng, [9, 9], 0)
+        old = buffer.sample(5, StatesMode(), rng, include_keys=True)["key"]
+        insert_episodes(buffer, rng, [15, 15], 2)  # evicts the first two episodes; their rows are reused
+        assert (old < buffer.tail_position()).all()
+        fresh = live_keys(buffer)
+        assert buffer.update_priorities(np.concatenate([old, fresh[:1]]), np.full(old.size + 1, 50.0)) == (1, 5)
+        values = buffer.sampler.tree.get(fresh % buffer.capacity)
+        assert values[0] == pytest.approx(50.0**ALPHA)
+        np.testing.assert_array_equal(values[1:], 1.0)  # occupants of reused rows keep their own priority
+        final_rows = np.setdiff1d(np.arange(buffer.capacity), fresh % buffer.capacity)
+        assert (buffer.sampler.tree.get(final_rows) == 0).all()  # final observations and holes never drawn
+    finally:
+        buffer.close()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_bad_priorities_are_rejected_naming_the_index_and_change_nothing(bad: float) -> None:
+    rng = np.random.default_rng(3)
+    buffer = new_buffer(100)
+    try:
+        insert_episodes(buffer, rng, [8], 0)
+        keys = live_keys(buffer)
+        before = buffer.sampler.tree.sums.copy()
+        priorities = np.full(keys.size, 2.0)
+        priorities[3] = bad
+        with pytest.raises(InvalidArgument, match=r"priorities\[3\]"):
+            buffer.update_priorities(keys, priorities)
+        np.testing.assert_array_equal(buffer.sampler.tree.sums, before)
+    finally:
+        buffer.close()
+
+
+def test_grpc_prioritized_sample_and_update_priorities(client) -> None:
+    schema = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}
+    info = client.create_buffer("per", 1000, schema, sampler="prioritized", alpha=0.6)
+    assert info["counters"]["prioritized.alpha"] == pytest.approx(0.6)
+    rng = np.random.default_rng(4)
+    client.insert_episode("per", True, obs=rng.normal(size=(11, 3)).astype(np.float32),
+                          action=np.arange(10), reward=np.ones(10, np.float32))
+    batch = client.sample("per", 64, include_keys=True, importance_beta=0.5, seed=1)
+    assert {"probability", "weight", "key"} <= set(batch)
+    np.testing.assert_allclose(batch["probability"], 0.1)
+    priorities = np.where(batch["action"] == 0, 100.0, 1e-6)
+    applied, ignored = client.update_priorities("per", batch["key"], priorities)
+    assert (applied, ignored) == (64, 0)
+    again = client.sample("per", 200, include_keys=True, seed=2)
+    assert (again["action"] == 0).mean() > 0.95
+    assert client.update_priorities("per", [999_999], [1.0]) == (0, 1)
+    client.delete_buffer("per")

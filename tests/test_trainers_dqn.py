@@ -1,0 +1,261 @@
+"""DQN / Double DQN loss: batched implementation vs a naive two-forward reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from client.trainers.dqn import DQNTrainer, QNetwork, q_loss, q_loss_manual_grad, update_target
+
+OBS_DIM, N_ACTIONS, GAMMA = 4, 3, 0.9
+
+
+def nstep_fields(rewards: list[float], terminated: list[bool], truncated: list[bool], t: int, n: int):
+    """Reference n-step fields from 1-step flags (what the server computes), for start index t."""
+    ret, k = 0.0, 0
+    ended_by_termination = False
+    while k < n and t + k < len(rewards):
+        ret += GAMMA**k * rewards[t + k]
+        k += 1
+        if terminated[t + k - 1]:
+            ended_by_termination = True
+            break
+        if truncated[t + k - 1]:
+            break
+    discount = 0.0 if ended_by_termination else GAMMA**k
+    return ret, discount, t + k  # bootstrap index = t + n_eff
+
+
+def make_batch(B: int = 16, weighted: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # A toy trajectory of B+3 steps with one termination and one truncation inside it.
+    T = B + 3
+    states = torch.randn(T + 1, OBS_DIM, generator=g)
+    rewards = torch.randn(T, generator=g).tolist()
+    terminated = [False] * T
+    truncated = [False] * T
+    terminated[5] = True
+    truncated[11] = True
+    n = 3
+    R, disc, boot = [], [], []
+    for t in range(B):
+        r, dsc, b = nstep_fields(rewards, terminated, truncated, t, n)
+        R.append(r)
+        disc.append(dsc)
+        boot.append(b)
+    batch = {
+        "obs": states[:B].clone(),
+        "action": torch.randint(N_ACTIONS, (B,), generator=g),
+        "reward": torch.tensor(rewards[:B]),
+        "next_obs": states[1 : B + 1].clone(),
+        "terminated": torch.tensor(terminated[:B]),
+        "truncated": torch.tensor(truncated[:B]),
+        "n_step_return": torch.tensor(R, dtype=torch.float32),
+        "bootstrap_discount": torch.tensor(disc, dtype=torch.float32),
+        "bootstrap_obs": states[torch.tensor(boot)].clone(),
+    }
+    if weighted:
+        batch["weight"] = torch.rand(B, generator=g) + 0.1
+    return batch
+
+
+def test_nstep_fixture_has_termination_and_truncation():
+    b = make_batch()
+    disc = b["bootstrap_discount"]
+    # Starts 3..5 see the termination at t=5 within 3 steps -> discount 0.
+    assert torch.all(disc[3:6] == 0)
+    # Starts 9..11 hit the truncation at t=11: bootstrapping continues with gamma^n_eff < gamma^3.
+    assert disc[9].item() == pytest.approx(GAMMA**3)
+    assert disc[10].item() == pytest.approx(GAMMA**2)
+    assert disc[11].item() == pytest.approx(GAMMA**1)
+    assert disc[0].item() == pytest.approx(GAMMA**3)
+
+
+def reference_loss(online, target, batch, double, loss_type, delta=1.0):
+    """Naive: separate forwards, explicit formulas."""
+    q = online(batch["obs"])
+    q_sa = q[torch.arange(q.shape[0]), batch["action"]]
+    with torch.no_grad():
+        q_next_target = target(batch["bootstrap_obs"])
+        if double:
+            a_star = online(batch["bootstrap_obs"]).argmax(1)
+        else:
+            a_star = q_next_target.argmax(1)
+        v = q_next_target[torch.arange(q.shape[0]), a_star]
+        y = batch["n_step_return"] + batch["bootstrap_discount"] * v
+    td = q_sa - y
+    if loss_type == "mse":
+        per = td**2
+    else:
+        a = td.abs()
+        per = torch.where(a <= delta, 0.5 * td**2, delta * (a - 0.5 * delta))
+    w = batch.get("weight", torch.ones_like(td))
+    return (w * per).mean(), td.detach()
+
+
+def _nets(seed: int = 0):
+    torch.manual_seed(seed)
+    online = QNetwork(OBS_DIM, N_ACTIONS)
+    target = QNetwork(OBS_DIM, N_ACTIONS)  # different init: target != online
+    return online, target
+
+
+@pytest.mark.parametrize("double", [False, True])
+@pytest.mark.parametrize("loss_type", ["mse", "huber"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_batched_loss_and_grads_match_reference(double, loss_type, weighted):
+    online, target = _nets()
+    batch = make_batch(weighted=weighted)
+    # Scale returns so Huber exercises both branches.
+    batch["n_step_return"] = batch["n_step_return"] * 3
+    loss, td, q_taken = q_loss(online, target, batch, double=double, loss_type=loss_type, huber_delta=1.0)
+    loss.backward()
+    grads = [p.grad.clone() for p in online.parameters()]
+
+    ref_online = copy.deepcopy(online)
+    ref_online.zero_grad(set_to_none=True)
+    ref_loss, ref_td = reference_loss(ref_online, target, batch, double, loss_type)
+    ref_loss.backward()
+
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(td, ref_td, atol=1e-6, rtol=0)
+    for g, p in zip(grads, ref_online.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=0)
+    assert not td.requires_grad and not q_taken.requires_grad
+    assert all(p.grad is None for p in target.parameters())
+    if loss_type == "huber":
+        assert (ref_td.abs() > 1).any() and (ref_td.abs() < 1).any()
+
+
+def test_double_differs_from_dqn_on_this_batch():
+    # Guards the tests above: the online and target argmax disagree somewhere, so a Double DQN that
+    # used the target argmax (or a DQN that used the online one) would fail the reference check.
+    online, target = _nets()
+    batch = make_batch()
+    with torch.no_grad():
+        assert (online(batch["bootstrap_obs"]).argmax(1) != target(batch["bootstrap_obs"]).argmax(1)).any()
+    l_dqn, _, _ = q_loss(online, target, batch, double=False)
+    l_ddqn, _, _ = q_loss(online, target, batch, double=True)
+    assert not torch.allclose(l_dqn, l_ddqn)
+
+
+def test_terminated_targets_ignore_bootstrap_and_truncated_keep_it():
+    online, target = _nets()
+    batch = make_batch()
+    _, td, q_taken = q_loss(online, target, batch)
+    with torch.no_grad():
+        v = target(batch["bootstrap_obs"]).max(1).values
+    # Terminated within n: y = n-step return exactly.
+    torch.testing.assert_close(td[3:6], q_taken[3:6] - batch["n_step_return"][3:6])
+    # Truncated at t=11: bootstrap with gamma^1 from s_12.
+    y11 = batch["n_step_return"][11] + GAMMA * v[11]
+    torch.testing.assert_close(td[11], q_taken[11] - y11)
+
+
+def test_weights_change_loss_not_td():
+    online, target = _nets()
+    b0 = make_batch()
+    b1 = dict(b0, weight=torch.linspace(0.1, 2.0, b0["obs"].shape[0]))
+    l0, td0, _ = q_loss(online, target, b0)
+    l1, td1, _ = q_loss(online, target, b1)
+    torch.testing.assert_close(td0, td1)
+    torch.testing.assert_close(l1, (b1["weight"] * td0**2).mean())
+    assert not torch.allclose(l0, l1)
+
+
+def test_bad_loss_type_raises():
+    online, target = _nets()
+    with pytest.raises(ValueError, match="loss_type"):
+        q_loss(online, target, make_batch(), loss_type="l1")
+
+
+def test_update_target_hard_and_polyak():
+    online, target = _nets()
+    old = [p.clone() for p in target.parameters()]
+    update_target(online, target, tau=0.25)
+    for t, o, p in zip(target.parameters(), old, online.parameters(), strict=True):
+        torch.testing.assert_close(t, 0.25 * p + 0.75 * o)
+    update_target(online, target, tau=1.0)
+    for t, p in zip(target.parameters(), online.parameters(), strict=True):
+        assert torch.equal(t, p)
+    with pytest.raises(ValueError):
+        update_target(online, target, tau=0.0)
+
+
+def test_trainer_hard_update_every_k_steps():
+    torch.manual_seed(0)
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, lr=1e-2, target_update_every=3, double=True)
+    batch = make_batch()
+    for i in range(1, 7):
+        out = tr.step(batch)
+        same = all(torch.equal(t, o) for t, o in zip(tr.target.parameters(), tr.online.parameters(), strict=True))
+        assert same == (i % 3 == 0), i
+        assert set(out) == {"loss", "mean_q", "td_error"}
+        assert out["td_error"].shape == (batch["obs"].shape[0],)
+        assert isinstance(out["loss"], torch.Tensor)
+    assert all(not p.requires_grad for p in tr.target.parameters())
+
+
+def test_trainer_polyak_every_step_and_learning():
+    torch.manual_seed(0)
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, lr=1e-2, target_update_every=1, tau=0.5, loss_type="mse")
+    batch = make_batch()
+    first = float(tr.step(batch)["loss"])
+    before = [p.clone() for p in tr.target.parameters()]
+    tr.step(batch)
+    for t, b, o in zip(tr.target.parameters(), before, tr.online.parameters(), strict=True):
+        torch.testing.assert_close(t, 0.5 * o + 0.5 * b)
+    # Learning check on a pure-regression batch (no bootstrapping, so no target chasing).
+    batch["bootstrap_discount"] = torch.zeros_like(batch["bootstrap_discount"])
+    first = float(tr.step(batch)["loss"])
+    for _ in range(200):
+        last = float(tr.step(batch)["loss"])
+    assert last < 0.5 * first
+
+
+@pytest.mark.parametrize("double", [False, True])
+@pytest.mark.parametrize("loss_type", ["mse", "huber"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_manual_grad_matches_reference(double, loss_type, weighted):
+    online, target = _nets()
+    batch = make_batch(weighted=weighted)
+    batch["n_step_return"] = batch["n_step_return"] * 3
+    loss, td, _ = q_loss_manual_grad(online, target, batch, double=double, loss_type=loss_type)
+    ref_online = copy.deepcopy(online)
+    for p in ref_online.parameters():
+        p.grad = None
+    ref_loss, ref_td = reference_loss(ref_online, target, batch, double, loss_type)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(td, ref_td, atol=1e-6, rtol=0)
+    for p, r in zip(online.parameters(), ref_online.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0)
+    # Accumulates like autograd.
+    q_loss_manual_grad(online, target, batch, double=double, loss_type=loss_type)
+    for p, r in zip(online.parameters(), ref_online.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, 2 * r.grad, atol=1e-6, rtol=0)
+
+
+def test_manual_grad_rejects_other_networks():
+    net = torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS))
+    with pytest.raises(TypeError, match="QNetwork"):
+        q_loss_manual_grad(net, net, make_batch())
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_trainer_manual_and_autograd_paths_agree(double):
+    batch = make_batch(weighted=True)
+    trainers = []
+    for manual in (True, False):
+        torch.manual_seed(0)
+        trainers.append(
+            DQNTrainer(OBS_DIM, N_ACTIONS, lr=1e-3, double=double, target_update_every=2, manual_grad=manual)
+        )
+    assert trainers[0].manual_grad and not trainers[1].manual_grad
+    for _ in range(5):
+        outs = [tr.step(batch) for tr in trainers]
+        torch.testing.assert_close(outs[0]["loss"], outs[1]["loss"], atol=1e-6, rtol=1e-6)
+    for p, q in zip(trainers[0].online.parameters(), trainers[1].online.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
