@@ -276,7 +276,8 @@ class ServerProcess:
         self.port = free_port()
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--log-level", "WARNING",
+            [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--http-port", "-1",
+             "--log-level", "WARNING",
              "--instance", f"bench{uuid.uuid4().hex[:6]}"],
             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=self.log,
             env={**os.environ, **(MALLOC_ENV if tuned_malloc else {})},

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def start_server(port: int, instance: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
-               "--log-level", "WARNING"]
+               "--http-port", "0", "--log-level", "WARNING"]
     return subprocess.Popen(command)
 
 

@@ -70,7 +70,7 @@ def spans_request(buffer: str, spans: Sequence[Span]) -> pb.InsertRequest:
     }
     return pb.InsertRequest(
         buffer=buffer,
-        steps=codec.encode(columns).to_pybytes(),
+        steps=codec.encode(columns),
         episode_ids=[s.episode_id for s in spans],
         span_rows=[len(s.columns[names[0]]) for s in spans],
         begins=[s.begins for s in spans],
@@ -231,9 +231,9 @@ class ReplayClient:
         steps, envs = shapes.pop()
         flat = {name: np.ascontiguousarray(a).reshape(steps * envs, *a.shape[2:]) for name, a in columns.items()}
         request = pb.PushRolloutRequest(buffer=buffer, policy_version=policy_version, env_start=env_start,
-                                        step_start=step_start, steps=codec.encode(flat).to_pybytes(), num_envs=envs)
+                                        step_start=step_start, steps=codec.encode(flat), num_envs=envs)
         if bootstrap_value is not None:
-            request.bootstrap = codec.encode({"value": np.asarray(bootstrap_value, dtype=np.float32)}).to_pybytes()
+            request.bootstrap = codec.encode({"value": np.asarray(bootstrap_value, dtype=np.float32)})
         response = self._stub.PushRollout(request, timeout=self.timeout)
         return {"missing_steps": response.missing_steps, "rollout_complete": response.rollout_complete}
 

@@ -6,5 +6,5 @@ COPY constraints.txt pyproject.toml README.md ./
 COPY service ./service
 COPY client ./client
 RUN pip install --no-cache-dir --constraint constraints.txt .
-EXPOSE 50051
-CMD ["sh", "-c", "replayd serve --host ${REPLAYD_HOST} --port ${REPLAYD_PORT} --instance ${REPLAYD_INSTANCE} --max-message-mb ${REPLAYD_MAX_MESSAGE_MB}"]
+EXPOSE 50051 8080
+CMD ["replayd", "serve", "--host", "0.0.0.0", "--port", "50051", "--http-port", "8080"]

@@ -11,9 +11,11 @@ from service.grpc_server.server import ReplayServer
 
 
 def serve(args: argparse.Namespace) -> None:
+    http_address = None if args.http_port < 0 else f"{args.host}:{args.http_port}"
     server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
-                          max_message_bytes=int(args.max_message_mb * 2**20)).start()
-    print(f"replayd {server.instance} listening on {server.address}", flush=True)
+                          max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address).start()
+    http = f", HTTP on port {server.http.port}" if server.http else ""
+    print(f"replayd {server.instance} listening on {server.address}{http}", flush=True)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
     serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
+    serve_parser.add_argument("--http-port", type=int, default=8080,
+                              help="health, /metrics and the status page; 0 picks a free port, -1 turns it off")
     serve_parser.add_argument("--log-level", default="INFO")
     # Actors and learners need the client extras (torch, gymnasium); they are imported only when asked for,
     # so the server never imports torch.

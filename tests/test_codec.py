@@ -15,7 +15,7 @@ def test_round_trip_keeps_dtype_and_shape_zero_copy() -> None:
         "half": rng.random((5, 2, 3)).astype(np.float16),
         "u64": np.array([2**63 + 5, 1, 2, 3, 4], dtype=np.uint64),
     }
-    payload = codec.encode(columns).to_pybytes()
+    payload = codec.encode(columns)
     decoded = codec.decode(payload)
     assert list(decoded) == list(columns)
     for name, array in columns.items():
@@ -30,8 +30,8 @@ def test_round_trip_keeps_dtype_and_shape_zero_copy() -> None:
 
 def test_same_array_under_two_names_is_sent_once() -> None:
     obs = np.arange(4000, dtype=np.float32).reshape(1000, 4)
-    alone = codec.encode({"next_obs": obs}).size
-    both = codec.encode({"next_obs": obs, "bootstrap_obs": obs}).size
+    alone = len(codec.encode({"next_obs": obs}))
+    both = len(codec.encode({"next_obs": obs, "bootstrap_obs": obs}))
     assert both < alone + 200
     decoded = codec.decode(codec.encode({"next_obs": obs, "bootstrap_obs": obs}))
     np.testing.assert_array_equal(decoded["bootstrap_obs"], obs)
@@ -60,3 +60,23 @@ def test_unsupported_dtype_names_the_field() -> None:
 def test_unequal_rows_name_the_field() -> None:
     with pytest.raises(codec.CodecError, match="'b': 2 rows, but earlier fields have 3"):
         codec.encode({"a": np.zeros(3), "b": np.zeros(2)})
+
+
+def test_schema_cache_keeps_batches_of_different_layouts_apart() -> None:
+    a = {"x": np.arange(6, dtype=np.int64).reshape(3, 2)}
+    b = {"x": np.arange(6, dtype=np.int32).reshape(3, 2)}
+    c = {"x": np.arange(6, dtype=np.int64).reshape(2, 3)}
+    for columns in (a, b, c, a, c, b):
+        decoded = codec.decode(codec.encode(columns))
+        assert decoded["x"].dtype == columns["x"].dtype and decoded["x"].shape == columns["x"].shape
+        np.testing.assert_array_equal(decoded["x"], columns["x"])
+
+
+def test_two_record_batches_are_rejected() -> None:
+    reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(codec.encode({"x": np.zeros(3)})))
+    schema = reader.read_next_message().serialize().to_pybytes()
+    record = reader.read_next_message().serialize().to_pybytes()
+    with pytest.raises(codec.CodecError, match="exactly one record batch"):
+        codec.decode(schema + record + record + b"\xff\xff\xff\xff\x00\x00\x00\x00")
+    with pytest.raises(codec.CodecError, match="ends before its record batch"):
+        codec.decode(schema + b"\xff\xff\xff\xff\x00\x00\x00\x00")

@@ -53,11 +53,12 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     assert set(services) == {"server", "actor", "learner"}
-    assert services["server"]["shm_size"] and "healthcheck" in services["server"]
+    assert services["server"]["shm_size"] and "/healthz" in " ".join(services["server"]["healthcheck"]["test"])
     port = _free_port()
     env = {
         "REPLAYD_HOST": "127.0.0.1",
         "REPLAYD_PORT": str(port),
+        "REPLAYD_HTTP_PORT": "0",
         "REPLAYD_ADDRESS": f"127.0.0.1:{port}",
         "REPLAYD_INSTANCE": f"test{os.getpid()}compose",
         "REPLAYD_SECONDS": "10",

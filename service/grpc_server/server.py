@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from concurrent import futures
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from service.grpc_server.servicer import ReplayServicer
 from service.registry import BufferRegistry
@@ -32,6 +34,7 @@ class ReplayServer:
         instance: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int = 32,
+        http_address: str | None = None,
     ) -> None:
         self.instance = instance or secrets.token_hex(4)
         self.registry = BufferRegistry(self.instance)
@@ -46,10 +49,26 @@ class ReplayServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self.address = f"{host}:{self.port}"
+        self.metrics = CollectorRegistry()
+        self.http = None
+        if http_address is not None:
+            from service.http.app import HttpServer, create_app
 
-    def start(self) -> ReplayServer:
+            http_host, http_port = http_address.rsplit(":", 1)
+            self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics), http_host,
+                                   int(http_port))
+
+    def start(self, timeout: float = 30.0) -> ReplayServer:
         self._server.start()
         log.info("replayd instance %s serving on %s", self.instance, self.address)
+        if self.http is not None:
+            self.http.start()
+            deadline = time.monotonic() + timeout
+            while not self.http.started:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the HTTP side did not start")
+                time.sleep(0.01)
+            log.info("HTTP side (health, metrics, status page) on port %d", self.http.port)
         return self
 
     def wait(self) -> None:
@@ -58,6 +77,8 @@ class ReplayServer:
     def stop(self, grace: float = 1.0) -> None:
         """Stops serving, then unlinks every buffer's shared memory."""
         self._server.stop(grace).wait()
+        if self.http is not None:
+            self.http.stop()
         self.registry.close()
 
     def __enter__(self) -> ReplayServer:

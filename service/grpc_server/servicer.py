@@ -164,12 +164,12 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds,
                               importance_beta=request.importance_beta)
         payload = codec.encode(batch)
-        if payload.size > self.max_message_bytes:
+        if len(payload) > self.max_message_bytes:
             raise errors.ResourceExhausted(
-                f"sample: the batch encodes to {payload.size} bytes, over the server's max_message_bytes="
+                f"sample: the batch encodes to {len(payload)} bytes, over the server's max_message_bytes="
                 f"{self.max_message_bytes}; lower batch_size or raise --max-message-mb"
             )
-        return payload.to_pybytes()
+        return payload
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
@@ -228,7 +228,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         for batch in minibatches:
             if not context.is_active():
                 return
-            yield pb.SampleResponse(batch=codec.encode(batch).to_pybytes())
+            yield pb.SampleResponse(batch=codec.encode(batch))
 
     @rpc
     def FinishRollout(self, request: pb.FinishRolloutRequest, context) -> pb.BufferInfo:

@@ -5,12 +5,17 @@ numpy dtype and per-row shape in its metadata; multi-dimensional rows travel as 
 over the flat values, and booleans travel as uint8 bytes, so both directions are zero-copy: decoding
 yields read-only numpy views into the received bytes. When a batch holds the same array under two
 names (e.g. `bootstrap_obs` is `next_obs` for 1-step samples), it is sent once and aliased.
+
+A payload is a complete IPC stream (schema message, one record-batch message, end-of-stream marker).
+Both sides cache what they derive from a schema, so a batch of a shape seen before costs only the
+record-batch message: a learner's stream repeats one schema forever.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +27,8 @@ ALLOWED_DTYPES = frozenset(
 _DTYPE_KEY = b"dtype"
 _SHAPE_KEY = b"shape"
 _ALIASES_KEY = b"aliases"
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+_CACHE_LIMIT = 512
 
 
 class CodecError(ValueError):
@@ -29,28 +36,73 @@ class CodecError(ValueError):
 
 
 def check_dtype(name: str, dtype: np.dtype | str) -> np.dtype:
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise CodecError(f"field {name!r}: {dtype!r} is not a numpy dtype") from exc
     if dtype.name not in ALLOWED_DTYPES:
         raise CodecError(f"field {name!r}: dtype {dtype.name} is not supported (use one of {sorted(ALLOWED_DTYPES)})")
     return dtype
 
 
-def _to_arrow(name: str, array: np.ndarray) -> tuple[pa.Field, pa.Array]:
-    dtype = check_dtype(name, array.dtype)
-    row_shape = array.shape[1:]
-    flat = np.ascontiguousarray(array).reshape(-1)
-    if dtype == np.bool_:
-        flat = flat.view(np.uint8)
-    values = pa.array(flat)
-    row_size = int(np.prod(row_shape, dtype=np.int64))
-    column = values if not row_shape else pa.FixedSizeListArray.from_arrays(values, row_size)
-    metadata = {_DTYPE_KEY: dtype.name.encode(), _SHAPE_KEY: json.dumps(list(row_shape)).encode()}
-    return pa.field(name, column.type, nullable=False, metadata=metadata), column
+@dataclass(frozen=True)
+class _Column:
+    """How one field maps between numpy and Arrow."""
+
+    name: str
+    dtype: np.dtype  # the numpy dtype handed to users
+    storage: np.dtype  # what travels (uint8 for bool)
+    shape: tuple[int, ...]  # per row
+    row_size: int
+    values_type: pa.DataType
+    arrow_type: pa.DataType  # values_type, or a fixed-size list of row_size values
 
 
-def encode(columns: Mapping[str, np.ndarray]) -> pa.Buffer:
+def _column(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> _Column:
+    storage = np.dtype(np.uint8) if dtype == np.bool_ else dtype
+    values_type = pa.from_numpy_dtype(storage)
+    row_size = int(np.prod(shape, dtype=np.int64))
+    arrow_type = pa.list_(values_type, row_size) if shape else values_type
+    return _Column(name, dtype, storage, shape, row_size, values_type, arrow_type)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A schema and its columns; cached by the layout it describes (encode) or its bytes (decode)."""
+
+    schema: pa.Schema
+    schema_message: bytes
+    columns: tuple[_Column, ...]
+    aliases: tuple[tuple[str, str], ...]
+
+
+_encode_plans: dict[tuple, _Plan] = {}
+_decode_plans: dict[bytes, _Plan] = {}
+
+
+def _remember(cache: dict, key: object, plan: _Plan) -> _Plan:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.pop(next(iter(cache)))
+    cache[key] = plan
+    return plan
+
+
+def _encode_plan(key: tuple, columns: tuple[_Column, ...], aliases: tuple[tuple[str, str], ...]) -> _Plan:
+    fields = [
+        pa.field(c.name, c.arrow_type, nullable=False,
+                 metadata={_DTYPE_KEY: c.dtype.name.encode(), _SHAPE_KEY: json.dumps(list(c.shape)).encode()})
+        for c in columns
+    ]
+    metadata = {_ALIASES_KEY: json.dumps(dict(aliases)).encode()} if aliases else None
+    schema = pa.schema(fields, metadata=metadata)
+    return _remember(_encode_plans, key, _Plan(schema, schema.serialize().to_pybytes(), columns, aliases))
+
+
+def encode(columns: Mapping[str, np.ndarray]) -> bytes:
     """Encodes equal-length columns into one Arrow IPC stream (schema + one record batch)."""
-    fields, arrays, aliases = [], [], {}
+    arrays: list[np.ndarray] = []
+    layout: list[tuple[str, str, tuple[int, ...]]] = []
+    aliases: list[tuple[str, str]] = []
     seen: dict[int, str] = {}
     num_rows = None
     for name, array in columns.items():
@@ -61,77 +113,98 @@ def encode(columns: Mapping[str, np.ndarray]) -> pa.Buffer:
         elif len(array) != num_rows:
             raise CodecError(f"field {name!r}: {len(array)} rows, but earlier fields have {num_rows}")
         if id(array) in seen:
-            aliases[name] = seen[id(array)]
+            aliases.append((name, seen[id(array)]))
             continue
         seen[id(array)] = name
-        field, column = _to_arrow(name, array)
-        fields.append(field)
-        arrays.append(column)
-    schema_metadata = {_ALIASES_KEY: json.dumps(aliases).encode()} if aliases else None
-    batch = pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=schema_metadata))
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue()
+        arrays.append(array)
+        layout.append((name, array.dtype.str, array.shape[1:]))
+    key = (tuple(layout), tuple(aliases))
+    plan = _encode_plans.get(key)
+    if plan is None:
+        plan = _encode_plan(key, tuple(_column(n, check_dtype(n, a.dtype), a.shape[1:])
+                                       for (n, _, _), a in zip(layout, arrays, strict=True)), tuple(aliases))
+    arrow_columns = []
+    for column, array in zip(plan.columns, arrays, strict=True):
+        flat = np.ascontiguousarray(array).reshape(-1)
+        values = pa.Array.from_buffers(column.values_type, flat.size, [None, pa.py_buffer(flat.view(column.storage))])
+        if column.shape:
+            values = pa.Array.from_buffers(column.arrow_type, len(array), [None], children=[values])
+        arrow_columns.append(values)
+    batch = pa.RecordBatch.from_arrays(arrow_columns, schema=plan.schema)
+    return b"".join([plan.schema_message, batch.serialize(), _END_OF_STREAM])
 
 
-def _field_dtype_shape(field: pa.Field) -> tuple[np.dtype, tuple[int, ...]]:
-    metadata = field.metadata or {}
-    if _DTYPE_KEY not in metadata or _SHAPE_KEY not in metadata:
-        raise CodecError(f"field {field.name!r}: missing dtype/shape metadata")
-    try:
-        dtype = check_dtype(field.name, metadata[_DTYPE_KEY].decode())
-        shape = tuple(int(d) for d in json.loads(metadata[_SHAPE_KEY]))
-    except (TypeError, ValueError, UnicodeDecodeError) as exc:
-        raise CodecError(f"field {field.name!r}: bad dtype/shape metadata ({exc})") from exc
-    if any(d < 0 for d in shape):
-        raise CodecError(f"field {field.name!r}: negative dimension in shape {shape}")
-    return dtype, shape
-
-
-def _to_numpy(field: pa.Field, column: pa.Array) -> np.ndarray:
-    dtype, shape = _field_dtype_shape(field)
-    if column.null_count:
-        raise CodecError(f"field {field.name!r}: null values are not allowed")
-    storage_dtype = np.dtype(np.uint8) if dtype == np.bool_ else dtype
-    if shape:
-        row_size = int(np.prod(shape, dtype=np.int64))
-        if not pa.types.is_fixed_size_list(column.type) or column.type.list_size != row_size:
-            raise CodecError(f"field {field.name!r}: rows of shape {shape} need a fixed-size list of {row_size}")
-        values = column.flatten()
-    else:
-        values = column
-    if values.type != pa.from_numpy_dtype(storage_dtype) or values.null_count:
-        raise CodecError(f"field {field.name!r}: arrow type {values.type} does not match dtype {dtype.name}")
-    flat = values.to_numpy(zero_copy_only=True)
-    if dtype == np.bool_:
-        if flat.size and flat.max() > 1:
-            raise CodecError(f"field {field.name!r}: boolean bytes must be 0 or 1")
-        flat = flat.view(np.bool_)
-    return flat.reshape((len(column), *shape))
+def _decode_plan(schema_message: bytes, schema: pa.Schema) -> _Plan:
+    columns = []
+    for field in schema:
+        metadata = field.metadata or {}
+        if _DTYPE_KEY not in metadata or _SHAPE_KEY not in metadata:
+            raise CodecError(f"field {field.name!r}: missing dtype/shape metadata")
+        try:
+            dtype = check_dtype(field.name, metadata[_DTYPE_KEY].decode())
+            shape = tuple(int(d) for d in json.loads(metadata[_SHAPE_KEY]))
+        except (TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise CodecError(f"field {field.name!r}: bad dtype/shape metadata ({exc})") from exc
+        if any(d < 0 for d in shape):
+            raise CodecError(f"field {field.name!r}: negative dimension in shape {shape}")
+        column = _column(field.name, dtype, shape)
+        if field.type != column.arrow_type:
+            raise CodecError(f"field {field.name!r}: arrow type {field.type} does not match dtype {dtype.name} "
+                             f"and row shape {shape} (expected {column.arrow_type})")
+        if any(c.name == field.name for c in columns):
+            raise CodecError(f"field {field.name!r} appears twice")
+        columns.append(column)
+    aliases: tuple[tuple[str, str], ...] = ()
+    if schema.metadata and _ALIASES_KEY in schema.metadata:
+        names = {c.name for c in columns}
+        try:
+            aliases = tuple(json.loads(schema.metadata[_ALIASES_KEY]).items())
+        except (ValueError, AttributeError) as exc:
+            raise CodecError(f"bad alias metadata: {exc}") from exc
+        if any(not isinstance(a, str) or target not in names for a, target in aliases):
+            raise CodecError(f"bad alias metadata: {aliases} must name fields of the batch")
+    return _remember(_decode_plans, schema_message, _Plan(schema, schema_message, tuple(columns), aliases))
 
 
 def decode(payload: bytes | memoryview | pa.Buffer) -> dict[str, np.ndarray]:
     """Decodes one Arrow IPC stream into read-only numpy views over `payload`."""
+    buffer = payload if isinstance(payload, pa.Buffer) else pa.py_buffer(payload)
     try:
-        reader = pa.ipc.open_stream(pa.py_buffer(payload) if not isinstance(payload, pa.Buffer) else payload)
-        batches = list(reader)
-    except (pa.ArrowException, OSError) as exc:
-        raise CodecError(f"malformed Arrow IPC payload: {exc}") from exc
-    if len(batches) != 1:
-        raise CodecError(f"expected exactly one record batch, got {len(batches)}")
-    batch = batches[0]
-    columns = {}
-    for field, column in zip(batch.schema, batch.columns, strict=True):
-        if field.name in columns:
-            raise CodecError(f"field {field.name!r} appears twice")
-        columns[field.name] = _to_numpy(field, column)
-    schema_metadata = batch.schema.metadata or {}
-    if _ALIASES_KEY in schema_metadata:
+        reader = pa.ipc.MessageReader.open_stream(buffer)
+        schema_message = reader.read_next_message()
+        if schema_message.type != "schema":
+            raise CodecError(f"expected a schema message first, got {schema_message.type}")
+        key = schema_message.metadata.to_pybytes()
+        plan = _decode_plans.get(key)
+        if plan is None:
+            plan = _decode_plan(key, pa.ipc.read_schema(schema_message))
+        batch_message = reader.read_next_message()
+        if batch_message.type != "record batch":
+            raise CodecError(f"expected one record batch after the schema, got {batch_message.type}")
+        batch = pa.ipc.read_record_batch(batch_message, plan.schema)
         try:
-            aliases = json.loads(schema_metadata[_ALIASES_KEY])
-            for name, target in aliases.items():
-                columns[name] = columns[target]
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CodecError(f"bad alias metadata: {exc}") from exc
+            reader.read_next_message()
+        except StopIteration:
+            pass
+        else:
+            raise CodecError("expected exactly one record batch, got more")
+    except StopIteration as exc:
+        raise CodecError("malformed Arrow IPC payload: the stream ends before its record batch") from exc
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        if isinstance(exc, CodecError):
+            raise
+        raise CodecError(f"malformed Arrow IPC payload: {exc}") from exc
+    columns = {}
+    for column, array in zip(plan.columns, batch.columns, strict=True):
+        if array.null_count:
+            raise CodecError(f"field {column.name!r}: null values are not allowed")
+        values = array.flatten() if column.shape else array
+        flat = values.to_numpy(zero_copy_only=True)
+        if column.dtype == np.bool_:
+            if flat.size and flat.max() > 1:
+                raise CodecError(f"field {column.name!r}: boolean bytes must be 0 or 1")
+            flat = flat.view(np.bool_)
+        columns[column.name] = flat.reshape((len(array), *column.shape))
+    for name, target in plan.aliases:
+        columns[name] = columns[target]
     return columns
