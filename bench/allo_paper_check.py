@@ -12,6 +12,13 @@ server instead, pass something like::
             return client.sample(name, batch_size, mode="geometric", discount=gamma)
         return client.sample(name, batch_size, mode="states")
 
+Defaults (tuned on 2 CPU cores):
+encoder 2-128-128-128-10, batch 512 for each of pairs/u1/u2, Adam lr 2e-3, duals lr 1e-2, barrier
+fixed at 2.0 (lr_barrier 0), γ = 0.9, 2000 random-walk episodes of 50 steps.  Tried and rejected:
+the paper-code-like barrier schedule (init 0.5, lr_barrier 1.0, 256x3 net, batch 1024) -- the
+barrier jumped to ~38 within 2000 steps and the average cosine stalled at ~0.56 after 6000 steps;
+lr_beta 0.05 with lr_barrier 0.01 oscillated (~0.35 after 5000 steps).
+
 Prints per-dimension |cosine| similarities, their average (target >= 0.9) and the wall time, and
 saves a learned-vs-true heatmap PNG and a JSON summary into the output folder.
 """
@@ -101,13 +108,13 @@ def train_and_evaluate(
     sample_fn: SampleFn,
     env: GridWorld,
     d: int = 10,
-    steps: int = 20000,
-    batch_size: int = 1024,
-    hidden: tuple[int, ...] = (256, 256, 256),
-    lr: float = 1e-3,
+    steps: int = 8000,
+    batch_size: int = 512,
+    hidden: tuple[int, ...] = (128, 128, 128),
+    lr: float = 2e-3,
     lr_beta: float = 1e-2,
-    lr_barrier: float = 1.0,
-    barrier_init: float = 0.5,
+    lr_barrier: float = 0.0,
+    barrier_init: float = 2.0,
     device: str = "cpu",
     log_every: int = 1000,
     seed: int = 0,
@@ -159,10 +166,13 @@ def save_heatmaps(env: GridWorld, learned: np.ndarray, true: np.ndarray, cos: np
     d = true.shape[1]
     fig, axes = plt.subplots(2, d, figsize=(1.8 * d, 4))
     for j in range(d):
+        # Align sign and scale (unit norm, like the true column); one symmetric color scale per column.
         sign = np.sign((learned[:, j] * true[:, j]).sum()) or 1.0
-        for row, (vals, name) in enumerate(((true[:, j], "true"), (sign * learned[:, j], "learned"))):
+        lv = sign * learned[:, j] / max(np.linalg.norm(learned[:, j]), 1e-12)
+        m = max(np.abs(true[:, j]).max(), np.abs(lv).max())
+        for row, (vals, name) in enumerate(((true[:, j], "true"), (lv, "learned"))):
             ax = axes[row, j]
-            ax.imshow(env.to_image(vals), cmap="coolwarm")
+            ax.imshow(env.to_image(vals), cmap="coolwarm", vmin=-m, vmax=m)
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_title(f"{name} {j}" + (f"\ncos {cos[j]:.3f}" if row else ""), fontsize=8)
@@ -176,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/allo_check")
     p.add_argument("--d", type=int, default=10)
-    p.add_argument("--steps", type=int, default=20000)
-    p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--hidden", type=int, nargs="+", default=[256, 256, 256])
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=8000)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--hidden", type=int, nargs="+", default=[128, 128, 128])
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr-beta", type=float, default=1e-2)
-    p.add_argument("--lr-barrier", type=float, default=1.0)
-    p.add_argument("--barrier-init", type=float, default=0.5)
+    p.add_argument("--lr-barrier", type=float, default=0.0)
+    p.add_argument("--barrier-init", type=float, default=2.0)
     p.add_argument("--discount", type=float, default=0.9)
     p.add_argument("--episodes", type=int, default=2000)
     p.add_argument("--episode-steps", type=int, default=50)

@@ -19,6 +19,7 @@ from service.grpc_server.server import DEFAULT_MAX_MESSAGE_BYTES, channel_option
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire.frames import InsertFrame, sample_response_batch, serialize_insert
 
 Schema = Mapping[str, tuple[str, tuple[int, ...]]]
 T = TypeVar("T")
@@ -62,21 +63,21 @@ class Span:
     terminated: bool = False
 
 
-def spans_request(buffer: str, spans: Sequence[Span]) -> pb.InsertRequest:
+def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
     names = list(spans[0].columns)
     columns = {
         name: spans[0].columns[name] if len(spans) == 1 else np.concatenate([s.columns[name] for s in spans])
         for name in names
     }
-    return pb.InsertRequest(
+    request = pb.InsertRequest(
         buffer=buffer,
-        steps=codec.encode(columns),
         episode_ids=[s.episode_id for s in spans],
         span_rows=[len(s.columns[names[0]]) for s in spans],
         begins=[s.begins for s in spans],
         ends=[s.ends for s in spans],
         terminated=[s.terminated for s in spans],
     )
+    return InsertFrame(request, codec.encode(columns))
 
 
 def episode_span(episode: Mapping[str, np.ndarray], terminated: bool, observation_fields: Iterable[str],
@@ -112,6 +113,19 @@ class ReplayClient:
         self.retries = retries
         self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
         self._stub = pb_grpc.ReplayStub(self._channel)
+        # The payload-carrying calls skip protobuf's copies of their Arrow bytes (service/wire/frames.py).
+        self._insert = self._channel.stream_unary(
+            "/replayd.v1.Replay/Insert", request_serializer=serialize_insert,
+            response_deserializer=pb.InsertResponse.FromString)
+        self._sample = self._channel.unary_unary(
+            "/replayd.v1.Replay/Sample", request_serializer=pb.SampleRequest.SerializeToString,
+            response_deserializer=sample_response_batch)
+        self._sample_stream = self._channel.unary_stream(
+            "/replayd.v1.Replay/SampleStream", request_serializer=pb.SampleStreamRequest.SerializeToString,
+            response_deserializer=sample_response_batch)
+        self._rollout_minibatches = self._channel.unary_stream(
+            "/replayd.v1.Replay/RolloutMinibatches", request_serializer=pb.RolloutMinibatchesRequest.SerializeToString,
+            response_deserializer=sample_response_batch)
         self._observation_fields: dict[str, tuple[str, ...]] = {}
 
     def close(self) -> None:
@@ -245,10 +259,10 @@ class ReplayClient:
                                                normalize_advantages=normalize_advantages, drop_last=drop_last)
         if seed is not None:
             request.seed = seed
-        call = self._stub.RolloutMinibatches(request, timeout=timeout or self.timeout)
+        call = self._rollout_minibatches(request, timeout=timeout or self.timeout)
         try:
-            for response in call:
-                yield codec.decode(response.batch)
+            for payload in call:
+                yield codec.decode(payload)
         finally:
             call.cancel()
 
@@ -270,9 +284,10 @@ class ReplayClient:
         return (response.version, response.safetensors) if response.version else None
 
     # ---------------------------------------------------------------- inserting
-    def insert(self, requests: Iterable[pb.InsertRequest], timeout: float | None = None) -> pb.InsertResponse:
+    def insert(self, requests: Iterable[InsertFrame | pb.InsertRequest],
+               timeout: float | None = None) -> pb.InsertResponse:
         """Streams insert requests; each is stored all-or-nothing, the response acknowledges them all."""
-        return self._stub.Insert(iter(requests), timeout=timeout or self.timeout)
+        return self._insert(iter(requests), timeout=timeout or self.timeout)
 
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
                        **columns: np.ndarray) -> int:
@@ -316,8 +331,7 @@ class ReplayClient:
                **options: Any) -> dict[str, np.ndarray]:
         """One batch as read-only numpy arrays (views into the received bytes)."""
         request = self.sample_request(buffer, batch_size, mode, **options)
-        response = self._idempotent(self._stub.Sample, request, timeout)
-        return codec.decode(response.batch)
+        return codec.decode(self._idempotent(self._sample, request, timeout))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -336,9 +350,9 @@ class ReplayClient:
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
-        call = self._stub.SampleStream(request, timeout=timeout)
+        call = self._sample_stream(request, timeout=timeout)
         try:
-            for response in call:
-                yield codec.decode(response.batch)
+            for payload in call:
+                yield codec.decode(payload)
         finally:
             call.cancel()

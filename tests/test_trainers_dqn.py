@@ -240,7 +240,7 @@ def test_manual_grad_matches_reference(double, loss_type, weighted):
 
 def test_manual_grad_rejects_other_networks():
     net = torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS))
-    with pytest.raises(TypeError, match="QNetwork"):
+    with pytest.raises(TypeError, match="QNetworks"):
         q_loss_manual_grad(net, net, make_batch())
 
 
@@ -259,3 +259,20 @@ def test_trainer_manual_and_autograd_paths_agree(double):
         torch.testing.assert_close(outs[0]["loss"], outs[1]["loss"], atol=1e-6, rtol=1e-6)
     for p, q in zip(trainers[0].online.parameters(), trainers[1].online.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_qnetwork_param_cache_follows_conversions_and_copies():
+    net = QNetwork(OBS_DIM, N_ACTIONS)
+    ref = torch.nn.Sequential(net.layers[0], torch.nn.ReLU(), net.layers[1], torch.nn.ReLU(), net.layers[2])
+    x = torch.randn(5, OBS_DIM)
+    torch.testing.assert_close(net(x), ref(x))
+    net.double()
+    assert net.weights_and_biases[0][0] is net.layers[0].weight
+    assert net(x).dtype == torch.float64
+    clone = copy.deepcopy(net)
+    assert clone.weights_and_biases[0][0] is clone.layers[0].weight
+    with torch.no_grad():
+        clone.layers[0].weight.add_(1.0)
+    assert not torch.allclose(clone(x), net(x))
+    net.load_state_dict(clone.state_dict())
+    torch.testing.assert_close(clone(x), net(x))

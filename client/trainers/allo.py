@@ -54,11 +54,13 @@ class AlloEncoder(nn.Module):
 def default_single_call(device: torch.device | str) -> bool:
     """Whether one encoder call over ``cat([s, s', u1, u2])`` is the faster choice on ``device``.
 
-    Measured with bench/bench_trainers.py (AlloEncoder 2->256x3->10, 2 CPU threads): on CPU the
-    concatenated call is not faster (the cat copy and the larger GEMM give no saving on a
-    bandwidth/compute-bound CPU, where per-op launch overhead is small relative to the work), so CPU
-    defaults to separate calls.  On CUDA a step is launch-overhead bound at these sizes, so one call
-    (fewer kernels) is the default there.
+    Measured with bench/bench_trainers.py (loss forward+backward, encoder 2-256-256-256-10, medians
+    of interleaved repeats on a 2-core CPU): single/separate time = 0.96-1.04x at 256 rows per part
+    and 1.13-1.15x *slower* at 1024 rows per part (1 and 2 threads).  On CPU the cat copy and the
+    larger GEMMs cost more than the saved per-call overhead, so CPU defaults to separate calls.  On
+    CUDA a step at these sizes is kernel-launch bound, so one call (a quarter of the launches) is
+    the default there (not measured in this tree: no GPU was available; bench/gpu_check.py
+    reports both variants when run on one).
     """
     return torch.device(device).type != "cpu"
 
@@ -136,8 +138,9 @@ class AlloTrainer:
     """Encoder + Adam + duals/barrier.  ``step(pair_batch, u1, u2)`` does one ALLO update.
 
     Defaults follow the paper's code where stated (Adam lr 1e-3, duals clipped to [-100, 100]);
-    ``lr_beta``, ``lr_barrier``, ``barrier_init`` are tuned for the 2-CPU four-rooms check
-    (see bench/allo_paper_check.py).
+    ``lr_beta`` 1e-2 and a fixed barrier of 2.0 (``lr_barrier`` 0) are what reached >= 0.9 average
+    cosine on four rooms within a few CPU minutes (bench/allo_paper_check.py); the paper's growing
+    barrier (lr_barrier 1.0) is available by passing ``lr_barrier``.
     """
 
     def __init__(
@@ -147,8 +150,8 @@ class AlloTrainer:
         hidden: Sequence[int] = (256, 256, 256),
         lr: float = 1e-3,
         lr_beta: float = 1e-2,
-        lr_barrier: float = 1.0,
-        barrier_init: float = 0.5,
+        lr_barrier: float = 0.0,
+        barrier_init: float = 2.0,
         barrier_max: float = 1e4,
         single_call: bool | None = None,
         device: torch.device | str = "cpu",

@@ -1,5 +1,8 @@
 """DQN / Double DQN on replayd n-step batches (CleanRL style: the whole loss is ``q_loss``).
 
+``q_loss_manual_grad`` computes the same loss with a hand-written backward for ``QNetwork``; the
+trainer uses it by default because it is faster on CPU (tests check it equals ``q_loss``).
+
 Batch fields used (dict of tensors, first axis B, already on the device):
 
 * ``obs`` (B, *S), ``action`` (B,) int64
@@ -28,8 +31,10 @@ __all__ = ["DQNTrainer", "QNetwork", "q_loss", "q_loss_manual_grad", "update_tar
 class QNetwork(nn.Module):
     """MLP obs (B, obs_dim) -> Q (B, n_actions); default obs_dim -> 64 -> 64 -> n_actions.
 
-    ``forward`` calls ``F.linear``/``relu`` directly on the layers' parameters: the same math as an
-    ``nn.Sequential``, without the per-submodule ``__call__`` overhead that dominates at batch 32.
+    ``forward`` runs ``addmm``/``relu`` directly on a cached tuple of the layers' (weight, bias):
+    the same math as an ``nn.Sequential``, without the per-submodule ``__call__`` and attribute
+    lookups that dominate at batch 32.  The cache holds the Parameter objects themselves and is
+    refreshed after ``.to()``/``.cuda()``/``.double()`` (``_apply``).
     """
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: Sequence[int] = (64, 64)) -> None:
@@ -39,17 +44,25 @@ class QNetwork(nn.Module):
         dims = [obs_dim, *hidden, n_actions]
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.obs_dim, self.n_actions = obs_dim, n_actions
+        self._refresh_cache()
+
+    def _refresh_cache(self) -> None:
+        self.weights_and_biases = tuple((layer.weight, layer.bias) for layer in self.layers)
+
+    def _apply(self, fn, recurse=True):  # nn.Module's signature
+        out = super()._apply(fn, recurse)
+        self._refresh_cache()
+        return out
 
     def forward(self, obs: Tensor) -> Tensor:
-        x = obs if obs.dim() == 2 else obs.reshape(obs.shape[0], -1)
-        if x.dtype != self.layers[0].weight.dtype:
-            x = x.to(self.layers[0].weight.dtype)
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = F.linear(x, layer.weight, layer.bias)
-            if i < last:
-                x = torch.relu(x)
-        return x
+        wb = self.weights_and_biases
+        x = obs if obs.dim() == 2 else obs.reshape(obs.shape[0], -1)  # (B, obs_dim)
+        if x.dtype != wb[0][0].dtype:
+            x = x.to(wb[0][0].dtype)
+        for w, b in wb[:-1]:
+            x = torch.relu(torch.addmm(b, x, w.t()))  # (B, hidden)
+        w, b = wb[-1]
+        return torch.addmm(b, x, w.t())  # (B, n_actions)
 
 
 def q_loss(
@@ -121,27 +134,30 @@ def q_loss_manual_grad(
     """
     if loss_type not in ("mse", "huber"):
         raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
-    if not isinstance(online, QNetwork):
-        raise TypeError(f"q_loss_manual_grad needs a QNetwork, got {type(online).__name__}")
+    if not (isinstance(online, QNetwork) and isinstance(target, QNetwork)):
+        raise TypeError(f"q_loss_manual_grad needs QNetworks, got {type(online).__name__} and {type(target).__name__}")
     obs, boot_obs = batch["obs"], batch["bootstrap_obs"]  # (B, *S) each
     action = batch["action"].long().unsqueeze(1)  # (B, 1)
     B = obs.shape[0]
-    dtype = online.layers[0].weight.dtype
 
     # Forward, keeping each layer's input.  Double DQN: one pass over [s; s_boot].
+    wb = online.weights_and_biases
     x = torch.cat([obs, boot_obs]) if double else obs
-    x = x.reshape(x.shape[0], -1).to(dtype)  # (B or 2B, obs_dim)
+    if x.dim() != 2 or x.dtype != wb[0][0].dtype:
+        x = x.reshape(x.shape[0], -1).to(wb[0][0].dtype)  # (B or 2B, obs_dim)
     inputs = []
-    last = len(online.layers) - 1
-    for i, layer in enumerate(online.layers):
+    for w, b in wb[:-1]:
         inputs.append(x)
-        x = torch.addmm(layer.bias, x, layer.weight.t())
-        if i < last:
-            x = x.relu_()
-    q_online = x[:B]  # (B, A)
+        x = torch.addmm(b, x, w.t()).relu_()  # (B or 2B, hidden)
+    inputs.append(x)
+    x = torch.addmm(wb[-1][1], x, wb[-1][0].t())  # (B or 2B, A)
+    q_online = x[:B] if double else x  # (B, A)
     q_taken = q_online.gather(1, action).squeeze(1)  # (B,)
 
-    q_boot = target(boot_obs)  # (B, A)
+    h = boot_obs if boot_obs.dim() == 2 else boot_obs.reshape(B, -1)  # target net forward, in place
+    for w, b in target.weights_and_biases[:-1]:
+        h = torch.addmm(b, h.to(w.dtype), w.t()).relu_()
+    q_boot = torch.addmm(target.weights_and_biases[-1][1], h, target.weights_and_biases[-1][0].t())  # (B, A)
     if double:
         boot_value = q_boot.gather(1, x[B:].argmax(1, keepdim=True)).squeeze(1)  # (B,)
     else:
@@ -149,28 +165,29 @@ def q_loss_manual_grad(
     y = torch.addcmul(batch["n_step_return"], batch["bootstrap_discount"], boot_value)  # (B,)
     td = q_taken - y  # (B,)
 
-    # Loss and dLoss/dQ(s, a).
+    # Loss and dLoss/dQ(s, a) (the 1/B of the mean folded in).
     if loss_type == "mse":
-        per_sample, dloss = td.square(), 2.0 * td  # (B,) each
+        per_sample, dloss = td.square(), td * (2.0 / B)  # (B,) each
     else:
         per_sample = F.huber_loss(q_taken, y, reduction="none", delta=huber_delta)  # (B,)
-        dloss = td.clamp(-huber_delta, huber_delta)  # (B,)
+        dloss = td.clamp(-huber_delta, huber_delta).mul_(1.0 / B)  # (B,)
     weight = batch.get("weight")
     if weight is not None:
         per_sample, dloss = per_sample * weight, dloss * weight
     loss = per_sample.mean()
-    grad_out = torch.zeros_like(q_online).scatter_(1, action, (dloss / B).unsqueeze(1))  # (B, A)
+    grad_out = torch.zeros_like(q_online).scatter_(1, action, dloss.unsqueeze(1))  # (B, A)
 
     # Backward through the first B rows only (the bootstrap half carries no gradient).
-    for i in range(last, -1, -1):
-        layer, x_in = online.layers[i], inputs[i][:B]
-        for p, g in ((layer.weight, grad_out.t() @ x_in), (layer.bias, grad_out.sum(0))):
+    for i in range(len(wb) - 1, -1, -1):
+        (w, b), x_in = wb[i], (inputs[i][:B] if double else inputs[i])
+        for p, g in ((w, grad_out.t() @ x_in), (b, grad_out.sum(0))):
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad.add_(g)
         if i > 0:
-            grad_out = (grad_out @ layer.weight).mul_(x_in > 0)
+            # ReLU backward: zero where the layer input (a ReLU output) is 0 (autograd's own op).
+            grad_out = torch.ops.aten.threshold_backward(grad_out @ w, x_in, 0.0)
     return loss, td, q_taken
 
 

@@ -12,11 +12,45 @@ from prometheus_client import CollectorRegistry
 
 from service.grpc_server.servicer import ReplayServicer
 from service.registry import BufferRegistry
-from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire import replay_pb2 as pb
+from service.wire.frames import InsertFrame, sample_response_bytes
 
 log = logging.getLogger("replayd")
 
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 2**20
+
+
+def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
+    """The Replay service's handlers. Inserts and batches skip protobuf's copies of their Arrow payload
+    (service/wire/frames.py): Insert gets InsertFrames, and the sampling RPCs return the payload bytes."""
+    unary = grpc.unary_unary_rpc_method_handler
+
+    def plain(method, request: type, response: type, kind=unary) -> grpc.RpcMethodHandler:
+        return kind(method, request_deserializer=request.FromString, response_serializer=response.SerializeToString)
+
+    handlers = {
+        "CreateBuffer": plain(servicer.CreateBuffer, pb.CreateBufferRequest, pb.BufferInfo),
+        "DeleteBuffer": plain(servicer.DeleteBuffer, pb.DeleteBufferRequest, pb.DeleteBufferResponse),
+        "ListBuffers": plain(servicer.ListBuffers, pb.ListBuffersRequest, pb.ListBuffersResponse),
+        "DescribeBuffer": plain(servicer.DescribeBuffer, pb.DescribeBufferRequest, pb.BufferInfo),
+        "Insert": grpc.stream_unary_rpc_method_handler(
+            servicer.Insert, request_deserializer=InsertFrame.parse,
+            response_serializer=pb.InsertResponse.SerializeToString),
+        "Sample": unary(servicer.Sample, request_deserializer=pb.SampleRequest.FromString,
+                        response_serializer=sample_response_bytes),
+        "SampleStream": grpc.unary_stream_rpc_method_handler(
+            servicer.SampleStream, request_deserializer=pb.SampleStreamRequest.FromString,
+            response_serializer=sample_response_bytes),
+        "UpdatePriorities": plain(servicer.UpdatePriorities, pb.UpdatePrioritiesRequest, pb.UpdatePrioritiesResponse),
+        "PushRollout": plain(servicer.PushRollout, pb.PushRolloutRequest, pb.PushRolloutResponse),
+        "RolloutMinibatches": grpc.unary_stream_rpc_method_handler(
+            servicer.RolloutMinibatches, request_deserializer=pb.RolloutMinibatchesRequest.FromString,
+            response_serializer=sample_response_bytes),
+        "FinishRollout": plain(servicer.FinishRollout, pb.FinishRolloutRequest, pb.BufferInfo),
+        "PublishWeights": plain(servicer.PublishWeights, pb.PublishWeightsRequest, pb.PublishWeightsResponse),
+        "FetchWeights": plain(servicer.FetchWeights, pb.FetchWeightsRequest, pb.FetchWeightsResponse),
+    }
+    return grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -43,7 +77,7 @@ class ReplayServer:
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
             options=channel_options(max_message_bytes),
         )
-        pb_grpc.add_ReplayServicer_to_server(self.servicer, self._server)
+        self._server.add_generic_rpc_handlers((_method_handlers(self.servicer),))
         host = address.rsplit(":", 1)[0]
         self.port = self._server.add_insecure_port(address)
         if self.port == 0:

@@ -19,6 +19,7 @@ from service.weights import WeightStore
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire.frames import InsertFrame
 
 log = logging.getLogger("replayd")
 
@@ -140,12 +141,13 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     # ---------------------------------------------------------------- episodic
     @rpc
-    def Insert(self, request_iterator: Iterator[pb.InsertRequest], context) -> pb.InsertResponse:
+    def Insert(self, frames: Iterator[InsertFrame], context) -> pb.InsertResponse:
         requests = spans = rows = completed = 0
-        for request in request_iterator:
+        for frame in frames:
+            request = frame.request
             buffer = self.registry.episodic(request.buffer)
             try:
-                columns = codec.decode(request.steps)
+                columns = codec.decode(frame.steps)
                 spans_of_request = convert.spans_from_request(request)
                 completed += buffer.insert(columns, spans_of_request, timeout=context.time_remaining())
             except (errors.ReplayError, codec.CodecError) as exc:
@@ -172,10 +174,10 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return payload
 
     @rpc
-    def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
+    def Sample(self, request: pb.SampleRequest, context) -> bytes:
         buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
-        return pb.SampleResponse(batch=self._sample_payload(buffer, request, rng, _wait_seconds(request, context)))
+        return self._sample_payload(buffer, request, rng, _wait_seconds(request, context))
 
     @rpc
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context) -> pb.UpdatePrioritiesResponse:
@@ -185,14 +187,14 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return pb.UpdatePrioritiesResponse(applied=applied, ignored_stale=ignored)
 
     @stream_rpc
-    def SampleStream(self, request: pb.SampleStreamRequest, context) -> Iterator[pb.SampleResponse]:
+    def SampleStream(self, request: pb.SampleStreamRequest, context) -> Iterator[bytes]:
         inner = request.request
         buffer = self.registry.episodic(inner.buffer)
         # One generator for the whole stream: seeded streams are reproducible batch after batch.
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
         sent = 0
         while context.is_active() and (request.num_batches == 0 or sent < request.num_batches):
-            yield pb.SampleResponse(batch=self._sample_payload(buffer, inner, rng, _wait_seconds(inner, context)))
+            yield self._sample_payload(buffer, inner, rng, _wait_seconds(inner, context))
             sent += 1
 
     # ---------------------------------------------------------------- rollout
@@ -219,7 +221,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                                       rollout_complete=result["rollout_complete"])
 
     @stream_rpc
-    def RolloutMinibatches(self, request: pb.RolloutMinibatchesRequest, context) -> Iterator[pb.SampleResponse]:
+    def RolloutMinibatches(self, request: pb.RolloutMinibatchesRequest, context) -> Iterator[bytes]:
         buffer = self.registry.rollout(request.buffer)
         minibatches = buffer.minibatches(
             request.minibatch_size, request.epochs or 1, request.normalize_advantages, request.drop_last,
@@ -228,7 +230,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         for batch in minibatches:
             if not context.is_active():
                 return
-            yield pb.SampleResponse(batch=codec.encode(batch))
+            yield codec.encode(batch)
 
     @rpc
     def FinishRollout(self, request: pb.FinishRolloutRequest, context) -> pb.BufferInfo:

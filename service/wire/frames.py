@@ -1,0 +1,108 @@
+"""Protobuf framing by hand for the messages that carry one large Arrow payload.
+
+Parsing a message with protobuf copies its bytes fields, and reading such a field copies it again;
+serializing copies once more. For inserts and samples (up to hundreds of MB) the payload instead stays
+where gRPC put it: `split_bytes_field` returns the other fields (parsed by protobuf as usual) and a
+memoryview of the payload; `join_bytes_field` appends a payload to a serialized message with one copy.
+The bytes on the wire are ordinary protobuf, so any gRPC client or server interoperates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.wire import replay_pb2 as pb
+from service.wire.codec import CodecError
+
+_LENGTH_DELIMITED = 2
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _read_varint(data: memoryview, at: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise CodecError("malformed protobuf: truncated or overlong varint")
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def split_bytes_field(raw: bytes, field_number: int) -> tuple[bytes, memoryview]:
+    """(the message without field `field_number`, a view of that field's last value)."""
+    data = memoryview(raw)
+    rest: list[memoryview] = []
+    payload = data[0:0]
+    at = 0
+    while at < len(data):
+        start = at
+        key, at = _read_varint(data, at)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, at = _read_varint(data, at)
+        elif wire_type == 1:
+            at += 8
+        elif wire_type == 5:
+            at += 4
+        elif wire_type == _LENGTH_DELIMITED:
+            length, at = _read_varint(data, at)
+            if number == field_number:
+                payload = data[at:at + length]
+                at += length
+                if at > len(data):
+                    raise CodecError("malformed protobuf: field runs past the end of the message")
+                continue
+            at += length
+        else:
+            raise CodecError(f"malformed protobuf: unsupported wire type {wire_type}")
+        if at > len(data):
+            raise CodecError("malformed protobuf: field runs past the end of the message")
+        rest.append(data[start:at])
+    return b"".join(rest), payload
+
+
+def join_bytes_field(message: bytes, field_number: int, payload: bytes | memoryview) -> bytes:
+    """`message` with a length-delimited field appended (protobuf: the last occurrence wins)."""
+    header = _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(len(payload))
+    return b"".join([message, header, payload])
+
+
+@dataclass(frozen=True)
+class InsertFrame:
+    """An InsertRequest whose `steps` payload is held apart from the parsed message."""
+
+    request: pb.InsertRequest  # every field but steps
+    steps: bytes | memoryview
+
+    @classmethod
+    def parse(cls, raw: bytes) -> InsertFrame:
+        rest, steps = split_bytes_field(raw, pb.InsertRequest.STEPS_FIELD_NUMBER)
+        return cls(pb.InsertRequest.FromString(rest), steps)
+
+    def serialize(self) -> bytes:
+        return join_bytes_field(self.request.SerializeToString(), pb.InsertRequest.STEPS_FIELD_NUMBER, self.steps)
+
+
+def serialize_insert(message: InsertFrame | pb.InsertRequest) -> bytes:
+    return message.serialize() if isinstance(message, InsertFrame) else message.SerializeToString()
+
+
+def sample_response_bytes(batch: bytes) -> bytes:
+    """A serialized SampleResponse around an Arrow payload."""
+    return join_bytes_field(b"", pb.SampleResponse.BATCH_FIELD_NUMBER, batch)
+
+
+def sample_response_batch(raw: bytes) -> memoryview:
+    """The Arrow payload of a serialized SampleResponse, without copying it."""
+    return split_bytes_field(raw, pb.SampleResponse.BATCH_FIELD_NUMBER)[1]
