@@ -347,7 +347,7 @@ def bench_grpc(quick: bool, tcp_mbps: float, tuned_malloc: bool = False) -> list
                 rates.append((steps / elapsed, nbytes / elapsed))
             steps_per_s = float(np.median([r[0] for r in rates]))
             bytes_per_s = float(np.median([r[1] for r in rates]))
-            spans = len(requests[0].span_rows)
+            spans = len(requests[0].request.span_rows)
             case = f"{profile.name} insert {len(requests)} requests x ~{spans} episodes, cap={capacity}{tag}"
             del requests
             if profile.name == "cartpole":

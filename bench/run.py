@@ -10,7 +10,8 @@ import importlib
 import json
 from pathlib import Path
 
-MODULES = ["bench.bench_replay", "bench.bench_gae", "bench.bench_trainers", "bench.bench_prioritized"]
+MODULES = ["bench.bench_replay", "bench.bench_gae", "bench.bench_rollout_grpc", "bench.bench_trainers",
+           "bench.bench_prioritized"]
 RESULTS = Path(__file__).resolve().parent / "results.jsonl"
 
 
