@@ -196,6 +196,8 @@ def test_trainer_hard_update_every_k_steps():
         assert out["td_error"].shape == (batch["obs"].shape[0],)
         assert isinstance(out["loss"], torch.Tensor)
     assert all(not p.requires_grad for p in tr.target.parameters())
+    logged = tr.step(batch, log=True)
+    assert isinstance(logged["loss"], float) and isinstance(logged["mean_q"], float)
 
 
 def test_trainer_polyak_every_step_and_learning():

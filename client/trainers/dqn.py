@@ -249,10 +249,11 @@ class DQNTrainer:
         self.manual_grad = isinstance(self.online, QNetwork) if manual_grad is None else manual_grad
         self.steps = 0
 
-    def step(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """One gradient step.  Returns device tensors (no host sync): loss, mean_q, td_error (B,).
+    def step(self, batch: Mapping[str, Tensor], log: bool = False) -> dict[str, Tensor | float]:
+        """One gradient step.  Returns loss, mean_q and td_error (B,) (detached, for priority updates).
 
-        Call ``float(out["loss"])`` only when logging.
+        loss and mean_q stay device tensors (no host sync) unless ``log=True``, which turns them
+        into Python floats (one sync); ask for it only on logging steps.
         """
         self.optimizer.zero_grad(set_to_none=True)
         if self.manual_grad:
@@ -268,7 +269,10 @@ class DQNTrainer:
         self.steps += 1
         if self.steps % self.target_update_every == 0:
             update_target(self.online, self.target, self.tau)
-        return {"loss": loss.detach(), "mean_q": q_taken.mean(), "td_error": td}
+        out: dict[str, Tensor | float] = {"loss": loss.detach(), "mean_q": q_taken.mean(), "td_error": td}
+        if log:
+            out["loss"], out["mean_q"] = float(out["loss"]), float(out["mean_q"])
+        return out
 
     @torch.no_grad()
     def act(self, obs: Tensor, epsilon: float = 0.0) -> Tensor:
