@@ -179,7 +179,22 @@ def test_chunked_episodes_interleaved_match_reference() -> None:
                 check_transitions(buffer, episodes, int(rng.integers(1, 5)), 0.9, rng)
         assert buffer.counters["evicted_episodes"] > 0
         assert buffer.counters["moved_open_episodes"] > 0
-        assert buffer.counters["evicted_open_episodes"] > 0
+    finally:
+        buffer.close()
+
+
+def test_open_episode_evicted_by_newer_data_rejects_its_next_chunk() -> None:
+    rng = np.random.default_rng(5)
+    buffer = new_buffer(50)
+    try:
+        buffer.insert(make_rows(rng, 0, 4), Spans(np.array([9], np.uint64), np.array([4]), np.array([True]),
+                                                   np.array([False]), np.array([False])))
+        for episode_id in range(3):  # 3 x 20 rows: the ring (50) wraps past the open episode
+            buffer.insert(make_rows(rng, 0, 20), Spans.whole_episodes(np.array([19]), [episode_id], [True]))
+        assert buffer.counters["evicted_open_episodes"] == 1 and buffer.open_episodes == 0
+        with pytest.raises(FailedPrecondition, match="continues episode 9, which is not open"):
+            buffer.insert(make_rows(rng, 4, 2), Spans(np.array([9], np.uint64), np.array([2]), np.array([False]),
+                                                       np.array([True]), np.array([True])))
     finally:
         buffer.close()
 

@@ -34,42 +34,46 @@ class TransitionsMode:
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         positions, rows, bounds = draw.positions, draw.rows, draw.bounds
-        capacity, columns = ring.capacity, ring.columns
-        next_rows = rows + 1
-        next_rows[next_rows == capacity] = 0
+        capacity, columns, n = ring.capacity, ring.columns, self.n_step
+        next_positions = positions + 1
+        next_rows = next_positions % capacity
         batch = {f.name: columns[f.name].take(rows, axis=0) for f in ring.observation_fields}
         batch.update({f.name: columns[f.name].take(rows, axis=0) for f in ring.step_fields})
         batch.update({f"next_{f.name}": columns[f.name].take(next_rows, axis=0) for f in ring.observation_fields})
 
-        steps_left = bounds - positions
-        n_eff = np.minimum(self.n_step, steps_left) if self.n_step > 1 else 1
-        # Only windows that reach a closed episode's final row can see a termination.
-        at_end = (steps_left == n_eff) & draw.closed
+        n_eff = np.minimum(n, bounds - positions) if n > 1 else 1
+        # Only a window that reaches a closed episode's final row can see its termination.
+        at_end = (bounds == positions + n_eff if n > 1 else bounds == next_positions) & draw.closed
+        ends = np.count_nonzero(at_end)
         episode_terminated = np.zeros(len(rows), dtype=bool)
-        if np.count_nonzero(at_end):
+        if ends:
             episode_terminated[at_end] = ring.terminated_at(rows[at_end])
-        last_step = steps_left == 1
-        batch["terminated"] = episode_terminated & last_step
-        batch["truncated"] = at_end & last_step & ~episode_terminated
+        if n == 1:
+            batch["terminated"] = episode_terminated
+            batch["truncated"] = at_end ^ episode_terminated if ends else episode_terminated
+        else:
+            last_step = bounds == next_positions
+            batch["terminated"] = episode_terminated & last_step
+            batch["truncated"] = (at_end & last_step) ^ batch["terminated"]
 
         if ring.reward_field is None:
-            if self.n_step > 1:
+            if n > 1:
                 raise InvalidArgument("transitions.n_step > 1 needs a reward field; the buffer has none")
             return batch
-        reward = ring.columns[ring.reward_field]
-        if self.n_step == 1:
+        if n == 1:
             batch["n_step_return"] = batch[ring.reward_field].astype(np.float32, copy=False)
             for f in ring.observation_fields:
                 batch[f"bootstrap_{f.name}"] = batch[f"next_{f.name}"]
-        else:
-            n_step_return = np.zeros(len(rows), dtype=np.float64)
-            for k in range(self.n_step):
-                step_reward = reward.take((rows + k) % capacity)
-                n_step_return += np.where(k < n_eff, step_reward, 0.0) * self.gamma**k
-            batch["n_step_return"] = n_step_return.astype(np.float32)
-            bootstrap_rows = (rows + n_eff) % capacity
-            for f in ring.observation_fields:
-                batch[f"bootstrap_{f.name}"] = columns[f.name].take(bootstrap_rows, axis=0)
+            batch["bootstrap_discount"] = np.where(episode_terminated, np.float32(0.0), np.float32(self.gamma))
+            return batch
+        # The reward window (B, n) in one gather; steps past the episode's bound are masked out.
+        offsets = np.arange(n)
+        window = ring.columns[ring.reward_field].take((rows[:, None] + offsets) % capacity)  # (B, n)
+        discounts = np.where(offsets < n_eff[:, None], self.gamma ** offsets, 0.0)  # (B, n)
+        batch["n_step_return"] = np.einsum("bn,bn->b", window, discounts).astype(np.float32)
+        bootstrap_rows = (rows + n_eff) % capacity
+        for f in ring.observation_fields:
+            batch[f"bootstrap_{f.name}"] = columns[f.name].take(bootstrap_rows, axis=0)
         discount = np.power(np.float32(self.gamma), n_eff, dtype=np.float32)
-        batch["bootstrap_discount"] = np.where(at_end & episode_terminated, np.float32(0.0), discount)
+        batch["bootstrap_discount"] = np.where(episode_terminated, np.float32(0.0), discount)
         return batch

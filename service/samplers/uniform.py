@@ -42,17 +42,22 @@ class UniformSampler:
             positions = rng.choice(candidates[candidates < bounds], size=batch_size)
             rows, bounds, in_open = ring.episode_bounds(positions)
             return Draw(positions, rows, bounds, ~in_open)
-        # Rejection sampling over the live range is exactly uniform over sampleable positions:
-        # final observations and holes are redrawn.
-        positions = _uniform_integers(rng, low, high, batch_size)
-        rows, bounds, in_open = ring.episode_bounds(positions)
-        redraw = np.flatnonzero(positions >= bounds)
-        while redraw.size:
-            fresh = _uniform_integers(rng, low, high, redraw.size)
-            fresh_rows, fresh_bounds, fresh_open = ring.episode_bounds(fresh)
-            positions[redraw], rows[redraw] = fresh, fresh_rows
-            bounds[redraw], in_open[redraw] = fresh_bounds, fresh_open
-            redraw = redraw[fresh >= fresh_bounds]
+        # Rejection sampling over the live range is exactly uniform over sampleable positions: final
+        # observations and holes are dropped. One oversampled round almost always yields enough, so the
+        # usual call runs a fixed, short sequence of vector operations; a second round tops up.
+        positions = rows = bounds = in_open = None
+        needed = batch_size
+        while needed:
+            candidates = _uniform_integers(rng, low, high, needed + needed // 16 + 8)
+            cand_rows, cand_bounds, cand_open = ring.episode_bounds(candidates)
+            keep = np.flatnonzero(candidates < cand_bounds)[:needed]
+            parts = candidates.take(keep), cand_rows.take(keep), cand_bounds.take(keep), cand_open.take(keep)
+            if positions is None:
+                positions, rows, bounds, in_open = parts
+            else:
+                positions, rows, bounds, in_open = (np.concatenate(pair) for pair in
+                                                    zip((positions, rows, bounds, in_open), parts, strict=True))
+            needed = batch_size - len(positions)
         return Draw(positions, rows, bounds, ~in_open)
 
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
