@@ -20,7 +20,7 @@ import numpy as np
 from bench.baselines.python_sum_tree import PythonSumTree
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.sum_tree import SumTree, leaves_for
+from service.samplers.sum_tree import SumTree, tree_size
 from service.schema import Field
 
 STEPS, BATCH = 1_000_000, 256
@@ -46,11 +46,10 @@ def run(quick: bool = False) -> list[dict]:
     repeats = 50 if quick else 500
     rng = np.random.default_rng(0)
     priorities = rng.random(STEPS)
-    size = 2 * leaves_for(STEPS)
-    tree = SumTree(np.zeros(size), np.zeros(size))
+    tree = SumTree(np.zeros(tree_size(STEPS)), np.zeros(tree_size(STEPS)))
     tree.clear()
     tree.update(np.arange(STEPS), priorities)
-    reference = PythonSumTree(leaves_for(STEPS))
+    reference = PythonSumTree(1 << (STEPS - 1).bit_length())
     for i, p in enumerate(priorities.tolist()):
         reference.update(i, p)
     leaves, values = rng.integers(0, STEPS, BATCH), rng.random(BATCH)

@@ -1,8 +1,16 @@
-"""`make demo`: the whole system on one machine: a replay server, 2 DQN actors and a learner on
-CartPole-v1, until the greedy policy's mean return over 20 episodes reaches 475 or the budget runs out.
+"""`make demo`: the whole system on one machine: a replay server, actors and a learner, until the
+learner reaches its target or the budget runs out. `--algo` picks what runs:
+
+* dqn (default): 2 epsilon-greedy actors and a DQN learner on CartPole-v1, until the greedy policy's
+  mean return over 20 episodes reaches 475;
+* ppo: 2 actors x 4 CartPole envs pushing on-policy rollouts, a PPO learner owning the policy versions,
+  until the deterministic policy's mean return over 20 episodes reaches 475;
+* allo: 2 random-walk actors in four rooms and an ALLO learner, until the learned Laplacian
+  representation's average |cosine| with the exact eigenvectors reaches 0.9.
 
 Every part is its own process talking gRPC on loopback, as it would across machines. The run folder
-gets a learning curve (PNG) and a JSON summary; the server unlinks its shared memory on exit.
+gets a learning curve (PNG) and a JSON summary (allo: eigenvector heatmaps too); the server unlinks its
+shared memory on exit.
 """
 
 from __future__ import annotations
@@ -10,16 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from client.actor import DQNActorConfig, run_dqn_actor
-from client.learner import DQNLearnerConfig, Progress, learn_dqn
+from client.algos import ALGOS, Algo, add_common_options, build
+from client.learners.common import Progress
 from client.replay_client import ReplayClient
 
 
@@ -29,60 +42,113 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int, instance: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
-               "--http-port", "0", "--log-level", "WARNING"]
-    return subprocess.Popen(command)
+@contextmanager
+def local_server(instance: str | None = None) -> Iterator[str]:
+    """A `replayd serve` subprocess on a free loopback port; yields its address, stops it on exit (the
+    server unlinks its shared memory, named after `instance`, when it stops)."""
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
+               instance or f"demo{port}", "--http-port", "0", "--log-level", "WARNING"]
+    server = subprocess.Popen(command)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _actor_entry(target: Callable[..., Any], config: Any, stop: Any, results: Any, index: int) -> None:
+    results.put((index, asdict(target(config, stop))))
+
+
+@contextmanager
+def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Iterator[list[dict | None]]:
+    """One spawned process per config running `target(config, stop)`. On exit the stop event is set and
+    each actor's report (or None for one that did not report within 30 s) fills the yielded list."""
+    context = mp.get_context("spawn")
+    stop, results = context.Event(), context.Queue()
+    processes = [context.Process(target=_actor_entry, args=(target, config, stop, results, index), daemon=True)
+                 for index, config in enumerate(configs)]
+    reports: list[dict | None] = [None] * len(configs)
+    try:
+        for process in processes:
+            process.start()
+        yield reports
+    finally:
+        stop.set()
+        deadline = time.monotonic() + 30
+        for _ in processes:  # drain the queue before joining: a child exits once its report is sent
+            try:
+                index, report = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            reports[index] = report
+        for process in processes:
+            process.join(timeout=max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
+
+
+class ProgressBar:
+    """tqdm bar of the learner's score, with learner steps/s and the buffer's in/out rates."""
+
+    def __init__(self, algo: Algo, client: ReplayClient, buffer: str) -> None:
+        self.algo, self.client, self.buffer = algo, client, buffer
+        self.bar = tqdm(total=100, desc=algo.score_label, unit="%")
+        self.last = (0.0, 0.0, time.monotonic())
+
+    def __call__(self, progress: Progress) -> None:
+        counters = self.client.describe(self.buffer)["counters"]
+        now = time.monotonic()
+        data_in, data_out = (counters.get(name, 0.0) for name in self.algo.counters)
+        last_in, last_out, last_time = self.last
+        elapsed = max(now - last_time, 1e-9)
+        score = progress.score or 0.0
+        self.bar.n = int(100 * min(score / self.algo.bar_total, 1.0))
+        self.bar.set_postfix({"env_steps": progress.env_steps,
+                              "learner_steps_per_s": f"{progress.steps_per_second:.0f}",
+                              f"{self.algo.counters[0]}_per_s": f"{(data_in - last_in) / elapsed:.0f}",
+                              f"{self.algo.counters[1]}_per_s": f"{(data_out - last_out) / elapsed:.0f}",
+                              "score": f"{score:.3g}"})
+        self.bar.refresh()
+        self.last = (data_in, data_out, now)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=300.0, help="time budget of the learner")
+    add_common_options(parser)
     parser.add_argument("--actors", type=int, default=2)
-    parser.add_argument("--run-dir", default="runs/demo")
+    parser.add_argument("--run-dir", help="default runs/demo (dqn) or runs/demo-<algo>")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--eval-every", type=int, default=1_000, help="learner steps between evaluations")
-    args = parser.parse_args(argv)
+    parser.add_argument("--eval-every", type=int, help="dqn/allo: learner steps, ppo: versions between evaluations")
+    parser.add_argument("--instance", help="names the server's shared memory (rpd_<instance>_...)")
+    args = vars(parser.parse_args(argv))
+    algo_name, instance = args.pop("algo"), args.pop("instance")
+    algo = ALGOS[algo_name]
+    args["run_dir"] = args["run_dir"] or ("runs/demo" if algo_name == "dqn" else f"runs/demo-{algo_name}")
     torch.set_num_threads(1)
 
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    server = start_server(port, instance=f"demo{port}")
-    context = mp.get_context("spawn")
-    actors = [context.Process(target=run_dqn_actor, args=(DQNActorConfig(address, seed=i, seconds=args.seconds + 60),),
-                              daemon=True) for i in range(args.actors)]
-    try:
-        for actor in actors:
-            actor.start()
-        monitor = ReplayClient(address)
-        with tqdm(total=475, desc="greedy return", unit="") as bar:
-            last_inserted, last_sampled, last_time = 0.0, 0.0, time.monotonic()
-
-            def report(progress: Progress) -> None:
-                nonlocal last_inserted, last_sampled, last_time
-                counters = monitor.describe("cartpole")["counters"]
-                now = time.monotonic()
-                inserted, sampled = counters.get("inserted_rows", 0.0), counters.get("sampled_items", 0.0)
-                bar.n = int(min(progress.eval_return or 0.0, 475))
-                bar.set_postfix(env_steps=progress.env_steps, learner_steps_per_s=f"{progress.steps_per_second:.0f}",
-                                insert_per_s=f"{(inserted - last_inserted) / (now - last_time):.0f}",
-                                sample_per_s=f"{(sampled - last_sampled) / (now - last_time):.0f}",
-                                eval_return=f"{progress.eval_return:.1f}")
-                bar.refresh()
-                last_inserted, last_sampled, last_time = inserted, sampled, now
-
-            summary = learn_dqn(DQNLearnerConfig(address, run_dir=args.run_dir, device=args.device,
-                                                 seconds=args.seconds, eval_every=args.eval_every), report)
-        monitor.close()
-    finally:
-        for actor in actors:
-            actor.terminate()
-            actor.join(timeout=10)
-        server.terminate()
-        server.wait(timeout=30)
-    brief = {k: summary[k] for k in ("solved", "final_eval_return", "seconds", "env_steps", "learner_steps")}
+    with local_server(instance) as address:
+        learner_config = build(algo.learner_config, address=address, **args)
+        actor_seconds = learner_config.seconds + 60
+        actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address, seed=i,
+                               actor_index=i) for i in range(args["actors"])]
+        with actor_processes(algo.actor, actor_configs) as actor_reports:
+            monitor = ReplayClient(address)
+            bar = ProgressBar(algo, monitor, learner_config.buffer)
+            try:
+                summary = algo.learn(learner_config, bar)
+            finally:
+                bar.close()
+                monitor.close()
+    summary["actors"] = actor_reports
+    brief = {k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps", "learner_steps")}
     print(json.dumps(brief))
-    print(f"run folder: {args.run_dir} (learning_curve.png, summary.json)")
+    print(f"run folder: {args['run_dir']} ({', '.join(algo.outputs)})")
     return summary
 
 

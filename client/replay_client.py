@@ -5,6 +5,8 @@ Only the wire contract (proto + codec) is shared with the server; no torch is im
 
 from __future__ import annotations
 
+import collections
+import os
 import random
 import secrets
 import time
@@ -101,17 +103,59 @@ def episode_span(episode: Mapping[str, np.ndarray], terminated: bool, observatio
     return Span(columns, episode_id if episode_id is not None else new_episode_id(), True, True, bool(terminated))
 
 
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                           "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call. Metadata rather than call credentials, which
+    gRPC sends over TLS channels only: a token must also work on a plain channel inside a trusted network."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(details.method, details.timeout, tuple(details.metadata or ()) + self._metadata,
+                            details.credentials, details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._with_token(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._with_token(client_call_details), request_iterator)
+
+
 class ReplayClient:
-    """Client of one replayd server. Thread-safe: gRPC channels may be shared between threads."""
+    """Client of one replayd server. Thread-safe: gRPC channels may be shared between threads.
+
+    `token`: sent as `authorization: Bearer <token>` on every call; None reads $REPLAYD_TOKEN (so actors and
+    learners started by docker compose pick it up), "" sends none. `root_certificates`: PEM CA bundle that
+    signed the server's certificate; the channel then uses TLS.
+    """
 
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
     def __init__(self, address: str, timeout: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 retries: int = 5) -> None:
+                 retries: int = 5, token: str | None = None, root_certificates: bytes | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.retries = retries
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        options = channel_options(max_message_bytes)
+        if root_certificates is not None:
+            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        token = os.environ.get("REPLAYD_TOKEN", "") if token is None else token
+        self._channel = grpc.intercept_channel(channel, _BearerToken(token)) if token else channel
         self._stub = pb_grpc.ReplayStub(self._channel)
         # The payload-carrying calls skip protobuf's copies of their Arrow bytes (service/wire/frames.py).
         self._insert = self._channel.stream_unary(

@@ -6,9 +6,12 @@ import argparse
 import ctypes
 import ctypes.util
 import logging
+import os
 import signal
 import threading
+from pathlib import Path
 
+from service.grpc_server.auth import check_bind
 from service.grpc_server.server import ReplayServer
 
 
@@ -29,10 +32,17 @@ def tune_allocator() -> None:
 def serve(args: argparse.Namespace) -> None:
     tune_allocator()
     http_address = None if args.http_port < 0 else f"{args.host}:{args.http_port}"
+    tls_cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+    tls_key = Path(args.tls_key).read_bytes() if args.tls_key else None
+    max_buffer_bytes = None if args.max_buffer_gb is None else int(args.max_buffer_gb * 2**30)
     server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
-                          max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address).start()
+                          max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
+                          token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
+                          max_buffer_bytes=max_buffer_bytes).start()
     http = f", HTTP on port {server.http.port}" if server.http else ""
-    print(f"replayd {server.instance} listening on {server.address}{http}", flush=True)
+    security = ", token required" if args.token else ", no token"
+    print(f"replayd {server.instance} listening on {server.address}{' (TLS)' if tls_cert else ''}{http}{security}",
+          flush=True)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -46,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="run the gRPC replay server")
     serve_parser.add_argument("--host", default="127.0.0.1",
-                              help="bind address (default 127.0.0.1; use 0.0.0.0 to accept remote actors)")
+                              help="bind address (default 127.0.0.1; 0.0.0.0 accepts remote actors and needs "
+                                   "--token or --insecure-bind-all)")
     serve_parser.add_argument("--port", type=int, default=50051)
     serve_parser.add_argument("--instance", default=None,
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
@@ -54,6 +65,15 @@ def main(argv: list[str] | None = None) -> None:
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
     serve_parser.add_argument("--http-port", type=int, default=8080,
                               help="health, /metrics and the status page; 0 picks a free port, -1 turns it off")
+    serve_parser.add_argument("--max-buffer-gb", type=float, default=None,
+                              help="shared memory one buffer may take (default: what /dev/shm has free)")
+    serve_parser.add_argument("--token", default=os.environ.get("REPLAYD_TOKEN", ""),
+                              help="require 'authorization: Bearer <token>' on gRPC calls and HTTP requests but "
+                                   "/healthz (default: $REPLAYD_TOKEN; none when unset)")
+    serve_parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    serve_parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve_parser.add_argument("--insecure-bind-all", action="store_true",
+                              help="allow a non-loopback --host without --token (trusted networks only)")
     serve_parser.add_argument("--log-level", default="INFO")
     # Actors and learners need the client extras (torch, gymnasium); they are imported only when asked for,
     # so the server never imports torch.
@@ -72,6 +92,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    try:
+        check_bind(args.host, args.token, args.insecure_bind_all)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(args)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,11 @@ RESERVED_NAMES = frozenset(
      "probability", "weight", "advantage", "return"]
 )
 RESERVED_PREFIXES = ("next_", "future_", "bootstrap_")
+# Bounds on declared schemas: far above any real observation (Atari stacks are (4, 84, 84)), low enough
+# that sizes computed from them stay exact and a schema cannot describe more than the host could hold.
+MAX_FIELDS = 256
+MAX_RANK = 8
+MAX_ROW_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class Field:
 
     @property
     def row_bytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
+        return np.dtype(self.dtype).itemsize * math.prod(int(d) for d in self.shape)
 
 
 def check_buffer_name(name: str) -> str:
@@ -40,14 +46,36 @@ def check_buffer_name(name: str) -> str:
     return name
 
 
+def check_field_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidArgument(f"field name {name!r} must match {_NAME.pattern}")
+    return name
+
+
+def check_shape(name: str, dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A row shape of positive dimensions, at most MAX_RANK of them and MAX_ROW_BYTES per row."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(f"field {name!r}: shape {list(shape)} has rank {len(shape)}, expected <= {MAX_RANK}")
+    if any(d <= 0 for d in shape):
+        raise InvalidArgument(f"field {name!r}: shape {list(shape)} must have positive dimensions")
+    row_bytes = np.dtype(dtype).itemsize * math.prod(shape)
+    if row_bytes > MAX_ROW_BYTES:
+        raise InvalidArgument(
+            f"field {name!r}: a row of {dtype}{list(shape)} takes {row_bytes} bytes, expected <= {MAX_ROW_BYTES}"
+        )
+    return shape
+
+
 def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NAMES) -> tuple[Field, ...]:
     fields = tuple(fields)
     if not fields:
         raise InvalidArgument("schema: at least one field is required")
+    if len(fields) > MAX_FIELDS:
+        raise InvalidArgument(f"schema: {len(fields)} fields, expected <= {MAX_FIELDS}")
     seen = set()
     for field in fields:
-        if not _NAME.match(field.name):
-            raise InvalidArgument(f"field name {field.name!r} must match {_NAME.pattern}")
+        check_field_name(field.name)
         if field.name in reserved or field.name.startswith(RESERVED_PREFIXES):
             raise InvalidArgument(f"field name {field.name!r} is reserved for sampled columns")
         if field.name in seen:
@@ -55,8 +83,7 @@ def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NA
         seen.add(field.name)
         if field.dtype not in ALLOWED_DTYPES:
             raise InvalidArgument(f"field {field.name!r}: dtype {field.dtype!r} not in {sorted(ALLOWED_DTYPES)}")
-        if any(int(d) <= 0 for d in field.shape):
-            raise InvalidArgument(f"field {field.name!r}: shape {field.shape} must have positive dimensions")
+        check_shape(field.name, field.dtype, field.shape)
     return fields
 
 

@@ -19,10 +19,22 @@ def check_safetensors(payload: bytes) -> None:
         raise InvalidArgument(f"safetensors: header length {header_length} exceeds the {len(payload)}-byte payload")
     try:
         header = json.loads(payload[8 : 8 + header_length])
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InvalidArgument(f"safetensors: header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise InvalidArgument("safetensors: header must be a JSON object")
+    # Actors load what is stored here: a tensor entry pointing outside the data would fail on every actor.
+    data_bytes = len(payload) - 8 - header_length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise InvalidArgument(
+                f"safetensors: tensor {name[:100]!r} expected data_offsets [begin, end] within the {data_bytes} data "
+                f"bytes, got {offsets if isinstance(offsets, list) else entry!r:.100}"
+            )
 
 
 class WeightStore:

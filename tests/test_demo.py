@@ -21,15 +21,47 @@ from client.demo import main as demo_main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _demo(tmp_path: Path, algo: str, *options: str) -> dict:
+    return demo_main(["--algo", algo, "--run-dir", str(tmp_path), "--instance", f"test{os.getpid()}{algo}", *options])
+
+
 def test_demo_processes_end_to_end(tmp_path: Path) -> None:
-    summary = demo_main(["--seconds", "10", "--eval-every", "50", "--run-dir", str(tmp_path)])
+    summary = _demo(tmp_path, "dqn", "--seconds", "10", "--eval-every", "50")
     assert summary["env_steps"] > 1000  # episodes flowed from the actors into the buffer
     assert summary["learner_steps"] > 0
     assert summary["weights_version"] > 1  # the learner published after training
     assert summary["buffer"]["episodes"] > 0
+    assert [report["weights_version"] >= 1 for report in summary["actors"]] == [True, True]
     assert (tmp_path / "learning_curve.png").stat().st_size > 1000
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["curve"] and saved["learner_steps"] == summary["learner_steps"]
+
+
+def test_demo_ppo_rollouts_flow_between_policy_versions(tmp_path: Path) -> None:
+    summary = _demo(tmp_path, "ppo", "--seconds", "8", "--eval-every", "1", "--rollout-steps", "32")
+    counters = summary["buffer"]["counters"]
+    assert summary["rollouts"] >= 2 and counters["rollouts_finished"] >= 2  # >= 2 policy versions completed
+    assert summary["learner_steps"] >= 2 * 4 * 4  # epochs x minibatches per rollout
+    assert counters["stale_pushes"] == 0 and counters["rejected_pushes"] == 0
+    assert summary["env_steps"] == summary["rollouts"] * 32 * 2 * 4
+    assert summary["buffer"]["policy_version"] == summary["weights_version"] == summary["rollouts"] + 1
+    for report in summary["actors"]:  # every actor acted with weights the learner published after training
+        assert report["weights_version"] >= 2 and report["pushed"] >= 2
+    assert (tmp_path / "learning_curve.png").stat().st_size > 1000
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["curve"] and saved["curve"][-1]["eval_return"] == summary["final_eval_return"]
+
+
+def test_demo_allo_learns_from_random_walk_episodes(tmp_path: Path) -> None:
+    summary = _demo(tmp_path, "allo", "--seconds", "8", "--eval-every", "50", "--episodes", "100")
+    assert summary["buffer"]["episodes"] > 0 and [r["pushed"] for r in summary["actors"]] == [100, 100]
+    assert summary["learner_steps"] > 0
+    assert summary["buffer"]["counters"]["sampled_items"] >= 3 * 512 * summary["learner_steps"]
+    assert len(summary["cosine"]) == 10 and 0 < summary["avg_cosine"] <= 1
+    assert (tmp_path / "eigenvectors.png").stat().st_size > 5000
+    assert (tmp_path / "learning_curve.png").stat().st_size > 1000
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["cosine"] == summary["cosine"] and saved["curve"][-1]["avg_cosine"] == round(summary["avg_cosine"], 4)
 
 
 def _free_port() -> int:

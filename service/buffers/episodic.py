@@ -28,27 +28,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.buffers.ring import (
+    ALIVE,
+    EPISODES,
+    HEAD,
+    HOLE,
+    IS_OPEN,
+    NEXT_SEQ,
+    OPEN,
+    SAMPLEABLE,
+    STATE_SIZE,
+    STORED,
+    TAIL_POS,
+    TAIL_SEQ,
+    TERMINATED,
+    EpisodicRing,
+    shm_name,
+)
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from service.limiters import RateLimiter
 from service.removers import FifoRemover, MaxTimesSampledRemover
-from service.samplers.draw import Draw
 from service.samplers.modes import BatchMode
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.uniform import UniformSampler
 from service.schema import Field, check_buffer_name, check_columns, check_fields
 from service.storage.shared_arrays import ArraySpec, SharedArrays
-
-OPEN = -1  # row_end of a row whose episode is still open
-HOLE = -2  # row_end of a row that holds no episode
-
-ALIVE, IS_OPEN, TERMINATED = 1, 2, 4  # extent flags
-
-# Indices into the shared `state` array.
-HEAD, TAIL_SEQ, NEXT_SEQ, EPISODES, SAMPLEABLE, STORED = range(6)
-
-
-def shm_name(instance: str, buffer: str) -> str:
-    return f"rpd_{instance}_{buffer}"
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,8 @@ class _Op:
     head_after: int = 0
 
 
-class EpisodicBuffer:
-    """Ring of steps plus its extent table, all in shared memory; single writer, many samplers."""
-
-    kind = "episodic"
+class EpisodicBuffer(EpisodicRing):
+    """The writer of one episodic ring: creates its shared memory, inserts, evicts, samples under a lock."""
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class EpisodicBuffer:
         sampler: UniformSampler | PrioritizedSampler | None = None,
         remover: FifoRemover | MaxTimesSampledRemover | None = None,
         limiter: RateLimiter | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         self.name = check_buffer_name(name)
         self.fields = check_fields(fields)
@@ -137,7 +140,7 @@ class EpisodicBuffer:
             ArraySpec("extent.start", "int64", (self.extent_slots,)),
             ArraySpec("extent.last", "int64", (self.extent_slots,)),
             ArraySpec("extent.flags", "uint8", (self.extent_slots,)),
-            ArraySpec("state", "int64", (8,)),
+            ArraySpec("state", "int64", (STATE_SIZE,)),
         ]
         # Sampler, remover and limiter are composed in; the first two keep per-row state next to the rows.
         self.sampler = sampler or UniformSampler()
@@ -150,14 +153,16 @@ class EpisodicBuffer:
             "capacity": self.capacity,
             "reward_field": self.reward_field,
             "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in self.fields],
+            # What a reader attaching by name needs to know about how this buffer is sampled.
+            "components": {
+                "sampler": {"kind": self.sampler.name},
+                "remover": {"kind": "fifo" if not self.remover.retires else "max_times_sampled"},
+                "rate_limited": limiter is not None,
+            },
         }
-        self.storage = SharedArrays.create(shm_name(instance, name), specs, meta)
+        self.storage = SharedArrays.create(shm_name(instance, name), specs, meta, max_bytes)
         arrays = self.storage.arrays
-        self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
-        self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
-        self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]
-        self.extent_last, self.extent_flags = arrays["extent.last"], arrays["extent.flags"]
-        self.state = arrays["state"]
+        EpisodicRing.__init__(self, self.storage, self.sampler, self.remover)
         self.row_end.fill(HOLE)
         self.row_seq.fill(-1)
         self.row_bytes = sum(f.row_bytes for f in self.fields)
@@ -169,33 +174,9 @@ class EpisodicBuffer:
         self.counters: Counter[str] = Counter()
         self._open: dict[int, _Extent] = {}
 
-    # ------------------------------------------------------------------ state
-    @property
-    def head(self) -> int:
-        return int(self.state[HEAD])
-
-    @property
-    def sampleable_steps(self) -> int:
-        return int(self.state[SAMPLEABLE])
-
-    @property
-    def stored_steps(self) -> int:
-        return int(self.state[STORED])
-
-    @property
-    def episodes(self) -> int:
-        return int(self.state[EPISODES])
-
     @property
     def open_episodes(self) -> int:
         return len(self._open)
-
-    def tail_position(self) -> int:
-        """Absolute position of the oldest live extent's first row (the head when empty)."""
-        tail_seq, next_seq = int(self.state[TAIL_SEQ]), int(self.state[NEXT_SEQ])
-        if tail_seq == next_seq:
-            return self.head
-        return int(self.extent_start[tail_seq % self.extent_slots])
 
     def info(self) -> dict:
         return {
@@ -220,6 +201,7 @@ class EpisodicBuffer:
         """
         rows = check_columns(self.fields, columns, "insert")
         self._check_spans(spans, rows)
+        self._check_rewards(columns)
         with self.lock:
             if self.limiter is not None:
                 self.limiter.await_insert(self, timeout)
@@ -237,6 +219,20 @@ class EpisodicBuffer:
             self.inserted.notify_all()
         return completed
 
+    def _check_rewards(self, columns: Mapping[str, np.ndarray]) -> None:
+        # Stored data is otherwise kept as the env produced it, but n-step returns sum rewards: one NaN or
+        # inf would poison every return whose window covers it, padding rows included (they are summed
+        # with weight 0, and 0 * inf is NaN).
+        if self.reward_field is None:
+            return
+        finite = np.isfinite(columns[self.reward_field])
+        if not finite.all():
+            bad = int(np.argmin(finite))
+            raise InvalidArgument(
+                f"insert: field {self.reward_field!r} row {bad} is {columns[self.reward_field][bad]}, expected a "
+                "finite reward"
+            )
+
     def _check_spans(self, spans: Spans, rows: int) -> None:
         count = len(spans.rows)
         if count == 0:
@@ -251,6 +247,18 @@ class EpisodicBuffer:
         if int(spans.rows.sum()) != rows:
             raise InvalidArgument(f"insert: span_rows sum to {int(spans.rows.sum())}, but the steps hold {rows} rows")
         whole = spans.begins & spans.ends
+        # Only consecutive chunks of one open episode may share an id; a whole episode's id repeated in the
+        # request would make two episodes indistinguishable (episode_id in samples, continuing chunks).
+        _, inverse, counts = np.unique(spans.episode_ids, return_inverse=True, return_counts=True)
+        repeated = whole & (counts[inverse] > 1)
+        if repeated.any():
+            bad = int(np.argmax(repeated))
+            same = np.flatnonzero(spans.episode_ids == spans.episode_ids[bad])
+            other = int(same[same != bad][0])
+            raise InvalidArgument(
+                f"insert: episode_ids[{bad}] = {int(spans.episode_ids[bad])} is a whole episode, but "
+                f"episode_ids[{other}] has the same id; expected ids unique within a request"
+            )
         short = whole & (spans.rows < 2)
         if short.any():
             bad = int(np.argmax(short))
@@ -410,12 +418,15 @@ class EpisodicBuffer:
         marked = extent.last + 1 - mark_from
         self._set_ring(self.row_seq, mark_from, np.full(marked, extent.seq, dtype=np.int64))
         if op.closes:
+            # The extent's record first: a reader that sees a row's final bound also sees how it ended.
+            self.extent_last[slot] = extent.last
+            self.extent_flags[slot] = ALIVE | (TERMINATED if op.terminated else 0)
             self._set_ring(self.row_end, extent.start, np.full(extent.last + 1 - extent.start, extent.last))
         else:
+            # New rows carry OPEN before the extent's last row moves over them, so readers see them whole.
             self._set_ring(self.row_end, mark_from, np.full(marked, OPEN, dtype=np.int64))
-        self.extent_last[slot] = extent.last
-        self.extent_flags[slot] = ALIVE | (TERMINATED if op.closes and op.terminated else 0) | (
-            0 if op.closes else IS_OPEN)
+            self.extent_last[slot] = extent.last
+            self.extent_flags[slot] = ALIVE | IS_OPEN
         # Every landed row but the last has its successor, so it is sampleable.
         self.state[SAMPLEABLE] += (extent.last - extent.start) - prev_sampleable
         self.state[STORED] += marked
@@ -442,13 +453,23 @@ class EpisodicBuffer:
         """Evicts, oldest first, every extent that starts before `boundary` (whole episodes only)."""
         tail_seq, next_seq = int(self.state[TAIL_SEQ]), int(self.state[NEXT_SEQ])
         live = next_seq - tail_seq
-        if live == 0:
+        if live == 0:  # empty ring: the next extent starts at the head
+            self.state[TAIL_POS] = self.head
             return
         first = tail_seq % self.extent_slots
         n = self._count_starts_before(first, live, boundary)
         if n == 0:
             return
         tail_pos = int(self.extent_start[first])
+        new_tail_seq = tail_seq + n
+        if new_tail_seq == next_seq:
+            new_tail_pos = self.head
+        else:
+            new_tail_pos = int(self.extent_start[new_tail_seq % self.extent_slots])
+        # Publish the new tail before touching anything of the evicted extents: a reader that saw any of
+        # the changes below then also sees the tail past its positions, and draws again.
+        self.state[TAIL_POS] = new_tail_pos
+        self.state[TAIL_SEQ] = new_tail_seq
         slots = (tail_seq + np.arange(n)) % self.extent_slots
         flags = self.extent_flags[slots]
         alive = (flags & ALIVE) != 0
@@ -462,14 +483,8 @@ class EpisodicBuffer:
             self.counters["evicted_open_episodes"] += 1
         self.counters["evicted_episodes"] += int(np.count_nonzero(alive & ~is_open))
         self.extent_flags[slots] = 0
-        new_tail_seq = tail_seq + n
-        if new_tail_seq == next_seq:
-            new_tail_pos = self.head
-        else:
-            new_tail_pos = int(self.extent_start[new_tail_seq % self.extent_slots])
         self._set_ring(self.row_end, tail_pos, np.full(new_tail_pos - tail_pos, HOLE, dtype=np.int64))
         self._set_ring(self.row_seq, tail_pos, np.full(new_tail_pos - tail_pos, -1, dtype=np.int64))
-        self.state[TAIL_SEQ] = new_tail_seq
         self._rows_cleared(tail_pos, new_tail_pos)
 
     def _rows_written(self, lo: int, hi: int) -> None:
@@ -515,42 +530,6 @@ class EpisodicBuffer:
         return {name: column[rows] for name, column in self.columns.items()}
 
     # ------------------------------------------------------------------ sampling
-    def episode_bounds(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Ring rows, episode bounds and open-episode mask of absolute positions.
-
-        The bound is the absolute position of the episode's final row (the last landed row while the
-        episode is open); positions that hold no episode get HOLE. Sampleable iff position < bound.
-        """
-        rows = positions % self.capacity
-        bounds = self.row_end.take(rows)
-        in_open = bounds == OPEN
-        if np.count_nonzero(in_open):
-            bounds[in_open] = self.extent_last.take(self.row_seq.take(rows[in_open]) % self.extent_slots)
-        if self.remover.retires:  # a retired step is no longer an item: samplers see a hole
-            bounds[self.remover.is_retired(rows)] = HOLE
-        return rows, bounds, in_open
-
-    def terminated_at(self, rows: np.ndarray) -> np.ndarray:
-        """Whether the episode of each row ended by termination (False for open or truncated episodes)."""
-        flags = self.extent_flags.take(self.row_seq.take(rows) % self.extent_slots)
-        return (flags & TERMINATED) != 0
-
-    def episode_ids_at(self, rows: np.ndarray) -> np.ndarray:
-        return self.extent_episode_id.take(self.row_seq.take(rows) % self.extent_slots)
-
-    def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0) -> Draw:
-        """Draws sampleable positions with the configured sampler. Call with `lock` held.
-
-        `importance_beta` is the prioritized sampler's importance-weight exponent (others ignore it).
-        """
-        if batch_size < 1:
-            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
-        if self.sampleable_steps == 0:
-            raise FailedPrecondition(
-                f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"
-            )
-        return self.sampler.draw(self, batch_size, rng, importance_beta)
-
     def sample(self, batch_size: int, mode: BatchMode, rng: np.random.Generator | None = None,
                include_keys: bool = False, wait_seconds: float | None = None,
                importance_beta: float = 0.0) -> dict[str, np.ndarray]:
@@ -566,12 +545,8 @@ class EpisodicBuffer:
                 lambda: self.sampleable_steps > 0, timeout=wait_seconds
             ):
                 raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
-            draw = self.draw(batch_size, rng or self.rng, importance_beta)
-            batch = mode.build(self, draw, rng or self.rng)
-            if include_keys:
-                batch["key"] = draw.positions
-                batch["episode_id"] = self.episode_ids_at(draw.rows)
-            batch.update(draw.extra)
+            gathered = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
+            draw, batch = gathered.draw, gathered.batch
             self.counters["sampled_batches"] += 1
             self.counters["sampled_items"] += batch_size
             retired = self.remover.on_sampled(self, draw.positions)

@@ -32,6 +32,7 @@ import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
 from service.gae import GaeWorkspace, compute_gae
+from service.schema import MAX_FIELDS, check_field_name, check_shape
 from service.storage.shared_arrays import ArraySpec, SharedArrays
 from service.wire.codec import CodecError, check_dtype
 
@@ -76,6 +77,8 @@ class RolloutConfig:
         for name, x in (("gamma", self.gamma), ("gae_lambda", self.gae_lambda)):
             if not 0.0 <= x <= 1.0:
                 raise InvalidArgument(f"rollout config {name}: expected a value in [0, 1], got {x!r}")
+        if len(self.fields) > MAX_FIELDS:
+            raise InvalidArgument(f"rollout config fields: {len(self.fields)} fields, expected <= {MAX_FIELDS}")
         given = {}
         for spec in self.fields:
             if spec.name in COMPUTED_FIELDS or spec.name.startswith("_") or not spec.name:
@@ -83,6 +86,7 @@ class RolloutConfig:
                     f"rollout field {spec.name!r}: name is reserved (computed columns {COMPUTED_FIELDS},"
                     " private names start with '_')"
                 )
+            check_field_name(spec.name)
             if spec.name in given:
                 raise InvalidArgument(f"rollout field {spec.name!r}: listed twice")
             try:
@@ -92,6 +96,7 @@ class RolloutConfig:
             shape = tuple(spec.shape)
             if any(not isinstance(d, int) or d < 1 for d in shape):
                 raise InvalidArgument(f"rollout field {spec.name!r}: expected positive int dims, got {shape}")
+            check_shape(spec.name, dtype, shape)
             given[spec.name] = RolloutField(spec.name, dtype, shape)
         for required in REQUIRED_FIELDS:
             got = given.setdefault(required.name, required)
@@ -160,8 +165,10 @@ class RolloutBuffer:
         }
 
     @classmethod
-    def create(cls, shm_name: str, config: RolloutConfig, policy_version: int = 0) -> RolloutBuffer:
-        """Allocates every column once; `shm_name` must start with `rpd_` (e.g. rpd_{instance}_{buffer})."""
+    def create(cls, shm_name: str, config: RolloutConfig, policy_version: int = 0,
+               max_bytes: int | None = None) -> RolloutBuffer:
+        """Allocates every column once; `shm_name` must start with `rpd_` (e.g. rpd_{instance}_{buffer}).
+        More than `max_bytes` (or the free shared memory) is refused with ResourceExhausted."""
         if not shm_name.startswith("rpd_"):
             raise InvalidArgument(f"shm_name: expected a name starting with 'rpd_', got {shm_name!r}")
         T, N = config.num_steps, config.num_envs
@@ -170,7 +177,7 @@ class RolloutBuffer:
         specs += [ArraySpec(_BOOTSTRAP, "float32", (N,)), ArraySpec(_FILLED, "bool", (T, N))]
         meta = {"kind": "rollout", "num_steps": T, "num_envs": N, "gamma": config.gamma,
                 "gae_lambda": config.gae_lambda}
-        return cls(SharedArrays.create(shm_name, specs, meta), config, policy_version)
+        return cls(SharedArrays.create(shm_name, specs, meta, max_bytes), config, policy_version)
 
     @property
     def policy_version(self) -> int:

@@ -10,7 +10,8 @@ from concurrent import futures
 import grpc
 from prometheus_client import CollectorRegistry
 
-from service.grpc_server.servicer import ReplayServicer
+from service.grpc_server.auth import TokenAuthInterceptor
+from service.grpc_server.servicer import ReplayServicer, lenient
 from service.registry import BufferRegistry
 from service.wire import replay_pb2 as pb
 from service.wire.frames import InsertFrame, sample_response_bytes
@@ -26,7 +27,8 @@ def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
     unary = grpc.unary_unary_rpc_method_handler
 
     def plain(method, request: type, response: type, kind=unary) -> grpc.RpcMethodHandler:
-        return kind(method, request_deserializer=request.FromString, response_serializer=response.SerializeToString)
+        return kind(method, request_deserializer=lenient(request.FromString),
+                    response_serializer=response.SerializeToString)
 
     handlers = {
         "CreateBuffer": plain(servicer.CreateBuffer, pb.CreateBufferRequest, pb.BufferInfo),
@@ -34,17 +36,17 @@ def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
         "ListBuffers": plain(servicer.ListBuffers, pb.ListBuffersRequest, pb.ListBuffersResponse),
         "DescribeBuffer": plain(servicer.DescribeBuffer, pb.DescribeBufferRequest, pb.BufferInfo),
         "Insert": grpc.stream_unary_rpc_method_handler(
-            servicer.Insert, request_deserializer=InsertFrame.parse,
+            servicer.Insert, request_deserializer=lenient(InsertFrame.parse),
             response_serializer=pb.InsertResponse.SerializeToString),
-        "Sample": unary(servicer.Sample, request_deserializer=pb.SampleRequest.FromString,
+        "Sample": unary(servicer.Sample, request_deserializer=lenient(pb.SampleRequest.FromString),
                         response_serializer=sample_response_bytes),
         "SampleStream": grpc.unary_stream_rpc_method_handler(
-            servicer.SampleStream, request_deserializer=pb.SampleStreamRequest.FromString,
+            servicer.SampleStream, request_deserializer=lenient(pb.SampleStreamRequest.FromString),
             response_serializer=sample_response_bytes),
         "UpdatePriorities": plain(servicer.UpdatePriorities, pb.UpdatePrioritiesRequest, pb.UpdatePrioritiesResponse),
         "PushRollout": plain(servicer.PushRollout, pb.PushRolloutRequest, pb.PushRolloutResponse),
         "RolloutMinibatches": grpc.unary_stream_rpc_method_handler(
-            servicer.RolloutMinibatches, request_deserializer=pb.RolloutMinibatchesRequest.FromString,
+            servicer.RolloutMinibatches, request_deserializer=lenient(pb.RolloutMinibatchesRequest.FromString),
             response_serializer=sample_response_bytes),
         "FinishRollout": plain(servicer.FinishRollout, pb.FinishRolloutRequest, pb.BufferInfo),
         "PublishWeights": plain(servicer.PublishWeights, pb.PublishWeightsRequest, pb.PublishWeightsResponse),
@@ -62,6 +64,10 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class ReplayServer:
+    """`token`: every gRPC call and HTTP request (but /healthz) must carry `authorization: Bearer <token>`.
+    `tls_cert`/`tls_key`: PEM certificate chain and private key; the gRPC port then speaks TLS only.
+    `max_buffer_bytes`: shared memory one buffer may take (None: whatever /dev/shm has free)."""
+
     def __init__(
         self,
         address: str = "127.0.0.1:50051",
@@ -69,17 +75,28 @@ class ReplayServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int = 32,
         http_address: str | None = None,
+        token: str | None = None,
+        tls_cert: bytes | None = None,
+        tls_key: bytes | None = None,
+        max_buffer_bytes: int | None = None,
     ) -> None:
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key: expected both or neither")
         self.instance = instance or secrets.token_hex(4)
         self.registry = BufferRegistry(self.instance)
-        self.servicer = ReplayServicer(self.registry, max_message_bytes)
+        self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
             options=channel_options(max_message_bytes),
+            interceptors=[TokenAuthInterceptor(token)] if token else None,
         )
         self._server.add_generic_rpc_handlers((_method_handlers(self.servicer),))
         host = address.rsplit(":", 1)[0]
-        self.port = self._server.add_insecure_port(address)
+        if tls_cert is not None:
+            credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+            self.port = self._server.add_secure_port(address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self.address = f"{host}:{self.port}"
@@ -89,7 +106,7 @@ class ReplayServer:
             from service.http.app import HttpServer, create_app
 
             http_host, http_port = http_address.rsplit(":", 1)
-            self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics), http_host,
+            self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics, token), http_host,
                                    int(http_port))
 
     def start(self, timeout: float = 30.0) -> ReplayServer:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from service import errors
 from service.buffers.episodic import EpisodicBuffer, shm_name
@@ -23,6 +26,12 @@ from service.wire.frames import InsertFrame
 
 log = logging.getLogger("replayd")
 
+# Far above any learner's batch; keeps a hostile batch_size from allocating before the size check.
+MAX_BATCH_SIZE = 2**24
+# Status messages travel as trailing metadata, which clients cap at 8-16 KiB; messages quote request
+# values (names, shapes), so a long one would turn the status into a transport error.
+MAX_STATUS_MESSAGE = 1024
+
 STATUS = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -31,6 +40,29 @@ STATUS = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """What a request deserializer returns for bytes it cannot parse: gRPC would answer INTERNAL for a
+    deserializer that raises, and malformed input is the client's error."""
+
+    error: str
+
+
+def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except (DecodeError, codec.CodecError) as exc:
+            return MalformedRequest(f"malformed request message: {exc or type(exc).__name__}")
+
+    return deserialize
+
+
+def _message(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= MAX_STATUS_MESSAGE else f"{text[:MAX_STATUS_MESSAGE]}... ({len(text)} characters)"
 
 
 def _status_of(exc: Exception) -> grpc.StatusCode:
@@ -46,10 +78,12 @@ def rpc(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
         try:
+            if isinstance(request, MalformedRequest):
+                raise errors.InvalidArgument(request.error)
             return method(self, request, context)
         except (errors.ReplayError, codec.CodecError) as exc:
             self.counters_rejected(method.__name__, exc)
-            context.abort(_status_of(exc), str(exc))
+            context.abort(_status_of(exc), _message(exc))
         except Exception as exc:
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
@@ -61,10 +95,12 @@ def stream_rpc(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
         try:
+            if isinstance(request, MalformedRequest):
+                raise errors.InvalidArgument(request.error)
             yield from method(self, request, context)
         except (errors.ReplayError, codec.CodecError) as exc:
             self.counters_rejected(method.__name__, exc)
-            context.abort(_status_of(exc), str(exc))
+            context.abort(_status_of(exc), _message(exc))
         except Exception as exc:
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
@@ -82,10 +118,11 @@ def _wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> f
 
 
 class ReplayServicer(pb_grpc.ReplayServicer):
-    def __init__(self, registry: BufferRegistry, max_message_bytes: int) -> None:
+    def __init__(self, registry: BufferRegistry, max_message_bytes: int, max_buffer_bytes: int | None = None) -> None:
         self.registry = registry
         self.weights = WeightStore()
         self.max_message_bytes = max_message_bytes
+        self.max_buffer_bytes = max_buffer_bytes
         self.rejected: dict[str, int] = {}
 
     def counters_rejected(self, method: str, exc: Exception) -> None:
@@ -102,7 +139,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         if kind == "rollout":
             check_buffer_name(request.name)
             rollout = RolloutBuffer.create(shm_name(self.registry.instance, request.name),
-                                           convert.rollout_config_from_proto(request.rollout))
+                                           convert.rollout_config_from_proto(request.rollout),
+                                           max_bytes=self.max_buffer_bytes)
             self.registry.add(request.name, rollout)
             log.info("created rollout buffer %r: %.1f MiB of shared memory", request.name,
                      rollout.shared.nbytes / 2**20)
@@ -118,6 +156,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             sampler=sampler,
             remover=remover,
             limiter=limiter,
+            max_bytes=self.max_buffer_bytes,
         )
         self.registry.add(buffer.name, buffer)
         log.info(
@@ -144,6 +183,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     def Insert(self, frames: Iterator[InsertFrame], context) -> pb.InsertResponse:
         requests = spans = rows = completed = 0
         for frame in frames:
+            if isinstance(frame, MalformedRequest):
+                raise errors.InvalidArgument(f"{frame.error} (request {requests} of the stream)")
             request = frame.request
             buffer = self.registry.episodic(request.buffer)
             try:
@@ -162,6 +203,15 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     def _sample_payload(self, buffer: EpisodicBuffer, request: pb.SampleRequest, rng: np.random.Generator | None,
                         wait_seconds: float | None) -> bytes:
+        if not 1 <= request.batch_size <= MAX_BATCH_SIZE:
+            raise errors.InvalidArgument(f"sample: batch_size expected 1..{MAX_BATCH_SIZE}, got {request.batch_size}")
+        # Every mode sends each observation field once per item at least: refuse before gathering.
+        least = request.batch_size * sum(f.row_bytes for f in buffer.observation_fields)
+        if least > self.max_message_bytes:
+            raise errors.ResourceExhausted(
+                f"sample: batch_size={request.batch_size} needs at least {least} bytes, over the server's "
+                f"max_message_bytes={self.max_message_bytes}; lower batch_size or raise --max-message-mb"
+            )
         mode = convert.mode_from_request(request)
         batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds,
                               importance_beta=request.importance_beta)
@@ -189,6 +239,9 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @stream_rpc
     def SampleStream(self, request: pb.SampleStreamRequest, context) -> Iterator[bytes]:
         inner = request.request
+        if request.num_batches < 0:
+            raise errors.InvalidArgument(f"sample_stream: num_batches expected >= 0 (0 = until cancelled), "
+                                         f"got {request.num_batches}")
         buffer = self.registry.episodic(inner.buffer)
         # One generator for the whole stream: seeded streams are reproducible batch after batch.
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None

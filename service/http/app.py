@@ -6,46 +6,91 @@ import threading
 from collections.abc import Iterator
 
 import uvicorn
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from service.buffers.episodic import EpisodicBuffer
+from service.grpc_server.auth import token_matches
 from service.registry import BufferRegistry
 
 STATUS_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>replayd</title>
-<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}
-td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:right}
-th:first-child,td:first-child{text-align:left}.bar{background:#eee;width:160px;height:12px}.fill{background:#4a8;height:12px}</style>
-</head><body><h1>replayd <span id="instance"></span></h1>
-<table><thead><tr><th>buffer</th><th>kind</th><th>fill</th><th>stored steps</th><th>episodes</th>
+<html lang="en"><head><meta charset="utf-8"><title>replayd</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+:root{--fg:#1d2433;--muted:#6b7385;--line:#e3e6ec;--accent:#2f855a;--bg:#f6f7f9}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg);
+  margin:0;padding:2rem}
+main{max-width:1100px;margin:0 auto}
+header{display:flex;align-items:baseline;gap:1rem;margin-bottom:1rem}
+h1{font-size:1.5rem;margin:0}h1 span{color:var(--muted);font-weight:400;font-size:1rem}
+#status{margin-left:auto;color:var(--muted)}#status.error{color:#c53030}
+table{width:100%;border-collapse:collapse;background:#fff;border:1px solid var(--line);border-radius:8px;
+  overflow:hidden}
+th,td{padding:.6rem .9rem;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}
+th{background:#fafbfc;color:var(--muted);font-weight:600;font-size:.8rem;text-transform:uppercase;letter-spacing:.03em}
+th:first-child,td:first-child,th:nth-child(2),td:nth-child(2){text-align:left}
+tbody tr:last-child td{border-bottom:none}
+td.name{font-weight:600}.kind{color:var(--muted)}.num{font-variant-numeric:tabular-nums}
+.bar{display:inline-block;vertical-align:middle;background:#edf0f3;width:140px;height:10px;border-radius:5px;
+  overflow:hidden;margin-right:.5rem}.fill{background:var(--accent);height:100%}
+#empty{color:var(--muted);padding:1rem 0}
+</style>
+</head><body><main>
+<header><h1>replayd <span id="instance"></span></h1><div id="status">loading</div></header>
+<table><thead><tr><th>buffer</th><th>kind</th><th>fill</th><th>stored steps</th><th>capacity</th><th>episodes</th>
 <th>inserts/s</th><th>samples/s</th></tr></thead><tbody id="rows"></tbody></table>
-<p id="updated"></p>
+<p id="empty" hidden>No buffers yet.</p>
 <script>
-let last = {};
+// With a server token, open the page as /#token=...: the fragment never leaves the browser.
+const token = new URLSearchParams(location.hash.slice(1)).get("token");
+const headers = token ? {Authorization: "Bearer " + token} : {};
+const last = {};
+const number = n => Number(n).toLocaleString("en-US");
+function cell(text, className) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (className) td.className = className;
+  return td;
+}
+function row(b, now) {
+  const prev = last[b.name];
+  const dt = prev ? now - prev.t : 0;
+  const ins = prev && dt > 0 ? number(Math.round((b.inserted_steps - prev.ins) / dt)) : "-";
+  const smp = prev && dt > 0 ? number(Math.round((b.sampled_items - prev.smp) / dt)) : "-";
+  last[b.name] = {t: now, ins: b.inserted_steps, smp: b.sampled_items};
+  const fill = (100 * b.fill).toFixed(1);
+  const tr = document.createElement("tr");
+  tr.dataset.buffer = b.name;  // names are user input: set as text, never as HTML
+  const bar = cell("", "num");
+  bar.innerHTML = `<span class="bar"><span class="fill" style="display:block;width:${fill}%"></span></span>`;
+  bar.append(fill + "%");
+  tr.append(cell(b.name, "name"), cell(b.kind, "kind"), bar, cell(number(b.stored_steps), "num stored"),
+            cell(number(b.capacity_steps), "num"), cell(number(b.episodes), "num"), cell(ins, "num"),
+            cell(smp, "num"));
+  return tr;
+}
 async function refresh() {
-  const response = await fetch("api/buffers");
-  const data = await response.json();
-  document.getElementById("instance").textContent = data.instance;
-  const now = Date.now() / 1000;
-  const rows = data.buffers.map(b => {
-    const prev = last[b.name];
-    const dt = prev ? now - prev.t : 0;
-    const ins = prev && dt > 0 ? ((b.inserted_steps - prev.ins) / dt).toFixed(0) : "-";
-    const smp = prev && dt > 0 ? ((b.sampled_items - prev.smp) / dt).toFixed(0) : "-";
-    last[b.name] = {t: now, ins: b.inserted_steps, smp: b.sampled_items};
-    const fill = (100 * b.fill).toFixed(1);
-    return `<tr data-buffer="${b.name}"><td>${b.name}</td><td>${b.kind}</td>` +
-      `<td><div class="bar"><div class="fill" style="width:${fill}%"></div></div>${fill}%</td>` +
-      `<td>${b.stored_steps}</td><td>${b.episodes}</td><td>${ins}</td><td>${smp}</td></tr>`;
-  });
-  document.getElementById("rows").innerHTML = rows.join("");
-  document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  const status = document.getElementById("status");
+  try {
+    const response = await fetch("api/buffers", {headers});
+    if (!response.ok) throw new Error(response.status === 401 ? "unauthorized: open /#token=<token>"
+                                                              : "HTTP " + response.status);
+    const data = await response.json();
+    document.getElementById("instance").textContent = data.instance;
+    const now = Date.now() / 1000;
+    document.getElementById("rows").replaceChildren(...data.buffers.map(b => row(b, now)));
+    document.getElementById("empty").hidden = data.buffers.length > 0;
+    status.className = "";
+    status.textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (error) {
+    status.className = "error";
+    status.textContent = error.message;
+  }
 }
 refresh(); setInterval(refresh, 1000);
-</script></body></html>"""
+</script></main></body></html>"""
 
 
 def buffer_stats(registry: BufferRegistry) -> list[dict]:
@@ -95,23 +140,34 @@ class BufferCollector:
         yield from (stored, capacity, counters, rejected)
 
 
-def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: CollectorRegistry) -> FastAPI:
-    app = FastAPI(title="replayd", docs_url=None, redoc_url=None)
+def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: CollectorRegistry,
+               token: str | None = None) -> FastAPI:
+    """With `token`, every route that reveals server state needs `Authorization: Bearer <token>`. Open:
+    /healthz (container health checks carry no credentials) and the status page's static HTML, whose
+    script reads the token from the URL fragment (`/#token=...`, never sent to the server) for its calls."""
+    app = FastAPI(title="replayd", docs_url=None, redoc_url=None, openapi_url=None)
     metrics.register(BufferCollector(registry, rejected))
+
+    def authorized(request: Request) -> None:
+        if token and not token_matches(request.headers.get("authorization"), token):
+            raise HTTPException(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    guarded = [Depends(authorized)]
 
     @app.get("/healthz")
     def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", dependencies=guarded)
     def readyz() -> dict:
         return {"status": "ready", "buffers": len(registry.all())}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=guarded)
     def prometheus() -> Response:
         return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/api/buffers")
+    @app.get("/api/buffers", dependencies=guarded)
     def buffers() -> JSONResponse:
         return JSONResponse({"instance": registry.instance, "buffers": buffer_stats(registry)})
 

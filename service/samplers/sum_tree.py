@@ -1,47 +1,100 @@
-"""Vectorized sum tree and min tree over priorities, in caller-supplied (shared-memory) arrays.
+"""Vectorized K-ary sum tree and min tree over priorities, in caller-supplied (shared-memory) arrays.
 
-Layout: a binary heap of 2 * leaves nodes, 1-based: node 1 is the root, node n has children 2n and
-2n + 1, leaf i is node leaves + i (node 0 is unused). `leaves` is a power of two >= capacity, so every
-level is full and a node's children are adjacent: viewing the array as (leaves, 2) pairs, row n holds
-node n's two children, and one gather fetches both.
+Layout (K = 8): the tree is stored level by level, each level contiguous: the root (index 0), the top
+level, ..., the leaves. The leaf level holds `capacity` leaves rounded up to a multiple of K; each
+level above holds one node per K nodes of the level below, rounded up to a multiple of K, until a
+level has at most _TOP_LEVEL nodes: that is the top level, and the root is the sum (min) of all of
+it. Below the top level, node j has its children at [K*j, K*j + K) of the next level, so viewing
+that level as rows of K, row j is node j's children and one row gather fetches them all. Padding
+nodes stay 0 in the sum tree and +inf in the min tree, like empty leaves. 1,000,000 leaves give
+levels of 1, 248, 1960, 15632, 125000 and 1000000 nodes.
 
-Batches are updated level by level (the set of touched parents, each recomputed from its two
-children), and B prefix sums descend together, so the Python loops run over the tree's depth only.
-Parents are recomputed from their children rather than patched with deltas, so no rounding drift
-accumulates however many updates a leaf sees.
+Why K-ary, and why 8: at a million leaves each level below the top is a random gather that misses
+the cache once per item of a batch, and each level costs a handful of numpy calls besides. A binary
+heap walks 20 levels; K = 8 walks 4 below a top level of 248 nodes, and eight float64 children are
+exactly one 64-byte cache line, so a row gather costs one miss, like a binary heap's pair. K = 16
+(two lines per row, one level fewer) measured the same within noise, so the one-line rows stay.
+
+Batches move level by level, so the Python loops run over the depth only. A descent searches the
+top level in one cumulative sum; below it each level is one (B, K) row gather whose running sums
+come from one matrix product with a triangular matrix of ones (numpy's cumsum along a short axis is
+several times slower). The min tree exists only for the root's min_positive; the descent reads the
+sum tree alone. Parents are recomputed from their children rather than patched with deltas, so no
+rounding drift accumulates however many updates a leaf sees.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
 from service.storage.shared_arrays import ArraySpec
 
-# Levels of at most this many nodes are handled whole: one vector op over the level beats the
-# per-level bookkeeping of a sparse update or descent.
-_TOP_LEVEL = 1024
-_DENSE_LEVEL = 16  # an update recomputes whole levels once it touches >= 1/_DENSE_LEVEL of a level's nodes
+K = 8  # children per node; one row of K float64 children is one 64-byte cache line
+_SHIFT = K.bit_length() - 1  # K is a power of two: node // K is node >> _SHIFT
+# The levels stop growing upward at the first level of at most this many nodes (the top level), which
+# the root sums whole: a descent searches the top level in one cumulative sum, and an update reduces
+# it in one call, cheaper for such a level than the gathers of one or two more K-ary levels.
+_TOP_LEVEL = 256
+# An update recomputes whole levels (and all above) once they have at most this many nodes per
+# touched leaf: a dense pass over a small level is cheaper than a gather and a scatter.
+_DENSE_PER_ITEM = 2
+
+# Running sums of a row of K children with a leading zero: (B, K) @ _PREFIX = [0, c0, c0 + c1, ...].
+# The column for child i adds children 0..i in order, so each running sum is the same sequence of
+# additions a cumulative sum makes, and a zero child repeats its left neighbour's value exactly.
+_PREFIX = np.triu(np.ones((K, K + 1)), k=1)
+_ONES = np.ones(K)
+# Child chosen when the first running sum past the target is column j of the (B, K + 1) running sums.
+_CHILD_OF = np.array([K - 1, *range(K)], dtype=np.int64)
 
 
-def leaves_for(capacity: int) -> int:
-    return 1 << max(0, int(capacity - 1).bit_length())
+def level_sizes(capacity: int) -> list[int]:
+    """Node counts of the levels for a tree of at least `capacity` leaves: root, top level, ..., leaves."""
+    sizes = [-(-max(1, capacity) // K) * K]
+    while sizes[-1] > _TOP_LEVEL:
+        sizes.append(-(-sizes[-1] // (K * K)) * K)  # one node per K below, rounded up to whole rows
+    return [1, *sizes[::-1]]
+
+
+def tree_size(capacity: int) -> int:
+    """Elements of each of the sum and min arrays of a tree for `capacity` leaves."""
+    return sum(level_sizes(capacity))
 
 
 class SumTree:
     """Sums and minima of non-negative leaf values; empty (zero) leaves hold +inf in the min tree."""
 
     def __init__(self, sums: np.ndarray, mins: np.ndarray) -> None:
-        if sums.shape != mins.shape or sums.ndim != 1 or sums.size < 2 or sums.size & (sums.size - 1):
-            raise ValueError(f"sum/min trees need equal 1-D power-of-two sizes, got {sums.shape} and {mins.shape}")
+        if sums.shape != mins.shape or sums.ndim != 1:
+            raise ValueError(f"sum/min trees need equal 1-D shapes, got {sums.shape} and {mins.shape}")
+        # The arrays come from array_specs(capacity); recover the leaf count from their size (tree_size
+        # grows strictly with the leaf count, one step per K leaves).
+        low, high = 1, max(1, sums.size // K)
+        while low < high:
+            middle = (low + high) // 2
+            if tree_size(middle * K) < sums.size:
+                low = middle + 1
+            else:
+                high = middle
+        sizes = level_sizes(low * K)
+        if sum(sizes) != sums.size:
+            raise ValueError(f"{sums.size} elements is not the size of a {K}-ary sum tree (see tree_size)")
         self.sums, self.mins = sums, mins
-        self.leaves = sums.size // 2
-        self.depth = self.leaves.bit_length() - 1
-        self._sum_pairs = sums.reshape(self.leaves, 2)  # row n: the children of node n
-        self._min_pairs = mins.reshape(self.leaves, 2)
+        self.leaves = sizes[-1]
+        starts = np.cumsum([0, *sizes]).tolist()
+        # Level 0 is the root, level 1 the top level (the root's children, all of them).
+        self._sum_levels = [sums[a:b] for a, b in itertools.pairwise(starts)]
+        self._min_levels = [mins[a:b] for a, b in itertools.pairwise(starts)]
+        self._leaf_sums, self._leaf_mins = self._sum_levels[-1], self._min_levels[-1]
+        # Level d >= 2 as rows of K: row j is the children of node j of level d - 1.
+        self._sum_rows = [None, None, *(level.reshape(-1, K) for level in self._sum_levels[2:])]
+        self._min_rows = [None, None, *(level.reshape(-1, K) for level in self._min_levels[2:])]
 
     @staticmethod
     def array_specs(prefix: str, capacity: int) -> list[ArraySpec]:
-        size = 2 * leaves_for(capacity)
+        size = tree_size(capacity)
         return [ArraySpec(f"{prefix}.sum", "float64", (size,)), ArraySpec(f"{prefix}.min", "float64", (size,))]
 
     def clear(self) -> None:
@@ -50,15 +103,15 @@ class SumTree:
 
     @property
     def total(self) -> float:
-        return float(self.sums[1])
+        return float(self.sums[0])
 
     @property
     def min_positive(self) -> float:
         """The smallest positive leaf value (+inf when every leaf is zero)."""
-        return float(self.mins[1])
+        return float(self.mins[0])
 
     def get(self, leaves: np.ndarray) -> np.ndarray:
-        return self.sums.take(np.asarray(leaves, dtype=np.int64) + self.leaves)
+        return self._leaf_sums.take(np.asarray(leaves, dtype=np.int64))
 
     def update(self, leaves: np.ndarray, values: np.ndarray) -> None:
         """Sets leaf values (>= 0); a leaf named more than once takes its last value."""
@@ -66,66 +119,83 @@ class SumTree:
         values = np.broadcast_to(np.asarray(values, dtype=np.float64), leaves.shape)
         if leaves.size == 0:
             return
-        # A stable sort keeps repeats in request order; the last of each run is the write that wins.
+        # Fancy assignment does not promise which of repeated indices wins; a stable sort keeps
+        # repeats in request order, and the last of each run is the write that wins.
         order = np.argsort(leaves, kind="stable")
-        nodes = leaves[order] + self.leaves
+        nodes = leaves.take(order)
         last = np.empty(nodes.size, dtype=bool)
         last[-1] = True
         np.not_equal(nodes[1:], nodes[:-1], out=last[:-1])
-        nodes, values = nodes[last], values[order[last]]
-        self.sums[nodes] = values
-        self.mins[nodes] = np.where(values > 0, values, np.inf)
-        level_size = self.leaves
-        while level_size > 1:
-            level_size //= 2
-            if nodes.size >= level_size // _DENSE_LEVEL:
-                # Few nodes per level left: recomputing the whole level is cheaper than deduplicating.
-                self._recompute_levels(level_size)
+        nodes, values = nodes[last], values.take(order[last])
+        self._leaf_sums[nodes] = values
+        self._leaf_mins[nodes] = np.where(values > 0, values, np.inf)
+        for depth in range(len(self._sum_levels) - 2, 0, -1):
+            if self._sum_levels[depth].size <= _DENSE_PER_ITEM * nodes.size:
+                self._recompute_levels(depth)
                 return
-            nodes = nodes >> 1  # parents of a sorted array are sorted: drop adjacent repeats
-            keep = np.empty(nodes.size, dtype=bool)
-            keep[0] = True
-            np.not_equal(nodes[1:], nodes[:-1], out=keep[1:])
-            nodes = nodes[keep]
-            pairs = self._sum_pairs.take(nodes, axis=0)
-            self.sums[nodes] = pairs[:, 0] + pairs[:, 1]
-            pairs = self._min_pairs.take(nodes, axis=0)
-            self.mins[nodes] = np.minimum(pairs[:, 0], pairs[:, 1])
+            # Parents shared by several nodes are recomputed more than once, each time from the same
+            # children: harmless, and cheaper than deduplicating them level by level.
+            nodes = nodes >> _SHIFT
+            children = self._sum_rows[depth + 1].take(nodes, axis=0)
+            self._sum_levels[depth][nodes] = children @ _ONES
+            # A min over a short row axis is slow in numpy; over the long axis of the transpose it is not.
+            children = np.ascontiguousarray(self._min_rows[depth + 1].take(nodes, axis=0).T)
+            self._min_levels[depth][nodes] = np.minimum.reduce(children, axis=0)
+        self._recompute_levels(0)
 
-    def _recompute_levels(self, level_size: int) -> None:
-        """Recomputes every node of the level with `level_size` nodes and of all levels above it."""
-        while level_size >= 1:
-            level = slice(level_size, 2 * level_size)
-            pairs = self._sum_pairs[level]
-            np.add(pairs[:, 0], pairs[:, 1], out=self.sums[level])
-            pairs = self._min_pairs[level]
-            np.minimum(pairs[:, 0], pairs[:, 1], out=self.mins[level])
-            level_size //= 2
+    def _recompute_levels(self, depth: int) -> None:
+        """Recomputes every node of level `depth` and of all levels above it from their children."""
+        for d in range(depth, 0, -1):
+            rows = self._sum_rows[d + 1]
+            np.matmul(rows, _ONES, out=self._sum_levels[d][:rows.shape[0]])
+            rows = np.ascontiguousarray(self._min_rows[d + 1].T)
+            np.minimum.reduce(rows, axis=0, out=self._min_levels[d][:rows.shape[1]])
+        self.sums[0] = self._sum_levels[1].sum()
+        self.mins[0] = self._min_levels[1].min()
 
     def find_prefix(self, targets: np.ndarray) -> np.ndarray:
         """For each target in [0, total), the leaf i with sum(leaf < i) <= target < sum(leaf <= i).
 
-        Only positive leaves are returned. The top levels are skipped in one step: a search in the
-        running sums of one whole level of at most _TOP_LEVEL nodes. Below it, a step right is taken
-        only into a positive subtree, so rounding in the subtractions can never strand a target on an
-        empty leaf.
+        Only positive leaves are returned, also for targets at or past the total (rounding): they take
+        the last positive leaf. Raises ValueError when every leaf is zero.
         """
-        targets = np.array(targets, dtype=np.float64)
-        top = min(self.leaves, _TOP_LEVEL)
-        level = self.sums[top:2 * top]
-        running = np.cumsum(level)
-        nodes = np.searchsorted(running, targets, side="right")
-        # A target at or past the last running sum (rounding near the total) takes the last positive node.
-        np.minimum(nodes, int(np.flatnonzero(level)[-1]), out=nodes)
-        targets -= np.where(nodes > 0, running.take(nodes - 1), 0.0)
-        nodes += top
-        while top < self.leaves:
-            pairs = self._sum_pairs.take(nodes, axis=0)
-            left = pairs[:, 0]
-            right = targets >= left
-            right &= pairs[:, 1] > 0
-            targets -= left * right
-            nodes += nodes
-            nodes += right
-            top *= 2
-        return nodes - self.leaves
+        top = self._sum_levels[1]
+        running = np.empty(top.size + 1)
+        running[0] = 0.0
+        np.cumsum(top, out=running[1:])
+        if not running[-1] > 0:
+            raise ValueError("find_prefix on a tree whose leaves are all zero")
+        # Below the top level's total (the same additions as its running sums), a search can only stop
+        # at a node whose running sum rises past the target, i.e. at a positive node.
+        clipped = np.clip(np.asarray(targets, dtype=np.float64).ravel(), 0.0, np.nextafter(running[-1], 0.0))
+        nodes = np.searchsorted(running[1:], clipped, side="right")
+        targets = clipped - running.take(nodes)
+        if len(self._sum_levels) == 2:
+            return nodes
+        row_starts = np.arange(0, targets.size * (K + 1), K + 1)
+        for rows in self._sum_rows[2:]:
+            running = rows.take(nodes, axis=0) @ _PREFIX  # (B, K + 1), leading zero
+            # The first running sum past the target ends at the chosen child; it rose there, so that
+            # child is positive. None past it (the target exceeds the node's children by a rounding
+            # error): argmax says 0, and _CHILD_OF takes the last child, which may be empty.
+            child = _CHILD_OF.take(np.argmax(running > targets[:, None], axis=1))
+            targets -= running.take(row_starts + child)
+            nodes <<= _SHIFT
+            nodes += child
+        values = self._leaf_sums.take(nodes)
+        if not values.all():
+            for i in np.flatnonzero(values == 0).tolist():
+                nodes[i] = self._descend_exact(float(clipped[i]))
+        return nodes
+
+    def _descend_exact(self, target: float) -> int:
+        """One target's descent by exact cumulative sums, choosing only positive nodes (the slow path)."""
+        node = 0
+        for level in [self._sum_levels[1], *self._sum_rows[2:]]:
+            children = level if node == 0 and level.ndim == 1 else level[node]
+            running = np.cumsum(children)
+            child = min(int(np.searchsorted(running, target, side="right")), int(np.flatnonzero(children)[-1]))
+            if child:
+                target -= float(running[child - 1])
+            node = node * K + child
+        return node

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import _posixshmem  # the POSIX calls behind shared_memory; used to unlink without the resource tracker
 import json
+import math
+import os
 import re
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
+
+from service.errors import ResourceExhausted
 
 LAYOUT_VERSION = 1
 MAGIC = "replayd-shm"
@@ -30,7 +34,8 @@ class ArraySpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize * int(np.prod(self.shape, dtype=np.int64)))
+        # Python ints: a hostile shape must not wrap around int64 into a small size.
+        return np.dtype(self.dtype).itemsize * math.prod(int(d) for d in self.shape)
 
 
 def _untracked(segment: shared_memory.SharedMemory) -> shared_memory.SharedMemory:
@@ -38,6 +43,33 @@ def _untracked(segment: shared_memory.SharedMemory) -> shared_memory.SharedMemor
     # manage (crash recovery reattaches, readers must never unlink), so opt out.
     resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     return segment
+
+
+def shm_free_bytes() -> int | None:
+    """Free space of the tmpfs behind POSIX shared memory (None where there is no /dev/shm)."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def check_allocation(header_name: str, nbytes: int, max_bytes: int | None) -> None:
+    """Refuses a segment over `max_bytes` or over the free shared memory: tmpfs hands out sparse pages, so
+    an oversized segment would be created fine and the server killed by SIGBUS on the first write past
+    the space."""
+    if max_bytes is not None and nbytes > max_bytes:
+        raise ResourceExhausted(
+            f"{header_name}: the buffer needs {nbytes} bytes of shared memory, over the server's limit of "
+            f"{max_bytes} bytes (--max-buffer-gb); lower its size (capacity_steps, num_steps x num_envs, field shapes)"
+        )
+    free = shm_free_bytes()
+    if free is not None and nbytes > free:
+        raise ResourceExhausted(
+            f"{header_name}: the buffer needs {nbytes} bytes of shared memory, but /dev/shm has only {free} "
+            "bytes free; lower its size (capacity_steps, num_steps x num_envs, field shapes) or give the host more "
+            "shared memory"
+        )
 
 
 def segment_exists(name: str) -> bool:
@@ -77,8 +109,10 @@ class SharedArrays:
         self.nbytes = int(layout["data_bytes"])
 
     @classmethod
-    def create(cls, header_name: str, specs: list[ArraySpec], meta: dict[str, Any]) -> SharedArrays:
-        """Creates both segments (zero-filled). Fails with FileExistsError if the name is taken."""
+    def create(cls, header_name: str, specs: list[ArraySpec], meta: dict[str, Any],
+               max_bytes: int | None = None) -> SharedArrays:
+        """Creates both segments (zero-filled). Fails with FileExistsError if the name is taken, and with
+        ResourceExhausted (nothing created) past `max_bytes` or the free shared memory."""
         if not _NAME_OK.match(header_name):
             raise ValueError(f"shared-memory name {header_name!r} must match {_NAME_OK.pattern}")
         entries, offset = [], 0
@@ -96,6 +130,7 @@ class SharedArrays:
             "meta": meta,
         }
         encoded = json.dumps(layout).encode()
+        check_allocation(header_name, offset + len(encoded), max_bytes)
         data = _untracked(shared_memory.SharedMemory(name=data_name, create=True, size=max(offset, 1)))
         try:
             header = _untracked(shared_memory.SharedMemory(name=header_name, create=True, size=len(encoded)))
@@ -104,7 +139,13 @@ class SharedArrays:
             data.unlink()
             raise
         header.buf[: len(encoded)] = encoded
-        return cls(header_name, header, data, layout, owner=True, readonly=False)
+        try:
+            return cls(header_name, header, data, layout, owner=True, readonly=False)
+        except BaseException:
+            for segment in (data, header):
+                segment.close()
+                _posixshmem.shm_unlink(segment._name)  # type: ignore[attr-defined]
+            raise
 
     @classmethod
     def attach(cls, header_name: str, readonly: bool = True) -> SharedArrays:

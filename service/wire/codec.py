@@ -14,6 +14,7 @@ record-batch message: a learner's stream repeats one schema forever.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ _SHAPE_KEY = b"shape"
 _ALIASES_KEY = b"aliases"
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _CACHE_LIMIT = 512
+# A row travels as one Arrow fixed-size list, whose size is an int32; numpy allows at most 64 dimensions.
+_MAX_ROW_VALUES = 2**31 - 1
+_MAX_RANK = 32
 
 
 class CodecError(ValueError):
@@ -61,7 +65,7 @@ class _Column:
 def _column(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> _Column:
     storage = np.dtype(np.uint8) if dtype == np.bool_ else dtype
     values_type = pa.from_numpy_dtype(storage)
-    row_size = int(np.prod(shape, dtype=np.int64))
+    row_size = math.prod(shape)
     arrow_type = pa.list_(values_type, row_size) if shape else values_type
     return _Column(name, dtype, storage, shape, row_size, values_type, arrow_type)
 
@@ -143,10 +147,13 @@ def _decode_plan(schema_message: bytes, schema: pa.Schema) -> _Plan:
         try:
             dtype = check_dtype(field.name, metadata[_DTYPE_KEY].decode())
             shape = tuple(int(d) for d in json.loads(metadata[_SHAPE_KEY]))
-        except (TypeError, ValueError, UnicodeDecodeError) as exc:
+        except (TypeError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise CodecError(f"field {field.name!r}: bad dtype/shape metadata ({exc})") from exc
         if any(d < 0 for d in shape):
             raise CodecError(f"field {field.name!r}: negative dimension in shape {shape}")
+        if len(shape) > _MAX_RANK or math.prod(shape) > _MAX_ROW_VALUES:
+            raise CodecError(f"field {field.name!r}: row shape {shape} exceeds rank {_MAX_RANK} or "
+                             f"{_MAX_ROW_VALUES} values")
         column = _column(field.name, dtype, shape)
         if field.type != column.arrow_type:
             raise CodecError(f"field {field.name!r}: arrow type {field.type} does not match dtype {dtype.name} "
@@ -159,7 +166,7 @@ def _decode_plan(schema_message: bytes, schema: pa.Schema) -> _Plan:
         names = {c.name for c in columns}
         try:
             aliases = tuple(json.loads(schema.metadata[_ALIASES_KEY]).items())
-        except (ValueError, AttributeError) as exc:
+        except (ValueError, AttributeError, RecursionError) as exc:
             raise CodecError(f"bad alias metadata: {exc}") from exc
         if any(not isinstance(a, str) or target not in names for a, target in aliases):
             raise CodecError(f"bad alias metadata: {aliases} must name fields of the batch")
@@ -182,6 +189,8 @@ def decode(payload: bytes | memoryview | pa.Buffer) -> dict[str, np.ndarray]:
         if batch_message.type != "record batch":
             raise CodecError(f"expected one record batch after the schema, got {batch_message.type}")
         batch = pa.ipc.read_record_batch(batch_message, plan.schema)
+        # The IPC reader trusts lengths in the message; buffers shorter than they claim would be read past.
+        batch.validate(full=True)
         try:
             reader.read_next_message()
         except StopIteration:

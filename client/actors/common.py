@@ -1,0 +1,101 @@
+"""What every actor shares: its stop condition, weight refreshes, and episodes written with retries."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from client.episode_writer import EpisodeWriter
+from client.params import load_module_bytes
+from client.polling import RECONNECT, never, wait_until
+from client.replay_client import ReplayClient
+
+
+class StopEvent(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclass
+class ActorReport:
+    """What an actor did: env steps taken, the newest weights version it acted with, data units pushed
+    (episodes for episodic buffers, rollouts for PPO)."""
+
+    env_steps: int = 0
+    weights_version: int = 0
+    pushed: int = 0
+
+
+def stop_condition(seconds: float, stop: StopEvent | None) -> Callable[[], bool]:
+    """True once `seconds` have passed or `stop` (e.g. a multiprocessing.Event of the demo) is set."""
+    deadline = time.monotonic() + seconds
+    return lambda: time.monotonic() > deadline or (stop is not None and stop.is_set())
+
+
+def wait_for_buffer(client: ReplayClient, buffer: str, timeout: float, stopped: Callable[[], bool] = never) -> dict:
+    """Polls until the learner has created `buffer` (TimeoutError at the deadline, None once stopped)."""
+    return wait_until(lambda: client.describe(buffer), time.monotonic() + timeout, f"buffer {buffer!r} appearing",
+                      stopped)
+
+
+def connect(address: str, buffer: str, stopped: Callable[[], bool], timeout: float = 120) -> ReplayClient | None:
+    """A client once the learner has created `buffer`; None if the actor is stopped first."""
+    client = ReplayClient(address, timeout=10)
+    if wait_for_buffer(client, buffer, timeout, stopped) is None:
+        client.close()
+        return None
+    return client
+
+
+def load_weights(network: torch.nn.Module, newer: tuple[int, bytes]) -> int:
+    load_module_bytes(network, newer[1])
+    return newer[0]
+
+
+def refresh_weights(client: ReplayClient, name: str, version: int, network: torch.nn.Module) -> int:
+    """Loads a newer published version into `network` if there is one; returns the version acted with."""
+    try:
+        newer = client.fetch_weights(name, newer_than=version)
+    except grpc.RpcError as exc:
+        if exc.code() in RECONNECT:
+            return version  # the server is restarting; act with the weights we have
+        raise
+    return version if newer is None else load_weights(network, newer)
+
+
+def flush_with_retry(writer: EpisodeWriter, deadline: float) -> None:
+    """Flushes pending episodes, retrying while the server is unreachable (e.g. restarting)."""
+
+    def flushed() -> bool:
+        writer.flush()
+        return True
+
+    wait_until(flushed, deadline, f"flushing episodes into {writer.buffer!r}", delay=0.1, max_delay=2.0)
+
+
+class EpisodeRecorder:
+    """One actor's episodes into an episodic buffer: whole episodes go out in batches, and a batch that
+    fails because the server is restarting is retried (no finished episode is dropped)."""
+
+    def __init__(self, client: ReplayClient, buffer: str, retry_deadline: float, batch_rows: int = 1024) -> None:
+        self.writer = EpisodeWriter(client, buffer, batch_rows=batch_rows, auto_flush=False)
+        self.retry_deadline = retry_deadline  # monotonic time until which failed flushes are retried
+
+    def step(self, obs: Any, action: Any, reward: Any, next_obs: Any, terminated: bool, truncated: bool) -> bool:
+        """Records one step; returns whether the episode ended (the caller resets its environment)."""
+        self.writer.append(obs=obs, action=action, reward=reward)
+        if not (terminated or truncated):
+            return False
+        self.writer.end_episode(terminated=bool(terminated), obs=next_obs)
+        if self.writer.pending_rows >= self.writer.batch_rows:
+            flush_with_retry(self.writer, self.retry_deadline)
+        return True
+
+    def close(self) -> int:
+        """Flushes what is pending (retrying up to 30 s past the deadline); returns episodes written."""
+        flush_with_retry(self.writer, max(self.retry_deadline, time.monotonic()) + 30)
+        return self.writer.episodes_written

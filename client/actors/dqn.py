@@ -1,0 +1,71 @@
+"""Epsilon-greedy DQN actor: one environment, whole episodes into an episodic buffer, newest Q-network."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from client.actors.common import (
+    ActorReport,
+    EpisodeRecorder,
+    StopEvent,
+    connect,
+    refresh_weights,
+    stop_condition,
+)
+from client.trainers.dqn import QNetwork
+
+
+@dataclass
+class DQNActorConfig:
+    address: str
+    buffer: str = "cartpole"
+    weights: str = "q"
+    env_id: str = "CartPole-v1"
+    seed: int = 0
+    seconds: float = 3600.0
+    epsilon_start: float = 1.0
+    epsilon_end: float = 0.05
+    epsilon_decay_steps: int = 10_000
+    fetch_every: int = 100  # env steps between weight checks
+    hidden: tuple[int, ...] = (128, 128)
+
+
+def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> ActorReport:
+    """Epsilon-greedy actor until `config.seconds` pass or `stop` is set."""
+    import gymnasium as gym
+
+    torch.set_num_threads(1)
+    env = gym.make(config.env_id)
+    rng = np.random.default_rng(config.seed)
+    network = QNetwork(int(np.prod(env.observation_space.shape)), int(env.action_space.n), config.hidden)
+    report = ActorReport()
+    stopped = stop_condition(config.seconds, stop)
+    client = connect(config.address, config.buffer, stopped)
+    if client is None:
+        return report
+    recorder = EpisodeRecorder(client, config.buffer, retry_deadline=time.monotonic() + config.seconds)
+    obs, _ = env.reset(seed=config.seed)
+    steps = 0
+    while not stopped():
+        if steps % config.fetch_every == 0:
+            report.weights_version = refresh_weights(client, config.weights, report.weights_version, network)
+        fraction = min(1.0, steps / config.epsilon_decay_steps)
+        epsilon = config.epsilon_start + fraction * (config.epsilon_end - config.epsilon_start)
+        if report.weights_version == 0 or rng.random() < epsilon:
+            action = int(rng.integers(env.action_space.n))
+        else:
+            with torch.no_grad():
+                action = int(network(torch.as_tensor(obs, dtype=torch.float32)[None]).argmax(1))
+        next_obs, reward, terminated, truncated, _ = env.step(action)
+        steps += 1
+        if recorder.step(obs, action, reward, next_obs, terminated, truncated):
+            next_obs, _ = env.reset()
+        obs = next_obs
+    report.pushed = recorder.close()
+    report.env_steps = steps
+    client.close()
+    return report

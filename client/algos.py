@@ -1,0 +1,56 @@
+"""The algorithms the actor, learner and demo command lines know: which actor and learner functions
+run them, how their configs are built from options, and how the demo shows their progress."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from client.actors.allo import AlloActorConfig, run_allo_actor
+from client.actors.dqn import DQNActorConfig, run_dqn_actor
+from client.actors.ppo import PPOActorConfig, run_ppo_actor
+from client.learners.allo import AlloLearnerConfig, learn_allo
+from client.learners.dqn import DQNLearnerConfig, learn_dqn
+from client.learners.ppo import PPOLearnerConfig, learn_ppo
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class Algo:
+    actor: Callable[..., Any]  # run_*_actor(config, stop=None) -> ActorReport
+    actor_config: type
+    learn: Callable[..., dict]  # learn_*(config, report) -> summary
+    learner_config: type
+    score: str  # the summary's final score
+    score_label: str
+    bar_total: float  # the progress bar is full at this score
+    counters: tuple[str, str]  # buffer counters shown as rates: data in, data out
+    outputs: tuple[str, ...] = ("learning_curve.png", "summary.json")
+
+
+ALGOS: dict[str, Algo] = {
+    "dqn": Algo(run_dqn_actor, DQNActorConfig, learn_dqn, DQNLearnerConfig, "final_eval_return", "greedy return",
+                475, ("inserted_rows", "sampled_items")),
+    "ppo": Algo(run_ppo_actor, PPOActorConfig, learn_ppo, PPOLearnerConfig, "final_eval_return",
+                "deterministic return", 475, ("pushed_steps", "minibatches_served")),
+    "allo": Algo(run_allo_actor, AlloActorConfig, learn_allo, AlloLearnerConfig, "avg_cosine", "average |cosine|",
+                 1.0, ("inserted_rows", "sampled_items"), ("learning_curve.png", "summary.json", "eigenvectors.png")),
+}
+
+
+def build(config_type: type[C], **values: Any) -> C:
+    """A config dataclass from the given values, skipping None (keep the default) and foreign names."""
+    names = {f.name for f in fields(config_type)}
+    return config_type(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    """Options the actor, learner and demo command lines share (unset: the algorithm's default)."""
+    parser.add_argument("--algo", choices=sorted(ALGOS), default="dqn")
+    parser.add_argument("--seconds", type=float, help="time budget (default: the algorithm's)")
+    parser.add_argument("--envs", dest="num_envs", type=int, help="ppo: environments per actor")
+    parser.add_argument("--rollout-steps", type=int, help="ppo: steps per rollout (T)")
+    parser.add_argument("--episodes", type=int, help="allo: random-walk episodes per actor")

@@ -1,0 +1,141 @@
+"""What every learner shares: timing and progress reports, greedy evaluation, waiting for data, and
+the run folder (summary.json and a learning curve)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from client.polling import wait_until
+from client.replay_client import ReplayClient
+
+
+@dataclass
+class Progress:
+    """What a learner reports to whoever drives it (the demo's progress bar)."""
+
+    learner_steps: int = 0
+    env_steps: int = 0
+    steps_per_second: float = 0.0
+    score: float | None = None  # greedy return (DQN, PPO) or average |cosine| (ALLO)
+    curve: list[dict] = field(default_factory=list)
+
+
+class Tracker:
+    """Times a run against its budget and records curve points (each one reported)."""
+
+    def __init__(self, seconds: float, score_key: str, report: Callable[[Progress], None]) -> None:
+        self.started = time.monotonic()
+        self.deadline = self.started + seconds
+        self.score_key = score_key
+        self.report = report
+        self.progress = Progress()
+        self._window_start, self._window_steps = self.started, 0
+
+    def stepped(self, steps: int = 1) -> None:
+        self.progress.learner_steps += steps
+        self._window_steps += steps
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def seconds(self) -> float:
+        return round(time.monotonic() - self.started, 1)
+
+    def record(self, score: float, env_steps: int, **extra: float) -> None:
+        now = time.monotonic()
+        progress = self.progress
+        progress.steps_per_second = self._window_steps / max(now - self._window_start, 1e-9)
+        progress.env_steps, progress.score = env_steps, score
+        progress.curve.append({"seconds": round(now - self.started, 2), "env_steps": env_steps,
+                               "learner_steps": progress.learner_steps, **extra, self.score_key: score})
+        self.report(progress)
+        self._window_start, self._window_steps = time.monotonic(), 0
+
+
+@torch.no_grad()
+def evaluate_greedy(act: Callable[[torch.Tensor], torch.Tensor], env_id: str, episodes: int, seed: int) -> float:
+    """Mean undiscounted return of a deterministic policy over `episodes` episodes (episode i is reset
+    with seed + i); the episodes run side by side, one batched forward per step."""
+    import gymnasium as gym
+
+    envs = [gym.make(env_id) for _ in range(episodes)]
+    obs = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
+    returns = np.zeros(episodes)
+    active = list(range(episodes))
+    while active:
+        actions = act(torch.as_tensor(np.stack([obs[i] for i in active]), dtype=torch.float32)).tolist()
+        still = []
+        for i, action in zip(active, actions, strict=True):
+            obs[i], reward, terminated, truncated, _ = envs[i].step(int(action))
+            returns[i] += float(reward)
+            if not (terminated or truncated):
+                still.append(i)
+        active = still
+    return float(returns.mean())
+
+
+def wait_for_steps(client: ReplayClient, buffer: str, steps: int, deadline: float) -> None:
+    """Polls until `buffer` holds `steps` sampleable steps (TimeoutError at the deadline)."""
+    wait_until(lambda: client.describe(buffer)["sampleable_steps"] >= steps, deadline,
+               f"buffer {buffer!r} reaching {steps} sampleable steps", delay=0.05, max_delay=0.5)
+
+
+@dataclass(frozen=True)
+class CurvePlot:
+    y: str  # curve key on the y axis
+    ylabel: str
+    title: str
+    target: float | None = None
+    x: str = "env_steps"
+    xlabel: str = "environment steps"
+
+
+def write_run(run_dir: Path, summary: dict, plot: CurvePlot) -> None:
+    """summary.json and learning_curve.png into `run_dir`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    curve = summary["curve"]
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot([p[plot.x] for p in curve], [p[plot.y] for p in curve], marker="o")
+    if plot.target is not None:
+        axis.axhline(plot.target, color="gray", linestyle="--", label="target")
+        axis.legend()
+    axis.set_xlabel(plot.xlabel)
+    axis.set_ylabel(plot.ylabel)
+    axis.set_title(plot.title)
+    figure.tight_layout()
+    figure.savefig(run_dir / "learning_curve.png", dpi=100)
+    plt.close(figure)
+
+
+def start_learner(config: Any, score_key: str, report: Callable[[Progress], None]) -> tuple[Tracker, ReplayClient]:
+    """Seeds torch, starts the clock on `config.seconds`, connects to `config.address`."""
+    torch.manual_seed(config.seed)
+    tracker = Tracker(config.seconds, score_key, report)
+    client = ReplayClient(config.address, timeout=30)
+    client.wait_ready(timeout=60)
+    return tracker, client
+
+
+def finish_learner(config: Any, client: ReplayClient, tracker: Tracker, plot: CurvePlot, results: dict) -> dict:
+    """The summary (timing, counts, `results`, the buffer's final state, config, curve), written into
+    `config.run_dir` with the learning curve; closes the client."""
+    progress = tracker.progress
+    summary = {"seconds": tracker.seconds(), "learner_steps": progress.learner_steps, "env_steps": progress.env_steps,
+               **results, "buffer": client.describe(config.buffer), "config": asdict(config), "curve": progress.curve}
+    write_run(Path(config.run_dir), summary, plot)
+    client.close()
+    return summary

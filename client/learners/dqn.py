@@ -1,0 +1,76 @@
+"""The DQN learner: creates its buffer, trains from a prefetched sample stream, publishes weights,
+evaluates the greedy policy, and writes a learning curve and a summary into a run folder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from client.learners.common import CurvePlot, Progress, evaluate_greedy, finish_learner, start_learner, wait_for_steps
+from client.loader import Loader
+from client.params import module_to_bytes
+from client.trainers.dqn import DQNTrainer
+
+CARTPOLE_SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+
+
+@dataclass
+class DQNLearnerConfig:
+    address: str
+    run_dir: str = "runs/dqn"
+    buffer: str = "cartpole"
+    weights: str = "q"
+    env_id: str = "CartPole-v1"
+    device: str = "cpu"
+    seconds: float = 300.0  # time budget
+    target_return: float = 475.0  # stop once the greedy policy's mean over eval_episodes reaches this
+    capacity_steps: int = 100_000
+    batch_size: int = 128
+    n_step: int = 3
+    gamma: float = 0.99
+    lr: float = 5e-4
+    hidden: tuple[int, ...] = (128, 128)
+    target_update_every: int = 500
+    learning_starts: int = 1_000  # sampleable steps before the first update
+    publish_every: int = 50  # learner steps between weight broadcasts
+    eval_every: int = 1_000  # learner steps between evaluations
+    eval_episodes: int = 20
+    seed: int = 0
+
+
+def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
+    tracker, client = start_learner(config, "eval_return", report)
+    client.create_buffer(config.buffer, config.capacity_steps, CARTPOLE_SCHEMA)
+    trainer = DQNTrainer(4, 2, hidden=config.hidden, lr=config.lr, double=True,
+                         target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device)
+    version = 1
+    client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
+    wait_for_steps(client, config.buffer, config.learning_starts, tracker.deadline)
+
+    stream = client.sample_stream(config.buffer, config.batch_size, n_step=config.n_step, gamma=config.gamma,
+                                  wait=True, timeout=config.seconds + 60)
+    loader = Loader(stream, device=config.device, prefetch=4)
+    progress = tracker.progress
+    solved = False
+    try:
+        for batch in loader:
+            trainer.step(batch)
+            tracker.stepped()
+            if progress.learner_steps % config.publish_every == 0:
+                version += 1
+                client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
+            if progress.learner_steps % config.eval_every == 0:
+                env_steps = int(client.describe(config.buffer)["counters"].get("inserted_rows", 0))
+                score = evaluate_greedy(lambda obs: trainer.online(obs).argmax(1), config.env_id,
+                                        config.eval_episodes, config.seed)
+                tracker.record(score, env_steps)
+                solved = score >= config.target_return
+            if solved or tracker.out_of_time():
+                break
+    finally:
+        loader.close()
+    plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
+                     f"DQN on {config.env_id} via replayd", config.target_return)
+    return finish_learner(config, client, tracker, plot, {
+        "solved": solved, "final_eval_return": progress.score, "target_return": config.target_return,
+        "weights_version": version})

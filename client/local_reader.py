@@ -1,0 +1,85 @@
+"""LocalReader: sample a buffer of a server on this host straight from its shared memory.
+
+No network and no serialization: the reader maps the buffer's segments read-only and runs the same
+samplers and batch modes as the server, returning the same batch format as `ReplayClient.sample`. The
+server stays the single writer; a batch that raced with an eviction is drawn again, never returned torn.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from client.replay_client import ReplayClient
+from service.buffers.ring import EpisodicRing
+from service.samplers.geometric import GeometricMode
+from service.samplers.modes import BatchMode
+from service.samplers.states import StatesMode
+from service.samplers.transitions import TransitionsMode
+from service.storage.shared_arrays import segment_exists
+
+
+def batch_mode(mode: str, n_step: int = 1, gamma: float = 0.99, discount: float | None = None) -> BatchMode:
+    if mode == "transitions":
+        return TransitionsMode(n_step, gamma)
+    if mode == "geometric":
+        if discount is None:
+            raise ValueError("mode='geometric' needs discount=")
+        return GeometricMode(discount)
+    if mode == "states":
+        return StatesMode()
+    raise ValueError(f"mode must be transitions, geometric or states, got {mode!r}")
+
+
+class LocalReader:
+    """Read-only view of one episodic buffer of a server on this host."""
+
+    def __init__(self, client: ReplayClient, buffer: str) -> None:
+        info = client.describe(buffer)
+        if info["host"] != socket.gethostname():
+            raise RuntimeError(
+                f"buffer {buffer!r} lives on host {info['host']!r}, not on this host ({socket.gethostname()!r}): "
+                "sample it over gRPC"
+            )
+        if not segment_exists(info["shm_name"]):
+            raise RuntimeError(
+                f"buffer {buffer!r}: shared-memory segment {info['shm_name']!r} is not visible here (another "
+                "container or IPC namespace?); sample it over gRPC"
+            )
+        self.buffer = buffer
+        self.ring = EpisodicRing.attach(info["shm_name"])
+        self.torn_redraws = 0
+        self._rng = np.random.default_rng()
+
+    def close(self) -> None:
+        self.ring.close()
+
+    def __enter__(self) -> LocalReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def sample(self, batch_size: int, mode: str = "transitions", *, seed: int | None = None,
+               include_keys: bool = False, **options: Any) -> dict[str, np.ndarray]:
+        """Same arguments and batch format as ReplayClient.sample (fresh arrays, not views)."""
+        rng = np.random.default_rng(seed) if seed is not None else self._rng
+        batch, torn = self.ring.sample_shared(batch_size, batch_mode(mode, **options), rng, include_keys)
+        self.torn_redraws += torn
+        return batch
+
+    def sample_stream(self, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
+                      seed: int | None = None, include_keys: bool = False,
+                      **options: Any) -> Iterator[dict[str, np.ndarray]]:
+        """Batches until `num_batches` (0: forever); one generator, so a seeded stream is reproducible."""
+        rng = np.random.default_rng(seed)
+        chosen = batch_mode(mode, **options)
+        sent = 0
+        while num_batches == 0 or sent < num_batches:
+            batch, torn = self.ring.sample_shared(batch_size, chosen, rng, include_keys)
+            self.torn_redraws += torn
+            yield batch
+            sent += 1

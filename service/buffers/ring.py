@@ -1,0 +1,188 @@
+"""The read side of an episodic buffer: what a sampler needs, over arrays in shared memory.
+
+The writer (`EpisodicBuffer`) and every reader (a learner's local reader, a sample worker process) share
+this class: the same bound lookups, samplers and batch modes, so a batch has the same format whichever
+process gathers it. A reader attaches by the buffer's header segment name alone.
+
+Readers hold no lock; they validate by the tail. A position's row never changes while the position is
+live (>= the tail): the writer marks the rows of evicted extents as holes and moves `state[TAIL_POS]`
+past them before it overwrites any of them, and the tail never moves back. So a batch whose positions
+are all >= the tail read after the gather was read from live rows only: it is whole. Otherwise it raced
+with an eviction and is drawn again. (x86 keeps stores in program order, which this relies on.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import FailedPrecondition, InvalidArgument
+from service.removers import FifoRemover, MaxTimesSampledRemover
+from service.samplers.draw import Draw
+from service.samplers.modes import BatchMode
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.uniform import UniformSampler
+from service.schema import Field
+from service.storage.shared_arrays import SharedArrays
+
+OPEN = -1  # row_end of a row whose episode is still open
+HOLE = -2  # row_end of a row that holds no episode
+
+ALIVE, IS_OPEN, TERMINATED = 1, 2, 4  # extent flags
+
+# Indices into the shared `state` array.
+HEAD, TAIL_SEQ, NEXT_SEQ, EPISODES, SAMPLEABLE, STORED, TAIL_POS = range(7)
+STATE_SIZE = 8
+
+# A reader gives up after this many torn draws in a row (each needs an eviction during one gather).
+MAX_TORN_DRAWS = 100
+
+
+def shm_name(instance: str, buffer: str) -> str:
+    return f"rpd_{instance}_{buffer}"
+
+
+@dataclass
+class Gathered:
+    draw: Draw
+    batch: dict[str, np.ndarray]
+
+
+class EpisodicRing:
+    """Rows, bounds and extent table of one episodic buffer, read through its sampler."""
+
+    kind = "episodic"
+
+    def __init__(self, storage: SharedArrays, sampler: UniformSampler | PrioritizedSampler,
+                 remover: FifoRemover | MaxTimesSampledRemover) -> None:
+        meta = storage.meta
+        self.storage = storage
+        self.name: str = meta["name"]
+        self.capacity: int = int(meta["capacity"])
+        self.fields = tuple(Field(name, dtype, tuple(shape), observation)
+                            for name, dtype, shape, observation in meta["fields"])
+        self.observation_fields = tuple(f for f in self.fields if f.observation)
+        self.step_fields = tuple(f for f in self.fields if not f.observation)
+        self.reward_field: str | None = meta["reward_field"]
+        self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
+        arrays = storage.arrays
+        self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
+        self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
+        self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]
+        self.extent_last, self.extent_flags = arrays["extent.last"], arrays["extent.flags"]
+        self.state = arrays["state"]
+        self.sampler = sampler
+        self.remover = remover
+
+    @classmethod
+    def attach(cls, header_name: str) -> EpisodicRing:
+        """Maps a buffer of this host read-only, for sampling without the server's lock.
+
+        Buffers whose sampling changes state (a remover counting draws, a rate limiter) are sampled by
+        their server only.
+        """
+        storage = SharedArrays.attach(header_name, readonly=True)
+        meta = storage.meta
+        try:
+            if meta.get("kind") != cls.kind:
+                raise InvalidArgument(f"segment {header_name!r} holds a {meta.get('kind')} buffer, not an episodic one")
+            components = meta["components"]
+            if components["remover"]["kind"] != "fifo" or components["rate_limited"]:
+                raise FailedPrecondition(
+                    f"buffer {meta['name']!r} has a remover or a rate limiter: only its server may sample it"
+                )
+            if components["sampler"]["kind"] != "uniform":
+                raise FailedPrecondition(
+                    f"buffer {meta['name']!r} uses the {components['sampler']['kind']} sampler; shared-memory "
+                    "readers sample uniform buffers"
+                )
+        except BaseException:
+            storage.close()
+            raise
+        return cls(storage, UniformSampler(), FifoRemover())
+
+    # ------------------------------------------------------------------ state
+    @property
+    def head(self) -> int:
+        return int(self.state[HEAD])
+
+    def tail_position(self) -> int:
+        """Absolute position of the oldest live extent's first row (the head when empty); never decreases."""
+        return int(self.state[TAIL_POS])
+
+    @property
+    def sampleable_steps(self) -> int:
+        return int(self.state[SAMPLEABLE])
+
+    @property
+    def stored_steps(self) -> int:
+        return int(self.state[STORED])
+
+    @property
+    def episodes(self) -> int:
+        return int(self.state[EPISODES])
+
+    # ------------------------------------------------------------------ lookups
+    def episode_bounds(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ring rows, episode bounds and open-episode mask of absolute positions.
+
+        The bound is the absolute position of the episode's final row (the last landed row while the
+        episode is open); positions that hold no episode get HOLE. Sampleable iff position < bound.
+        """
+        rows = positions % self.capacity
+        bounds = self.row_end.take(rows)
+        in_open = bounds == OPEN
+        if np.count_nonzero(in_open):
+            bounds[in_open] = self.extent_last.take(self.row_seq.take(rows[in_open]) % self.extent_slots)
+        if self.remover.retires:  # a retired step is no longer an item: samplers see a hole
+            bounds[self.remover.is_retired(rows)] = HOLE
+        return rows, bounds, in_open
+
+    def terminated_at(self, rows: np.ndarray) -> np.ndarray:
+        """Whether the episode of each row ended by termination (False for open or truncated episodes)."""
+        flags = self.extent_flags.take(self.row_seq.take(rows) % self.extent_slots)
+        return (flags & TERMINATED) != 0
+
+    def episode_ids_at(self, rows: np.ndarray) -> np.ndarray:
+        return self.extent_episode_id.take(self.row_seq.take(rows) % self.extent_slots)
+
+    # ------------------------------------------------------------------ sampling
+    def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0) -> Draw:
+        """Draws sampleable positions with the configured sampler.
+
+        `importance_beta` is the prioritized sampler's importance-weight exponent (others ignore it).
+        """
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        if self.sampleable_steps == 0:
+            raise FailedPrecondition(
+                f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"
+            )
+        return self.sampler.draw(self, batch_size, rng, importance_beta)
+
+    def gather(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
+               importance_beta: float = 0.0) -> Gathered:
+        """Indices from the sampler, columns from the mode (the caller ensures consistency)."""
+        draw = self.draw(batch_size, rng, importance_beta)
+        batch = mode.build(self, draw, rng)
+        if include_keys:
+            batch["key"] = draw.positions
+            batch["episode_id"] = self.episode_ids_at(draw.rows)
+        batch.update(draw.extra)
+        return Gathered(draw, batch)
+
+    def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator,
+                      include_keys: bool = False) -> tuple[dict[str, np.ndarray], int]:
+        """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn)."""
+        for torn in range(MAX_TORN_DRAWS):
+            gathered = self.gather(batch_size, mode, rng, include_keys)
+            if int(gathered.draw.positions.min()) >= self.tail_position():
+                return gathered.batch, torn
+        raise FailedPrecondition(
+            f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with evictions; the ring turns over "
+            "faster than one batch can be gathered (raise capacity_steps)"
+        )
+
+    def close(self) -> None:
+        self.storage.close()

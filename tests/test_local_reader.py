@@ -1,0 +1,149 @@
+"""Shared memory as a feature: a reader in another process samples the server's ring directly."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from client import ReplayClient
+from client.local_reader import LocalReader
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.ring import EpisodicRing
+from service.errors import FailedPrecondition
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+from tests.conftest import TEST_INSTANCE
+
+SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+GAMMA = 0.9
+
+
+def test_local_reader_matches_grpc_sampling(client: ReplayClient) -> None:
+    client.create_buffer("local", 5000, SCHEMA)
+    rng = np.random.default_rng(0)
+    client.insert_episodes("local", [{"obs": rng.normal(size=(n + 1, 4)).astype(np.float32),
+                                      "action": rng.integers(0, 2, n), "reward": rng.normal(size=n).astype(np.float32)}
+                                     for n in rng.integers(5, 60, 40)], [True, False] * 20)
+    with LocalReader(client, "local") as reader:
+        for mode, options in (("transitions", {"n_step": 3, "gamma": 0.9}), ("geometric", {"discount": 0.5}),
+                              ("states", {})):
+            local = reader.sample(128, mode, seed=11, include_keys=True, **options)
+            remote = client.sample("local", 128, mode, seed=11, include_keys=True, **options)
+            assert local.keys() == remote.keys()
+            for name in local:
+                np.testing.assert_array_equal(local[name], remote[name], err_msg=f"{mode}: {name}")
+        assert len(list(reader.sample_stream(32, num_batches=5))) == 5
+
+
+def test_local_reader_refuses_buffers_only_the_server_may_sample() -> None:
+    fields = [Field("obs", "float32", (2,), observation=True), Field("reward", "float32")]
+    buffer = EpisodicBuffer("prio", TEST_INSTANCE, fields, 100, sampler=PrioritizedSampler(0.6))
+    try:
+        with pytest.raises(FailedPrecondition, match="prioritized"):
+            EpisodicRing.attach(buffer.storage.header_name)
+    finally:
+        buffer.close()
+
+
+# ---------------------------------------------------------------- concurrency: writer vs reader processes
+FIELDS = [Field("obs", "float64", (3,), observation=True), Field("reward", "float64")]
+
+
+def episode_length(episode_id: int) -> int:
+    return 3 + episode_id % 40
+
+
+def reward_of(episode_id: int, t: np.ndarray) -> np.ndarray:
+    return np.sin(episode_id * 1.7 + t * 0.3)
+
+
+def make_episode(episode_id: int) -> dict[str, np.ndarray]:
+    length = episode_length(episode_id)
+    t = np.arange(length + 1, dtype=np.float64)
+    checksum = np.cos(episode_id * 0.37 + t * 1.3)  # any torn row shows up as a checksum mismatch
+    obs = np.stack([np.full(length + 1, episode_id, np.float64), t, checksum], axis=1)
+    reward = np.append(reward_of(episode_id, t[:-1]), 0.0)
+    return {"obs": obs, "reward": reward}
+
+
+def check_batch(batch: dict[str, np.ndarray], n_step: int) -> int:
+    """Number of samples inconsistent with the episode they claim."""
+    errors = 0
+    for i in range(len(batch["key"])):
+        episode_id, t, checksum = batch["obs"][i]
+        episode_id, t = int(episode_id), int(t)
+        length = episode_length(episode_id)
+        n_eff = min(n_step, length - t)
+        expected_return = float(np.sum(GAMMA ** np.arange(n_eff) * reward_of(episode_id, t + np.arange(n_eff))))
+        ok = (
+            int(batch["episode_id"][i]) == episode_id
+            and checksum == np.cos(episode_id * 0.37 + t * 1.3)
+            and tuple(batch["next_obs"][i][:2]) == (episode_id, t + 1)
+            and tuple(batch["bootstrap_obs"][i][:2]) == (episode_id, t + n_eff)
+            and bool(batch["terminated"][i]) == (t + 1 == length)
+            and abs(batch["n_step_return"][i] - expected_return) < 1e-5
+            and abs(batch["bootstrap_discount"][i] - (0.0 if t + n_eff == length else GAMMA**n_eff)) < 1e-6
+        )
+        errors += not ok
+    return errors
+
+
+def reader_process(header_name: str, seconds: float, results: mp.Queue) -> None:
+    ring = EpisodicRing.attach(header_name)
+    rng = np.random.default_rng(os.getpid())
+    mode = TransitionsMode(4, GAMMA)
+    samples = errors = torn = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        batch, redrawn = ring.sample_shared(64, mode, rng, include_keys=True)
+        samples += 64
+        torn += redrawn
+        errors += check_batch(batch, 4)
+    ring.close()
+    results.put({"samples": samples, "errors": errors, "torn_redraws": torn})
+
+
+def test_readers_never_see_torn_samples_while_the_writer_evicts() -> None:
+    buffer = EpisodicBuffer("race", TEST_INSTANCE, FIELDS, 600)  # small ring: constant eviction
+    stop = threading.Event()
+    inserted = [0]
+
+    def writer() -> None:
+        episode_id = 0
+        while not stop.is_set():
+            episodes = [make_episode(episode_id + k) for k in range(4)]
+            columns = {name: np.concatenate([e[name] for e in episodes]) for name in ("obs", "reward")}
+            lengths = np.array([episode_length(episode_id + k) for k in range(4)])
+            buffer.insert(columns, Spans.whole_episodes(lengths, np.arange(episode_id, episode_id + 4),
+                                                        np.ones(4, bool)))
+            episode_id += 4
+            inserted[0] = episode_id
+
+    try:
+        buffer.insert({"obs": make_episode(10_000)["obs"], "reward": make_episode(10_000)["reward"]},
+                      Spans.whole_episodes(np.array([episode_length(10_000)]), [10_000], [True]))
+        thread = threading.Thread(target=writer)
+        thread.start()
+        context = mp.get_context("spawn")
+        results = context.Queue()
+        readers = [context.Process(target=reader_process, args=(buffer.storage.header_name, 4.0, results))
+                   for _ in range(2)]
+        for reader in readers:
+            reader.start()
+        reports = [results.get(timeout=120) for _ in readers]
+        for reader in readers:
+            reader.join(timeout=30)
+        stop.set()
+        thread.join()
+    finally:
+        stop.set()
+        buffer.close()
+    assert inserted[0] > 1000, "the writer did not keep the ring turning over"
+    assert all(report["samples"] > 1000 for report in reports), reports
+    assert sum(report["errors"] for report in reports) == 0, reports
