@@ -7,4 +7,6 @@ COPY service ./service
 COPY client ./client
 RUN pip install --no-cache-dir --constraint constraints.txt .
 EXPOSE 50051 8080
-CMD ["replayd", "serve", "--host", "0.0.0.0", "--port", "50051", "--http-port", "8080"]
+# The container's own network is private; publish ports deliberately, and set REPLAYD_TOKEN to require a
+# bearer token from every client (the server reads it from the environment).
+CMD ["replayd", "serve", "--host", "0.0.0.0", "--port", "50051", "--http-port", "8080", "--insecure-bind-all"]
