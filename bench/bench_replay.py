@@ -20,7 +20,6 @@ TCP (atari); insert >= 1.2 GB/s (atari), >= 1.5M steps/s (cartpole).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import socket
@@ -251,36 +250,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# glibc serves allocations >= 32 MiB (and, until the first free, >= 128 KiB) with fresh mmaps, so every
-# large protobuf bytes copy faults its pages in again (~0.9 GB/s here). Raising the mmap threshold keeps
-# those buffers in the reused heap. The same knobs as environment variables for the server process:
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32),
-              "MALLOC_TOP_PAD_": str(2**28)}
-
-
-def tune_malloc_here() -> bool:
-    """mallopt() in this process, the runtime form of MALLOC_ENV; False where glibc is not available."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    return bool(libc.mallopt(m_mmap_threshold, 2**30) and libc.mallopt(m_trim_threshold, 2**31 - 1)
-                and libc.mallopt(m_top_pad, 2**28))
-
-
 class ServerProcess:
     """`python -m service.cli serve` on a free port; SIGTERM makes it unlink its shared memory."""
 
-    def __init__(self, tuned_malloc: bool = False) -> None:
+    def __init__(self, *extra_args: str) -> None:
         self.port = free_port()
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
             [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--http-port", "-1",
-             "--log-level", "WARNING",
-             "--instance", f"bench{uuid.uuid4().hex[:6]}"],
+             "--log-level", "WARNING", "--instance", f"bench{uuid.uuid4().hex[:6]}", *extra_args],
             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=self.log,
-            env={**os.environ, **(MALLOC_ENV if tuned_malloc else {})},
         )
         self.address = f"127.0.0.1:{self.port}"
 
@@ -320,14 +299,10 @@ def insert_requests(profile: Profile, buffer: str, rows_per_request: int, steps:
     return requests, total_steps, total_bytes
 
 
-def bench_grpc(quick: bool, tcp_mbps: float, tuned_malloc: bool = False) -> list[dict]:
-    """Insert and sample over gRPC; `tuned_malloc` runs both processes with a raised glibc mmap threshold
-    (the client's tuning is process-wide and stays on, so run the untuned pass first)."""
+def bench_grpc(quick: bool, tcp_mbps: float) -> list[dict]:
+    """Insert and sample over gRPC against a server subprocess (its own GIL, as deployed)."""
     out = []
-    tag = " [malloc tuned]" if tuned_malloc else ""
-    if tuned_malloc and not tune_malloc_here():
-        return out
-    server = ServerProcess(tuned_malloc)
+    server = ServerProcess()
     client = ReplayClient(server.address, timeout=600)
     try:
         client.wait_ready(30)
@@ -348,7 +323,7 @@ def bench_grpc(quick: bool, tcp_mbps: float, tuned_malloc: bool = False) -> list
             steps_per_s = float(np.median([r[0] for r in rates]))
             bytes_per_s = float(np.median([r[1] for r in rates]))
             spans = len(requests[0].request.span_rows)
-            case = f"{profile.name} insert {len(requests)} requests x ~{spans} episodes, cap={capacity}{tag}"
+            case = f"{profile.name} insert {len(requests)} requests x ~{spans} episodes, cap={capacity}"
             del requests
             if profile.name == "cartpole":
                 out.append(record(case + " (target >= 1.5M steps/s)", "insert_steps_per_s", steps_per_s,
@@ -374,7 +349,7 @@ def bench_grpc(quick: bool, tcp_mbps: float, tuned_malloc: bool = False) -> list
                 one_pass(20)
                 runs = [one_pass(batches) for _ in range(3)]
                 elapsed, total = sorted(runs)[1]  # the median run
-                case = f"{profile.name} {how} transitions n_step=1 batch={profile.batch}{tag}"
+                case = f"{profile.name} {how} transitions n_step=1 batch={profile.batch}"
                 mbps = total / elapsed / MB
                 if profile.name == "cartpole":
                     out.append(record(case + (" (target >= 500k/s)" if how == "sample_stream" else ""),
@@ -396,7 +371,6 @@ def run(quick: bool = False) -> list[dict]:
     tcp_gbps = loopback_tcp_gbps(512 if quick else 2048)
     records.append(record("loopback TCP, 4 MiB writes, one connection", "tcp_MB_per_s", tcp_gbps * 1e3, "MB/s"))
     records += bench_grpc(quick, tcp_gbps * 1e3)
-    records += bench_grpc(quick, tcp_gbps * 1e3, tuned_malloc=True)
     return records
 
 

@@ -6,6 +6,7 @@ Only the wire contract (proto + codec) is shared with the server; no torch is im
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import random
 import secrets
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from service.grpc_server.server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
@@ -49,6 +50,7 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "policy_version": info.policy_version,
         "missing_steps": info.missing_steps,
         "rollout_complete": info.rollout_complete,
+        "sample_endpoints": list(info.sample_endpoints),
     }
 
 
@@ -134,6 +136,22 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._with_token(client_call_details), request_iterator)
 
 
+@dataclass(frozen=True)
+class _SamplingCalls:
+    sample: grpc.UnaryUnaryMultiCallable
+    stream: grpc.UnaryStreamMultiCallable
+
+    @classmethod
+    def on(cls, channel: grpc.Channel) -> _SamplingCalls:
+        return cls(
+            channel.unary_unary("/replayd.v1.Replay/Sample", request_serializer=pb.SampleRequest.SerializeToString,
+                                response_deserializer=sample_response_batch),
+            channel.unary_stream("/replayd.v1.Replay/SampleStream",
+                                 request_serializer=pb.SampleStreamRequest.SerializeToString,
+                                 response_deserializer=sample_response_batch),
+        )
+
+
 class ReplayClient:
     """Client of one replayd server. Thread-safe: gRPC channels may be shared between threads.
 
@@ -145,34 +163,60 @@ class ReplayClient:
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
     def __init__(self, address: str, timeout: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 retries: int = 5, token: str | None = None, root_certificates: bytes | None = None) -> None:
+                 retries: int = 5, token: str | None = None, root_certificates: bytes | None = None,
+                 use_sample_workers: bool = True) -> None:
         self.address = address
         self.timeout = timeout
         self.retries = retries
-        options = channel_options(max_message_bytes)
-        if root_certificates is not None:
-            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=options)
-        else:
-            channel = grpc.insecure_channel(address, options=options)
-        token = os.environ.get("REPLAYD_TOKEN", "") if token is None else token
-        self._channel = grpc.intercept_channel(channel, _BearerToken(token)) if token else channel
+        self._options = channel_options(max_message_bytes)
+        self._root_certificates = root_certificates
+        self._token = os.environ.get("REPLAYD_TOKEN", "") if token is None else token
+        self._channel = self._open_channel(address)
         self._stub = pb_grpc.ReplayStub(self._channel)
         # The payload-carrying calls skip protobuf's copies of their Arrow bytes (service/wire/frames.py).
         self._insert = self._channel.stream_unary(
             "/replayd.v1.Replay/Insert", request_serializer=serialize_insert,
             response_deserializer=pb.InsertResponse.FromString)
-        self._sample = self._channel.unary_unary(
-            "/replayd.v1.Replay/Sample", request_serializer=pb.SampleRequest.SerializeToString,
-            response_deserializer=sample_response_batch)
-        self._sample_stream = self._channel.unary_stream(
-            "/replayd.v1.Replay/SampleStream", request_serializer=pb.SampleStreamRequest.SerializeToString,
-            response_deserializer=sample_response_batch)
+        self._server_sampling = _SamplingCalls.on(self._channel)
         self._rollout_minibatches = self._channel.unary_stream(
             "/replayd.v1.Replay/RolloutMinibatches", request_serializer=pb.RolloutMinibatchesRequest.SerializeToString,
             response_deserializer=sample_response_batch)
         self._observation_fields: dict[str, tuple[str, ...]] = {}
+        # Sample workers (`replayd serve --sample-workers K`) found in buffer descriptions: calls go round-robin.
+        self.use_sample_workers = use_sample_workers
+        self._worker_channels: dict[str, grpc.Channel] = {}
+        self._buffer_sampling: dict[str, list[_SamplingCalls]] = {}
+        self._round_robin = itertools.count()
+
+    def _open_channel(self, address: str) -> grpc.Channel:
+        if self._root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(self._root_certificates)
+            channel = grpc.secure_channel(address, credentials, options=self._options)
+        else:
+            channel = grpc.insecure_channel(address, options=self._options)
+        return grpc.intercept_channel(channel, _BearerToken(self._token)) if self._token else channel
+
+    def _sampling(self, buffer: str) -> _SamplingCalls:
+        """Where the next sampling call for `buffer` goes: a sample worker if the server offers any."""
+        if not self.use_sample_workers:
+            return self._server_sampling
+        calls = self._buffer_sampling.get(buffer)
+        if calls is None:
+            host = self.address.rsplit(":", 1)[0]
+            calls = []
+            for endpoint in self.describe(buffer)["sample_endpoints"]:
+                address = f"{host}:{endpoint.rsplit(':', 1)[1]}"  # the server's bind host may be 0.0.0.0
+                if address not in self._worker_channels:
+                    self._worker_channels[address] = self._open_channel(address)
+                calls.append(_SamplingCalls.on(self._worker_channels[address]))
+            self._buffer_sampling[buffer] = calls
+        if not calls:
+            return self._server_sampling
+        return calls[next(self._round_robin) % len(calls)]
 
     def close(self) -> None:
+        for channel in self._worker_channels.values():
+            channel.close()
         self._channel.close()
 
     def __enter__(self) -> ReplayClient:
@@ -375,7 +419,7 @@ class ReplayClient:
                **options: Any) -> dict[str, np.ndarray]:
         """One batch as read-only numpy arrays (views into the received bytes)."""
         request = self.sample_request(buffer, batch_size, mode, **options)
-        return codec.decode(self._idempotent(self._sample, request, timeout))
+        return codec.decode(self._idempotent(self._sampling(buffer).sample, request, timeout))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -394,7 +438,7 @@ class ReplayClient:
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
-        call = self._sample_stream(request, timeout=timeout)
+        call = self._sampling(buffer).stream(request, timeout=timeout)
         try:
             for payload in call:
                 yield codec.decode(payload)

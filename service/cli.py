@@ -38,7 +38,7 @@ def serve(args: argparse.Namespace) -> None:
     server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
                           max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
                           token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
-                          max_buffer_bytes=max_buffer_bytes).start()
+                          max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers).start()
     http = f", HTTP on port {server.http.port}" if server.http else ""
     security = ", token required" if args.token else ", no token"
     print(f"replayd {server.instance} listening on {server.address}{' (TLS)' if tls_cert else ''}{http}{security}",
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
     serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
+    serve_parser.add_argument("--sample-workers", type=int, default=0,
+                              help="extra processes serving Sample/SampleStream from the shared memory "
+                                   "(sampling then scales with cores; inserts stay with this process)")
     serve_parser.add_argument("--http-port", type=int, default=8080,
                               help="health, /metrics and the status page; 0 picks a free port, -1 turns it off")
     serve_parser.add_argument("--max-buffer-gb", type=float, default=None,

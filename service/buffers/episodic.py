@@ -43,6 +43,7 @@ from service.buffers.ring import (
     TAIL_SEQ,
     TERMINATED,
     EpisodicRing,
+    shared_sampling,
     shm_name,
 )
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -177,6 +178,10 @@ class EpisodicBuffer(EpisodicRing):
     @property
     def open_episodes(self) -> int:
         return len(self._open)
+
+    @property
+    def shared_sampling(self) -> bool:
+        return shared_sampling(self.storage.meta["components"])
 
     def info(self) -> dict:
         return {

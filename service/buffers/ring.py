@@ -43,6 +43,13 @@ def shm_name(instance: str, buffer: str) -> str:
     return f"rpd_{instance}_{buffer}"
 
 
+def shared_sampling(components: dict) -> bool:
+    """Whether processes other than the writer may sample: not when sampling changes state (a remover
+    counting draws, a rate limiter) or needs the writer's priority updates."""
+    return (components["sampler"]["kind"] == "uniform" and components["remover"]["kind"] == "fifo"
+            and not components["rate_limited"])
+
+
 @dataclass
 class Gathered:
     draw: Draw
@@ -87,15 +94,10 @@ class EpisodicRing:
         try:
             if meta.get("kind") != cls.kind:
                 raise InvalidArgument(f"segment {header_name!r} holds a {meta.get('kind')} buffer, not an episodic one")
-            components = meta["components"]
-            if components["remover"]["kind"] != "fifo" or components["rate_limited"]:
+            if not shared_sampling(meta["components"]):
                 raise FailedPrecondition(
-                    f"buffer {meta['name']!r} has a remover or a rate limiter: only its server may sample it"
-                )
-            if components["sampler"]["kind"] != "uniform":
-                raise FailedPrecondition(
-                    f"buffer {meta['name']!r} uses the {components['sampler']['kind']} sampler; shared-memory "
-                    "readers sample uniform buffers"
+                    f"buffer {meta['name']!r} ({meta['components']}) is sampled by its server only: shared-memory "
+                    "readers sample uniform buffers without a remover or rate limiter"
                 )
         except BaseException:
             storage.close()

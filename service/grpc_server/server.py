@@ -11,6 +11,8 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from service.grpc_server.auth import TokenAuthInterceptor
+from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from service.grpc_server.sample_workers import SampleWorkers
 from service.grpc_server.servicer import ReplayServicer, lenient
 from service.registry import BufferRegistry
 from service.wire import replay_pb2 as pb
@@ -18,7 +20,6 @@ from service.wire.frames import InsertFrame, sample_response_bytes
 
 log = logging.getLogger("replayd")
 
-DEFAULT_MAX_MESSAGE_BYTES = 512 * 2**20
 
 
 def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
@@ -55,14 +56,6 @@ def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers)
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """gRPC's default 4 MB message limit is far below an Atari batch; both sides raise it alike."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
-
 class ReplayServer:
     """`token`: every gRPC call and HTTP request (but /healthz) must carry `authorization: Bearer <token>`.
     `tls_cert`/`tls_key`: PEM certificate chain and private key; the gRPC port then speaks TLS only.
@@ -79,9 +72,12 @@ class ReplayServer:
         tls_cert: bytes | None = None,
         tls_key: bytes | None = None,
         max_buffer_bytes: int | None = None,
+        sample_workers: int = 0,
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key: expected both or neither")
+        if sample_workers and tls_cert is not None:
+            raise ValueError("sample workers serve plain gRPC; run them without TLS (or put TLS in a proxy)")
         self.instance = instance or secrets.token_hex(4)
         self.registry = BufferRegistry(self.instance)
         self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes)
@@ -100,6 +96,8 @@ class ReplayServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self.address = f"{host}:{self.port}"
+        self.sample_workers = SampleWorkers(sample_workers, self.instance, host, max_message_bytes, token)
+        self.servicer.sample_endpoints = self.sample_workers.endpoints
         self.metrics = CollectorRegistry()
         self.http = None
         if http_address is not None:
@@ -112,6 +110,9 @@ class ReplayServer:
     def start(self, timeout: float = 30.0) -> ReplayServer:
         self._server.start()
         log.info("replayd instance %s serving on %s", self.instance, self.address)
+        self.sample_workers.start()
+        if self.sample_workers.count:
+            log.info("sample workers on %s", ", ".join(self.sample_workers.endpoints))
         if self.http is not None:
             self.http.start()
             deadline = time.monotonic() + timeout
@@ -128,6 +129,7 @@ class ReplayServer:
     def stop(self, grace: float = 1.0) -> None:
         """Stops serving, then unlinks every buffer's shared memory."""
         self._server.stop(grace).wait()
+        self.sample_workers.stop()
         if self.http is not None:
             self.http.stop()
         self.registry.close()

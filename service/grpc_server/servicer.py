@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from service import errors
 from service.buffers.episodic import EpisodicBuffer, shm_name
+from service.buffers.ring import EpisodicRing
 from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
 from service.registry import BufferRegistry
@@ -117,6 +118,28 @@ def _wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> f
     return max(0.0, remaining)
 
 
+def check_sample_request(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes: int) -> None:
+    if not 1 <= request.batch_size <= MAX_BATCH_SIZE:
+        raise errors.InvalidArgument(f"sample: batch_size expected 1..{MAX_BATCH_SIZE}, got {request.batch_size}")
+    # Every mode sends each observation field once per item at least: refuse before gathering.
+    least = request.batch_size * sum(f.row_bytes for f in ring.observation_fields)
+    if least > max_message_bytes:
+        raise errors.ResourceExhausted(
+            f"sample: batch_size={request.batch_size} needs at least {least} bytes, over the server's "
+            f"max_message_bytes={max_message_bytes}; lower batch_size or raise --max-message-mb"
+        )
+
+
+def encode_batch(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
+    payload = codec.encode(batch)
+    if len(payload) > max_message_bytes:
+        raise errors.ResourceExhausted(
+            f"sample: the batch encodes to {len(payload)} bytes, over the server's max_message_bytes="
+            f"{max_message_bytes}; lower batch_size or raise --max-message-mb"
+        )
+    return payload
+
+
 class ReplayServicer(pb_grpc.ReplayServicer):
     def __init__(self, registry: BufferRegistry, max_message_bytes: int, max_buffer_bytes: int | None = None) -> None:
         self.registry = registry
@@ -124,6 +147,17 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self.max_message_bytes = max_message_bytes
         self.max_buffer_bytes = max_buffer_bytes
         self.rejected: dict[str, int] = {}
+        self.sample_endpoints: list[str] = []  # sample worker addresses, set by the server
+        self._describes = 0
+
+    def _info(self, name: str, buffer: EpisodicBuffer | RolloutBuffer) -> pb.BufferInfo:
+        info = convert.buffer_info(name, buffer)
+        if isinstance(buffer, EpisodicBuffer) and buffer.shared_sampling and self.sample_endpoints:
+            # Rotated per call, so that clients spread their streams over the workers.
+            self._describes += 1
+            shift = self._describes % len(self.sample_endpoints)
+            info.sample_endpoints.extend(self.sample_endpoints[shift:] + self.sample_endpoints[:shift])
+        return info
 
     def counters_rejected(self, method: str, exc: Exception) -> None:
         self.rejected[method] = self.rejected.get(method, 0) + 1
@@ -144,7 +178,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             self.registry.add(request.name, rollout)
             log.info("created rollout buffer %r: %.1f MiB of shared memory", request.name,
                      rollout.shared.nbytes / 2**20)
-            return convert.buffer_info(request.name, rollout)
+            return self._info(request.name, rollout)
         config = request.episodic
         sampler, remover, limiter = convert.components_from_config(config)
         buffer = EpisodicBuffer(
@@ -163,7 +197,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             "created buffer %r: %d steps x %d bytes/step = %.1f MiB of shared memory (%s)",
             buffer.name, buffer.capacity, buffer.row_bytes, buffer.storage.nbytes / 2**20, buffer.storage.header_name,
         )
-        return convert.buffer_info(buffer.name, buffer)
+        return self._info(buffer.name, buffer)
 
     @rpc
     def DeleteBuffer(self, request: pb.DeleteBufferRequest, context) -> pb.DeleteBufferResponse:
@@ -172,11 +206,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @rpc
     def ListBuffers(self, request: pb.ListBuffersRequest, context) -> pb.ListBuffersResponse:
-        return pb.ListBuffersResponse(buffers=[convert.buffer_info(n, b) for n, b in self.registry.all()])
+        return pb.ListBuffersResponse(buffers=[self._info(n, b) for n, b in self.registry.all()])
 
     @rpc
     def DescribeBuffer(self, request: pb.DescribeBufferRequest, context) -> pb.BufferInfo:
-        return convert.buffer_info(request.name, self.registry.get(request.name))
+        return self._info(request.name, self.registry.get(request.name))
 
     # ---------------------------------------------------------------- episodic
     @rpc
@@ -203,25 +237,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     def _sample_payload(self, buffer: EpisodicBuffer, request: pb.SampleRequest, rng: np.random.Generator | None,
                         wait_seconds: float | None) -> bytes:
-        if not 1 <= request.batch_size <= MAX_BATCH_SIZE:
-            raise errors.InvalidArgument(f"sample: batch_size expected 1..{MAX_BATCH_SIZE}, got {request.batch_size}")
-        # Every mode sends each observation field once per item at least: refuse before gathering.
-        least = request.batch_size * sum(f.row_bytes for f in buffer.observation_fields)
-        if least > self.max_message_bytes:
-            raise errors.ResourceExhausted(
-                f"sample: batch_size={request.batch_size} needs at least {least} bytes, over the server's "
-                f"max_message_bytes={self.max_message_bytes}; lower batch_size or raise --max-message-mb"
-            )
+        check_sample_request(request, buffer, self.max_message_bytes)
         mode = convert.mode_from_request(request)
         batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds,
                               importance_beta=request.importance_beta)
-        payload = codec.encode(batch)
-        if len(payload) > self.max_message_bytes:
-            raise errors.ResourceExhausted(
-                f"sample: the batch encodes to {len(payload)} bytes, over the server's max_message_bytes="
-                f"{self.max_message_bytes}; lower batch_size or raise --max-message-mb"
-            )
-        return payload
+        return encode_batch(batch, self.max_message_bytes)
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context) -> bytes:
@@ -289,7 +309,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     def FinishRollout(self, request: pb.FinishRolloutRequest, context) -> pb.BufferInfo:
         buffer = self.registry.rollout(request.buffer)
         buffer.finish_rollout(request.next_version)
-        return convert.buffer_info(request.buffer, buffer)
+        return self._info(request.buffer, buffer)
 
     # ---------------------------------------------------------------- weights
     @rpc

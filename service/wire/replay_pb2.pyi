@@ -131,7 +131,7 @@ class DescribeBufferRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class BufferInfo(_message.Message):
-    __slots__ = ("name", "kind", "episodic", "rollout", "bytes", "shm_name", "host", "stored_steps", "sampleable_steps", "episodes", "counters", "policy_version", "missing_steps", "rollout_complete")
+    __slots__ = ("name", "kind", "episodic", "rollout", "bytes", "shm_name", "host", "stored_steps", "sampleable_steps", "episodes", "counters", "policy_version", "missing_steps", "rollout_complete", "sample_endpoints")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class BufferInfo(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MISSING_STEPS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     episodic: EpisodicConfig
@@ -167,7 +168,8 @@ class BufferInfo(_message.Message):
     policy_version: int
     missing_steps: int
     rollout_complete: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., episodic: _Optional[_Union[EpisodicConfig, _Mapping]] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., host: _Optional[str] = ..., stored_steps: _Optional[int] = ..., sampleable_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., policy_version: _Optional[int] = ..., missing_steps: _Optional[int] = ..., rollout_complete: _Optional[bool] = ...) -> None: ...
+    sample_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., episodic: _Optional[_Union[EpisodicConfig, _Mapping]] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., host: _Optional[str] = ..., stored_steps: _Optional[int] = ..., sampleable_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., policy_version: _Optional[int] = ..., missing_steps: _Optional[int] = ..., rollout_complete: _Optional[bool] = ..., sample_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("buffer", "steps", "episode_ids", "span_rows", "begins", "ends", "terminated")

@@ -1,0 +1,117 @@
+"""Shared memory as a feature: local-reader sampling beside gRPC, and sampling with K sample workers.
+
+1. Per profile, a LocalReader in this process samples the server's ring directly (no network, no
+   serialization) beside a gRPC sample stream from the same server, items/s, same run. Target: local at
+   least 10x gRPC for cartpole batch 256.
+2. Two sampling client processes stream cartpole batches for a few seconds against `replayd serve
+   --sample-workers K`, K = 0, 1, 2: total transitions/s. Target on 2 cores: K = 2 at least 1.6x K = 0.
+
+    .venv/bin/python -m bench.bench_shared_memory [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+
+import numpy as np
+
+from bench.bench_replay import PROFILES, Profile, ServerProcess, insert_requests
+from client.local_reader import LocalReader
+from client.replay_client import ReplayClient
+
+
+def record(case: str, metric: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0,
+           speedup: float = 0.0) -> dict:
+    return {"bench": "shared_memory", "case": case, "metric": metric, "value": value, "unit": unit,
+            "baseline": baseline, "baseline_value": baseline_value, "speedup": speedup}
+
+
+def fill(client: ReplayClient, profile: Profile, capacity: int) -> None:
+    client.create_buffer(profile.name, capacity, profile.schema)
+    requests, _, _ = insert_requests(profile, profile.name, 20_000 if profile.name == "cartpole" else 2_000,
+                                     int(capacity * 1.2), np.random.default_rng(0))
+    client.insert(requests, timeout=600)
+
+
+def items_per_second(stream, batch_size: int, seconds: float) -> float:
+    next(stream)  # the first batch pays for connection and schema setup
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        next(stream)
+        count += 1
+    return count * batch_size / (time.perf_counter() - started)
+
+
+def local_versus_grpc(quick: bool) -> list[dict]:
+    out = []
+    seconds = 2.0 if quick else 5.0
+    server = ServerProcess()
+    try:
+        client = ReplayClient(server.address, timeout=600)
+        client.wait_ready(timeout=60)
+        for profile in PROFILES:
+            capacity = profile.quick_capacity if quick else profile.capacity // 4
+            fill(client, profile, capacity)
+            with LocalReader(client, profile.name) as reader:
+                local = items_per_second(reader.sample_stream(profile.batch), profile.batch, seconds)
+            remote_stream = client.sample_stream(profile.name, profile.batch)
+            remote = items_per_second(remote_stream, profile.batch, seconds)
+            remote_stream.close()
+            target = " (target >= 10x)" if profile.name == "cartpole" else ""
+            out.append(record(f"{profile.name} transitions batch={profile.batch}{target}", "items_per_s", local,
+                              "items/s", "grpc_sample_stream", remote, local / remote))
+            client.delete_buffer(profile.name)
+        client.close()
+    finally:
+        server.stop()
+    return out
+
+
+def _sampling_client(address: str, seconds: float, results: mp.Queue) -> None:
+    client = ReplayClient(address, timeout=120)
+    stream = client.sample_stream("cartpole", 256)
+    results.put(items_per_second(stream, 256, seconds))
+    stream.close()
+    client.close()
+
+
+def workers_scaling(quick: bool) -> list[dict]:
+    seconds = 3.0 if quick else 8.0
+    profile = PROFILES[0]
+    totals = {}
+    for workers in (0, 1, 2):
+        server = ServerProcess("--sample-workers", str(workers))
+        try:
+            client = ReplayClient(server.address, timeout=600)
+            client.wait_ready(timeout=60)
+            fill(client, profile, profile.quick_capacity)
+            context = mp.get_context("spawn")
+            results = context.Queue()
+            clients = [context.Process(target=_sampling_client, args=(server.address, seconds, results))
+                       for _ in range(2)]
+            for process in clients:
+                process.start()
+            totals[workers] = sum(results.get(timeout=120) for _ in clients)
+            for process in clients:
+                process.join()
+            client.close()
+        finally:
+            server.stop()
+    case = "cartpole batch 256, 2 sampling clients"
+    return [
+        record(f"{case}, {k} sample workers" + (" (target >= 1.6x)" if k == 2 else ""), "transitions_per_s",
+               totals[k], "transitions/s", "0 sample workers", totals[0], totals[k] / totals[0])
+        for k in (0, 1, 2)
+    ]
+
+
+def run(quick: bool = False) -> list[dict]:
+    return local_versus_grpc(quick) + workers_scaling(quick)
+
+
+if __name__ == "__main__":
+    for row in run(quick="--quick" in sys.argv):
+        print(json.dumps(row), flush=True)

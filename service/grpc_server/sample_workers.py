@@ -1,0 +1,180 @@
+"""Sample workers: extra processes that serve Sample and SampleStream from the server's shared memory.
+
+One Python process samples on one core at a time (the GIL); K workers attach to the same segments and
+sample on K more, while inserts stay with the single writer. Each worker is a small gRPC server on its
+own port exposing only the sampling RPCs; clients learn the ports from the buffer's description. A
+worker that dies is started again on the same port by the server's monitor thread.
+
+Buffers sampled with side effects (a remover counting draws, a rate limiter) are not offered to workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from service import errors
+from service.buffers.ring import EpisodicRing, shm_name
+from service.grpc_server import convert
+from service.grpc_server.auth import TokenAuthInterceptor
+from service.grpc_server.options import channel_options
+from service.grpc_server.servicer import check_sample_request, encode_batch, rpc, stream_rpc
+from service.wire import replay_pb2 as pb
+from service.wire.frames import sample_response_bytes
+
+log = logging.getLogger("replayd.sample_worker")
+
+_WAIT_POLL_SECONDS = (0.001, 0.1)  # a worker cannot wait on the writer's condition: it polls, backing off
+
+
+class SampleWorkerServicer:
+    """Sample/SampleStream over rings attached by name (re-attached when a buffer is recreated)."""
+
+    def __init__(self, instance: str, max_message_bytes: int) -> None:
+        self.instance = instance
+        self.max_message_bytes = max_message_bytes
+        self.rejected: dict[str, int] = {}
+        self._rings: dict[str, tuple[int, EpisodicRing]] = {}
+        self._lock = threading.Lock()
+
+    def counters_rejected(self, method: str, exc: Exception) -> None:
+        self.rejected[method] = self.rejected.get(method, 0) + 1
+
+    def ring(self, buffer: str) -> EpisodicRing:
+        header = shm_name(self.instance, buffer)
+        try:
+            inode = os.stat(f"/dev/shm/{header}").st_ino
+        except (FileNotFoundError, ValueError):
+            raise errors.NotFound(f"buffer {buffer!r} does not exist") from None
+        with self._lock:
+            cached = self._rings.get(buffer)
+            if cached is not None and cached[0] == inode:
+                return cached[1]
+            if cached is not None:  # deleted and created again under the same name
+                cached[1].close()
+            ring = EpisodicRing.attach(header)
+            self._rings[buffer] = (inode, ring)
+            return ring
+
+    def _payload(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
+                 deadline: float | None) -> bytes:
+        check_sample_request(request, ring, self.max_message_bytes)
+        mode = convert.mode_from_request(request)
+        delay = _WAIT_POLL_SECONDS[0]
+        while deadline is not None and ring.sampleable_steps == 0:
+            if time.monotonic() >= deadline:
+                raise errors.DeadlineExceeded(f"buffer {ring.name!r} got no sampleable steps before the deadline")
+            time.sleep(delay)
+            delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
+        batch, _ = ring.sample_shared(request.batch_size, mode, rng, request.include_keys)
+        return encode_batch(batch, self.max_message_bytes)
+
+    @staticmethod
+    def _deadline(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
+        if not request.wait:
+            return None
+        remaining = context.time_remaining()
+        if remaining is None:
+            raise errors.InvalidArgument("sample: wait=true needs a call deadline (timeout)")
+        return time.monotonic() + remaining
+
+    @staticmethod
+    def _rng(request: pb.SampleRequest) -> np.random.Generator:
+        return np.random.default_rng(request.seed if request.HasField("seed") else None)
+
+    @rpc
+    def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> bytes:
+        return self._payload(self.ring(request.buffer), request, self._rng(request), self._deadline(request, context))
+
+    @stream_rpc
+    def SampleStream(self, request: pb.SampleStreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        if request.num_batches < 0:
+            raise errors.InvalidArgument(f"sample_stream: num_batches expected >= 0, got {request.num_batches}")
+        inner = request.request
+        ring, rng = self.ring(inner.buffer), self._rng(inner)
+        sent = 0
+        while context.is_active() and (request.num_batches == 0 or sent < request.num_batches):
+            yield self._payload(ring, inner, rng, self._deadline(inner, context))
+            sent += 1
+
+
+def serve_worker(instance: str, address: str, max_message_bytes: int, token: str | None,
+                 ports: mp.Queue | None) -> None:
+    """A worker process's main: serve until terminated; report the bound port on `ports`."""
+    servicer = SampleWorkerServicer(instance, max_message_bytes)
+    handlers = {
+        "Sample": grpc.unary_unary_rpc_method_handler(
+            servicer.Sample, request_deserializer=pb.SampleRequest.FromString,
+            response_serializer=sample_response_bytes),
+        "SampleStream": grpc.unary_stream_rpc_method_handler(
+            servicer.SampleStream, request_deserializer=pb.SampleStreamRequest.FromString,
+            response_serializer=sample_response_bytes),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="replayd-sampler"),
+                         options=channel_options(max_message_bytes),
+                         interceptors=[TokenAuthInterceptor(token)] if token else None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers),))
+    port = server.add_insecure_port(address)
+    server.start()
+    if ports is not None:
+        ports.put(port)
+    server.wait_for_termination()
+
+
+class SampleWorkers:
+    """Starts K worker processes, restarts any that dies (on its port), stops them with the server."""
+
+    def __init__(self, count: int, instance: str, host: str, max_message_bytes: int, token: str | None) -> None:
+        if count < 0:
+            raise ValueError(f"sample workers: expected >= 0, got {count}")
+        self.count, self.instance, self.host = count, instance, host
+        self.max_message_bytes, self.token = max_message_bytes, token
+        self._context = mp.get_context("spawn")
+        self._processes: list[mp.process.BaseProcess] = []
+        self.ports: list[int] = []
+        self.endpoints: list[str] = []  # shared with the servicer, filled in by start()
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="replayd-sample-workers", daemon=True)
+
+    def _spawn(self, port: int, timeout: float = 60.0) -> tuple[mp.process.BaseProcess, int]:
+        ports = self._context.Queue()
+        process = self._context.Process(
+            target=serve_worker, args=(self.instance, f"{self.host}:{port}", self.max_message_bytes, self.token, ports),
+            daemon=True, name="replayd-sample-worker",
+        )
+        process.start()
+        return process, ports.get(timeout=timeout)
+
+    def start(self) -> None:
+        for _ in range(self.count):
+            process, port = self._spawn(0)
+            self._processes.append(process)
+            self.ports.append(port)
+            self.endpoints.append(f"{self.host}:{port}")
+        if self.count:
+            self._monitor.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            for index, process in enumerate(self._processes):
+                if not process.is_alive() and not self._stop.is_set():
+                    log.warning("sample worker on port %d exited (%s); starting it again",
+                                self.ports[index], process.exitcode)
+                    self._processes[index], _ = self._spawn(self.ports[index])
+                    self.restarts += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for process in self._processes:
+            process.terminate()
+        for process in self._processes:
+            process.join(timeout=10)

@@ -1,0 +1,64 @@
+"""`replayd serve --sample-workers K`: worker processes serve sampling from the shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from client import ReplayClient
+from service.grpc_server.server import ReplayServer
+from tests.conftest import TEST_INSTANCE
+
+SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+
+
+@pytest.fixture
+def worker_server():
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}w", sample_workers=2).start()
+    yield server
+    server.stop(grace=0)
+
+
+def fill(client: ReplayClient, name: str, **create) -> None:
+    client.create_buffer(name, 10_000, SCHEMA, **create)
+    rng = np.random.default_rng(0)
+    client.insert_episodes(name, [{"obs": rng.normal(size=(n + 1, 4)).astype(np.float32),
+                                   "action": rng.integers(0, 2, n), "reward": np.ones(n, np.float32)}
+                                  for n in rng.integers(5, 50, 30)], [True] * 30)
+
+
+def test_workers_serve_sampling_with_the_servers_results(worker_server: ReplayServer) -> None:
+    with ReplayClient(worker_server.address) as client, \
+            ReplayClient(worker_server.address, use_sample_workers=False) as direct:
+        fill(client, "uniform")
+        info = client.describe("uniform")
+        assert sorted(int(e.rsplit(":", 1)[1]) for e in info["sample_endpoints"]) == sorted(
+            worker_server.sample_workers.ports)
+        for _ in range(3):  # round-robin over both workers: same seed, same batch as the server's own
+            batch = client.sample("uniform", 64, n_step=3, seed=5, include_keys=True)
+            reference = direct.sample("uniform", 64, n_step=3, seed=5, include_keys=True)
+            for name in reference:
+                np.testing.assert_array_equal(batch[name], reference[name])
+        assert len(list(client.sample_stream("uniform", 32, num_batches=4))) == 4
+        # Buffers whose sampling changes state stay with the server.
+        fill(client, "prio", sampler="prioritized")
+        assert client.describe("prio")["sample_endpoints"] == []
+        assert "probability" in client.sample("prio", 8)
+
+
+def test_a_killed_worker_is_restarted_on_its_port(worker_server: ReplayServer) -> None:
+    workers = worker_server.sample_workers
+    with ReplayClient(worker_server.address) as client:
+        fill(client, "b")
+        victim = workers._processes[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while workers.restarts == 0:
+            assert time.monotonic() < deadline, "the dead worker was not restarted"
+            time.sleep(0.05)
+        for _ in range(4):  # both endpoints answer again (the client retries while the port rebinds)
+            assert client.sample("b", 16)["obs"].shape == (16, 4)
