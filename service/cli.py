@@ -13,6 +13,7 @@ from pathlib import Path
 
 from service.grpc_server.auth import check_bind
 from service.grpc_server.server import ReplayServer
+from service.storage.shared_arrays import remove_segment, segments
 
 
 def tune_allocator() -> None:
@@ -29,8 +30,37 @@ def tune_allocator() -> None:
     libc.mallopt(m_arena_max, 2)
 
 
+def report_stale_segments(instance: str | None, remove: bool) -> None:
+    """Segments named after this instance that exist before it starts were left by a server that died."""
+    if instance is None:
+        return
+    stale = segments(f"rpd_{instance}_")
+    if not stale:
+        return
+    if remove:
+        for name in stale:
+            remove_segment(name)
+        print(f"removed {len(stale)} stale shared-memory segment(s) of instance {instance}: {stale}", flush=True)
+    else:
+        print(f"warning: {len(stale)} shared-memory segment(s) of instance {instance} survive a previous server "
+              f"(crashed?): {stale}. Buffers of those names cannot be created until they are removed "
+              "(--remove-stale, or `replayd segments --instance ... --remove`).", flush=True)
+
+
+def list_segments(args: argparse.Namespace) -> None:
+    prefix = f"rpd_{args.instance}_" if args.instance else "rpd_"
+    found = segments(prefix)
+    for name in found:
+        print(name)
+        if args.remove:
+            remove_segment(name)
+    if args.remove:
+        print(f"removed {len(found)} segment(s)")
+
+
 def serve(args: argparse.Namespace) -> None:
     tune_allocator()
+    report_stale_segments(args.instance, args.remove_stale)
     http_address = None if args.http_port < 0 else f"{args.host}:{args.http_port}"
     tls_cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
     tls_key = Path(args.tls_key).read_bytes() if args.tls_key else None
@@ -63,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
     serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
+    serve_parser.add_argument("--remove-stale", action="store_true",
+                              help="unlink segments of this --instance left by a server that died")
     serve_parser.add_argument("--sample-workers", type=int, default=0,
                               help="extra processes serving Sample/SampleStream from the shared memory "
                                    "(sampling then scales with cores; inserts stay with this process)")
@@ -82,7 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     # so the server never imports torch.
     commands.add_parser("actor", help="run an actor (python -m client.actor --help)", add_help=False)
     commands.add_parser("learn", help="run a learner (python -m client.learner --help)", add_help=False)
+    segments_parser = commands.add_parser("segments", help="list (and remove) replayd shared-memory segments")
+    segments_parser.add_argument("--instance", default=None, help="only this server instance's segments")
+    segments_parser.add_argument("--remove", action="store_true", help="unlink them (only for dead servers!)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "segments":
+        list_segments(args)
+        return
     if args.command == "actor":
         from client.actor import main as actor_main
 

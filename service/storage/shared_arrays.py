@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import ResourceExhausted
+from service.errors import FailedPrecondition, ResourceExhausted
 
 LAYOUT_VERSION = 1
 MAGIC = "replayd-shm"
@@ -70,6 +70,28 @@ def check_allocation(header_name: str, nbytes: int, max_bytes: int | None) -> No
             "bytes free; lower its size (capacity_steps, num_steps x num_envs, field shapes) or give the host more "
             "shared memory"
         )
+
+
+def _taken(name: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"shared-memory segment {name!r} already exists: a server of this instance crashed and left it, or "
+        "another server uses the same --instance; `replayd segments --remove --instance ...` removes stale ones"
+    )
+
+
+def segments(prefix: str = "rpd_") -> list[str]:
+    """Names of the POSIX shared-memory segments starting with `prefix` (header and data segments)."""
+    try:
+        return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def remove_segment(name: str) -> None:
+    try:
+        _posixshmem.shm_unlink("/" + name)  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        pass
 
 
 def segment_exists(name: str) -> bool:
@@ -131,12 +153,17 @@ class SharedArrays:
         }
         encoded = json.dumps(layout).encode()
         check_allocation(header_name, offset + len(encoded), max_bytes)
-        data = _untracked(shared_memory.SharedMemory(name=data_name, create=True, size=max(offset, 1)))
+        try:
+            data = _untracked(shared_memory.SharedMemory(name=data_name, create=True, size=max(offset, 1)))
+        except FileExistsError:
+            raise _taken(data_name) from None
         try:
             header = _untracked(shared_memory.SharedMemory(name=header_name, create=True, size=len(encoded)))
-        except BaseException:
+        except BaseException as exc:
             data.close()
-            data.unlink()
+            _posixshmem.shm_unlink(data._name)  # type: ignore[attr-defined]
+            if isinstance(exc, FileExistsError):
+                raise _taken(header_name) from None
             raise
         header.buf[: len(encoded)] = encoded
         try:

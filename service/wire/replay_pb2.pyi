@@ -172,7 +172,7 @@ class BufferInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., episodic: _Optional[_Union[EpisodicConfig, _Mapping]] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., host: _Optional[str] = ..., stored_steps: _Optional[int] = ..., sampleable_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., policy_version: _Optional[int] = ..., missing_steps: _Optional[int] = ..., rollout_complete: _Optional[bool] = ..., sample_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
-    __slots__ = ("buffer", "steps", "episode_ids", "span_rows", "begins", "ends", "terminated")
+    __slots__ = ("buffer", "steps", "episode_ids", "span_rows", "begins", "ends", "terminated", "span_offsets")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class InsertRequest(_message.Message):
     BEGINS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
+    SPAN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     steps: bytes
     episode_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -187,19 +188,22 @@ class InsertRequest(_message.Message):
     begins: _containers.RepeatedScalarFieldContainer[bool]
     ends: _containers.RepeatedScalarFieldContainer[bool]
     terminated: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, buffer: _Optional[str] = ..., steps: _Optional[bytes] = ..., episode_ids: _Optional[_Iterable[int]] = ..., span_rows: _Optional[_Iterable[int]] = ..., begins: _Optional[_Iterable[bool]] = ..., ends: _Optional[_Iterable[bool]] = ..., terminated: _Optional[_Iterable[bool]] = ...) -> None: ...
+    span_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, buffer: _Optional[str] = ..., steps: _Optional[bytes] = ..., episode_ids: _Optional[_Iterable[int]] = ..., span_rows: _Optional[_Iterable[int]] = ..., begins: _Optional[_Iterable[bool]] = ..., ends: _Optional[_Iterable[bool]] = ..., terminated: _Optional[_Iterable[bool]] = ..., span_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
-    __slots__ = ("requests", "spans", "rows", "episodes_completed")
+    __slots__ = ("requests", "spans", "rows", "episodes_completed", "duplicate_spans")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     EPISODES_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_SPANS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     spans: int
     rows: int
     episodes_completed: int
-    def __init__(self, requests: _Optional[int] = ..., spans: _Optional[int] = ..., rows: _Optional[int] = ..., episodes_completed: _Optional[int] = ...) -> None: ...
+    duplicate_spans: int
+    def __init__(self, requests: _Optional[int] = ..., spans: _Optional[int] = ..., rows: _Optional[int] = ..., episodes_completed: _Optional[int] = ..., duplicate_spans: _Optional[int] = ...) -> None: ...
 
 class TransitionsMode(_message.Message):
     __slots__ = ("n_step", "gamma")

@@ -1,0 +1,73 @@
+"""A server killed with SIGKILL leaves its segments; the next server of that instance reports them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from client import ReplayClient
+from service.storage.shared_arrays import segments
+from tests.conftest import TEST_INSTANCE
+
+
+def _start(port: int, instance: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
+                             instance, "--http-port", "-1", "--log-level", "WARNING", *extra],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_stale_segments_are_reported_and_removed() -> None:
+    instance = f"{TEST_INSTANCE}stale"
+    port = _free_port()
+    crashed = _start(port, instance)
+    try:
+        with ReplayClient(f"127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=60)
+            client.create_buffer("b", 100, {"obs": ("float32", (2,)), "reward": ("float32", ())})
+        os.kill(crashed.pid, signal.SIGKILL)
+        crashed.wait(timeout=30)
+        assert segments(f"rpd_{instance}_") == [f"rpd_{instance}_b", f"rpd_{instance}_b.data"]
+
+        port = _free_port()
+        second = _start(port, instance)
+        try:
+            with ReplayClient(f"127.0.0.1:{port}") as client:
+                client.wait_ready(timeout=60)
+                with pytest.raises(grpc.RpcError) as error:
+                    client.create_buffer("b", 100, {"obs": ("float32", (2,)), "reward": ("float32", ())})
+                assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "already exists" in error.value.details() and "--remove" in error.value.details()
+        finally:
+            second.terminate()
+            out, _ = second.communicate(timeout=30)
+        assert "survive a previous server" in out and f"rpd_{instance}_b" in out
+
+        port = _free_port()
+        third = _start(port, instance, "--remove-stale")
+        try:
+            with ReplayClient(f"127.0.0.1:{port}") as client:
+                client.wait_ready(timeout=60)
+                client.create_buffer("b", 100, {"obs": ("float32", (2,)), "reward": ("float32", ())})
+                client.insert_episode("b", True, obs=np.zeros((3, 2), np.float32), reward=np.ones(2, np.float32))
+        finally:
+            third.terminate()
+            out, _ = third.communicate(timeout=30)
+        assert "removed 2 stale" in out
+        assert segments(f"rpd_{instance}_") == []  # the third server unlinked its buffer on exit
+    finally:
+        for name in segments(f"rpd_{instance}_"):
+            os.unlink(f"/dev/shm/{name}")
