@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eval-every", type=int, help="dqn/allo: learner steps, ppo: versions between evaluations")
     parser.add_argument("--instance", help="names the server's shared memory (rpd_<instance>_...)")
+    parser.add_argument("--local", action="store_true", default=None,
+                        help="dqn: the learner samples the server's shared memory directly instead of over gRPC")
     args = vars(parser.parse_args(argv))
     algo_name, instance = args.pop("algo"), args.pop("instance")
     algo = ALGOS[algo_name]

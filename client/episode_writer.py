@@ -71,7 +71,9 @@ class EpisodeWriter:
         # Python scalars and float64 arrays from environments are cast to the buffer's declared dtypes.
         columns = {name: np.asarray([step[name] for step in self._steps], dtype=self.dtypes.get(name))
                    for name in names}
-        span = Span(columns, self._episode_id, begins=self._rows_sent == 0, ends=ends, terminated=terminated)
+        # The offset names the chunk (with the episode id), so a retried flush stores it once.
+        span = Span(columns, self._episode_id, begins=self._rows_sent == 0, ends=ends, terminated=terminated,
+                    offset=self._rows_sent)
         self._rows_sent += len(self._steps)
         self._steps = []
         return span

@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, help="dqn/allo: learner steps, ppo: versions between evaluations")
     parser.add_argument("--learning-starts", type=int, help="dqn/allo: sampleable steps before training")
     parser.add_argument("--actors", type=int, help="ppo: number of actors (rollout slots = actors * envs)")
+    parser.add_argument("--local", action="store_true", default=None,
+                        help="dqn: sample the server's shared memory directly (the server runs on this host)")
     args = vars(parser.parse_args(argv))
     algo = ALGOS[args.pop("algo")]
     torch.set_num_threads(1)

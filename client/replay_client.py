@@ -58,13 +58,16 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
 class Span:
     """Rows of one episode in ring layout (every field has the same rows; step fields of a final row are
     padding). `begins`: the first row is the episode's first observation; `ends`: the last row is its
-    final observation."""
+    final observation. `offset`: the row index of the first row within its episode (0 when it begins;
+    for a later chunk, the rows sent before it): with `episode_id` it names the span, so the server
+    stores a retried span once."""
 
     columns: Mapping[str, np.ndarray]
     episode_id: int
     begins: bool = True
     ends: bool = True
     terminated: bool = False
+    offset: int = 0
 
 
 def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
@@ -80,6 +83,7 @@ def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
         begins=[s.begins for s in spans],
         ends=[s.ends for s in spans],
         terminated=[s.terminated for s in spans],
+        span_offsets=[s.offset for s in spans],
     )
     return InsertFrame(request, codec.encode(columns))
 
@@ -161,6 +165,8 @@ class ReplayClient:
     """
 
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+    # Inserts are retried on these too: the server acknowledges spans it already stored (exactly once).
+    INSERT_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
     def __init__(self, address: str, timeout: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  retries: int = 5, token: str | None = None, root_certificates: bytes | None = None,
@@ -231,12 +237,16 @@ class ReplayClient:
 
     def _idempotent(self, call: Callable[..., T], request: Any, timeout: float | None) -> T:
         """Retries UNAVAILABLE with exponential backoff and jitter (safe only for idempotent calls)."""
+        return self._with_retries(lambda: call(request, timeout=timeout or self.timeout), self.RETRYABLE)
+
+    def _with_retries(self, attempt: Callable[[], T], codes: tuple[grpc.StatusCode, ...]) -> T:
+        """`attempt()`, retried `self.retries` times on `codes` with exponential backoff and jitter."""
         delay = 0.05
-        for attempt in range(self.retries + 1):
+        for tried in range(self.retries + 1):
             try:
-                return call(request, timeout=timeout or self.timeout)
+                return attempt()
             except grpc.RpcError as exc:
-                if exc.code() not in self.RETRYABLE or attempt == self.retries:
+                if exc.code() not in codes or tried == self.retries:
                     raise
                 time.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 2.0)
@@ -372,10 +382,20 @@ class ReplayClient:
         return (response.version, response.safetensors) if response.version else None
 
     # ---------------------------------------------------------------- inserting
-    def insert(self, requests: Iterable[InsertFrame | pb.InsertRequest],
-               timeout: float | None = None) -> pb.InsertResponse:
-        """Streams insert requests; each is stored all-or-nothing, the response acknowledges them all."""
-        return self._insert(iter(requests), timeout=timeout or self.timeout)
+    def insert(self, requests: Iterable[InsertFrame | pb.InsertRequest], timeout: float | None = None,
+               retry: bool = True) -> pb.InsertResponse:
+        """Streams insert requests; each is stored all-or-nothing, the response acknowledges them all.
+
+        With `retry`, a stream that fails with UNAVAILABLE or DEADLINE_EXCEEDED is sent again whole (up to
+        `retries` times, exponential backoff with jitter; `timeout` applies to each attempt): the server
+        names spans by (episode_id, offset) and acknowledges those it already stored without storing them
+        twice (`duplicate_spans` in the response). The requests are held in a list until the call returns.
+        """
+        if not retry:
+            return self._insert(iter(requests), timeout=timeout or self.timeout)
+        frames = requests if isinstance(requests, list | tuple) else list(requests)
+        return self._with_retries(lambda: self._insert(iter(frames), timeout=timeout or self.timeout),
+                                  self.INSERT_RETRYABLE)
 
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
                        **columns: np.ndarray) -> int:

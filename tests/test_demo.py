@@ -37,6 +37,13 @@ def test_demo_processes_end_to_end(tmp_path: Path) -> None:
     assert saved["curve"] and saved["learner_steps"] == summary["learner_steps"]
 
 
+def test_demo_learner_can_sample_shared_memory_directly(tmp_path: Path) -> None:
+    summary = _demo(tmp_path, "dqn", "--seconds", "6", "--eval-every", "50", "--local")
+    assert summary["learner_steps"] > 0 and summary["env_steps"] > 1000
+    # The local reader bypasses the server: the learner's batches are not counted as server samples.
+    assert summary["buffer"]["counters"].get("sampled_items", 0) == 0
+
+
 def test_demo_ppo_rollouts_flow_between_policy_versions(tmp_path: Path) -> None:
     summary = _demo(tmp_path, "ppo", "--seconds", "8", "--eval-every", "1", "--rollout-steps", "32")
     counters = summary["buffer"]["counters"]

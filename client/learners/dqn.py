@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from client.learners.common import CurvePlot, Progress, evaluate_greedy, finish_learner, start_learner, wait_for_steps
 from client.loader import Loader
+from client.local_reader import LocalReader
 from client.params import module_to_bytes
 from client.trainers.dqn import DQNTrainer
 
@@ -36,6 +37,7 @@ class DQNLearnerConfig:
     eval_every: int = 1_000  # learner steps between evaluations
     eval_episodes: int = 20
     seed: int = 0
+    local: bool = False  # sample the server's shared memory directly (same host) instead of over gRPC
 
 
 def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
@@ -47,8 +49,12 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
     client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
     wait_for_steps(client, config.buffer, config.learning_starts, tracker.deadline)
 
-    stream = client.sample_stream(config.buffer, config.batch_size, n_step=config.n_step, gamma=config.gamma,
-                                  wait=True, timeout=config.seconds + 60)
+    if config.local:
+        reader = LocalReader(client, config.buffer)
+        stream = reader.sample_stream(config.batch_size, n_step=config.n_step, gamma=config.gamma)
+    else:
+        stream = client.sample_stream(config.buffer, config.batch_size, n_step=config.n_step, gamma=config.gamma,
+                                      wait=True, timeout=config.seconds + 60)
     loader = Loader(stream, device=config.device, prefetch=4)
     progress = tracker.progress
     solved = False
@@ -69,6 +75,8 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
                 break
     finally:
         loader.close()
+        if config.local:
+            reader.close()
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
                      f"DQN on {config.env_id} via replayd", config.target_return)
     return finish_learner(config, client, tracker, plot, {
