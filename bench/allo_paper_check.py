@@ -2,15 +2,12 @@
 
     .venv/bin/python -m bench.allo_paper_check [--out runs/allo_check] [--steps N] [--threads 2]
 
-Data comes from uniform-random-policy episodes (``collect_episodes``) and is read through a
-pluggable ``sample_fn(kind, batch_size) -> dict of numpy arrays`` with ``kind`` in
-{"geometric", "states"}.  ``make_numpy_sampler`` is the in-process version; to use the replay
-server instead, pass something like::
-
-    def sample_fn(kind, batch_size):
-        if kind == "geometric":
-            return client.sample(name, batch_size, mode="geometric", discount=gamma)
-        return client.sample(name, batch_size, mode="states")
+Data comes from uniform-random-policy episodes (``collect_episodes``), inserted into a replay server
+(started in this process on a free port) and read back through ``sample_fn(kind, batch_size)`` with
+``kind`` in {"geometric", "states"}: geometric pairs and uniform states served by the server
+(``--data server``, the default). ``--data numpy`` reads the same episodes through
+``make_numpy_sampler``, an in-process sampler written independently with the same semantics, as a
+cross-check of the server's sampling.
 
 Defaults (tuned on 2 CPU cores):
 encoder 2-128-128-128-10, batch 512 for each of pairs/u1/u2, Adam lr 2e-3, duals lr 1e-2, barrier
@@ -33,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,8 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client import ReplayClient
 from client.gridworld import GridWorld, cosine_similarities
 from client.trainers.allo import AlloTrainer
+from service.grpc_server.server import ReplayServer
 
 SampleFn = Callable[[str, int], dict[str, np.ndarray]]
 
@@ -205,12 +205,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", choices=["server", "numpy"], default="server")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     env = GridWorld("four_rooms", max_episode_steps=args.episode_steps)
     episodes = collect_episodes(env, args.episodes, seed=args.seed)
-    sample_fn = make_numpy_sampler(episodes, args.discount, seed=args.seed)  # <- swap in the replay client here
+    if args.data == "numpy":
+        return report(args, env, make_numpy_sampler(episodes, args.discount, seed=args.seed))
+    with ReplayServer("127.0.0.1:0", instance=f"allocheck{os.getpid()}") as server, \
+            ReplayClient(server.address) as client:
+        client.create_buffer("rooms", sum(len(e["obs"]) for e in episodes),
+                             {"obs": ("float32", (2,)), "action": ("int64", ()), "reward": ("float32", ())})
+        for start in range(0, len(episodes), 500):
+            batch = episodes[start:start + 500]
+            client.insert_episodes("rooms", batch, [False] * len(batch))  # time-limited walks: truncated
+        streams = {
+            "geometric": client.sample_stream("rooms", args.batch_size, "geometric", discount=args.discount,
+                                              seed=args.seed),
+            "states": client.sample_stream("rooms", args.batch_size, "states", seed=args.seed + 1),
+        }
+        return report(args, env, lambda kind, batch_size: next(streams[kind]))
+
+
+def report(args: argparse.Namespace, env: GridWorld, sample_fn: SampleFn) -> int:
     res = train_and_evaluate(
         sample_fn,
         env,
@@ -233,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "avg_cosine": round(res["avg_cosine"], 4),
         "seconds": round(res["seconds"], 1),
         "threads": args.threads,
+        "data": args.data,
         "config": vars(args),
         "history": res["history"],
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import grpc
@@ -149,10 +150,8 @@ def test_concurrent_duplicate_inserts_store_once(client: ReplayClient) -> None:
     assert info["stored_steps"] == 100 * 21
 
 
-def test_concurrent_duplicate_chunks_in_process_store_once(tmp_path) -> None:
+def test_concurrent_duplicate_chunks_in_process_store_once() -> None:
     """Many threads racing the same chunks of one open episode straight into the buffer."""
-    import os
-
     buffer = EpisodicBuffer("race", f"test{os.getpid()}race", (Field("obs", "float32", (4,), True),
                                                                Field("reward", "float32", (), False)), 10_000)
     try:

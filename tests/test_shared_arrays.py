@@ -3,6 +3,7 @@ import os
 import numpy as np
 import pytest
 
+from service.errors import FailedPrecondition
 from service.storage.shared_arrays import ArraySpec, SharedArrays, segment_exists
 
 
@@ -22,7 +23,7 @@ def test_create_attach_unlink() -> None:
         for array in owner.arrays.values():
             assert array.ctypes.data % 64 == 0
         reader.close()
-        with pytest.raises(FileExistsError):
+        with pytest.raises(FailedPrecondition, match="already exists"):
             SharedArrays.create(name, [ArraySpec("a", "float32", (1,))], {})
     finally:
         owner.close()

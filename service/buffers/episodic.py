@@ -46,6 +46,7 @@ from service.buffers.ring import (
     shared_sampling,
     shm_name,
 )
+from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from service.limiters import RateLimiter
 from service.removers import FifoRemover, MaxTimesSampledRemover
@@ -65,12 +66,20 @@ class Spans:
     begins: np.ndarray  # bool: the span starts its episode
     ends: np.ndarray  # bool: the span's last row is the episode's final observation
     terminated: np.ndarray  # bool: for ends, terminated (else truncated)
+    # int64: row index of each span's first row within its episode (service/dedup.py); None: not sent
+    offsets: np.ndarray | None = None
 
     @classmethod
     def whole_episodes(cls, lengths: np.ndarray, episode_ids: np.ndarray, terminated: np.ndarray) -> Spans:
         ones = np.ones(len(lengths), dtype=bool)
         return cls(np.asarray(episode_ids, np.uint64), np.asarray(lengths, np.int64) + 1, ones, ones,
                    np.asarray(terminated, bool))
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    completed: int  # episodes the request's spans complete, duplicates included
+    duplicate_spans: int  # spans already stored (acknowledged, not stored again)
 
 
 @dataclass
@@ -113,6 +122,7 @@ class EpisodicBuffer(EpisodicRing):
         remover: FifoRemover | MaxTimesSampledRemover | None = None,
         limiter: RateLimiter | None = None,
         max_bytes: int | None = None,
+        dedup_window: int = DEFAULT_WINDOW,
     ) -> None:
         self.name = check_buffer_name(name)
         self.fields = check_fields(fields)
@@ -174,6 +184,7 @@ class EpisodicBuffer(EpisodicRing):
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
         self.counters: Counter[str] = Counter()
         self._open: dict[int, _Extent] = {}
+        self.dedup = SpanDedup(dedup_window)  # recently stored span names, used under `lock`
 
     @property
     def open_episodes(self) -> int:
@@ -202,27 +213,52 @@ class EpisodicBuffer(EpisodicRing):
         """Appends spans all-or-nothing: every check runs before the first byte is written.
 
         With a rate limiter, waits up to `timeout` seconds (None: no deadline) for it to admit the insert.
-        Returns the number of episodes this insert completed.
+        Returns the number of episodes this insert completed (spans already stored included: see
+        `insert_result`).
         """
+        return self.insert_result(columns, spans, timeout).completed
+
+    def insert_result(self, columns: Mapping[str, np.ndarray], spans: Spans,
+                      timeout: float | None = None) -> InsertResult:
+        """`insert`, exactly once per span name (service/dedup.py): spans this buffer already stored are
+        acknowledged and counted in `duplicate_spans`, the others are stored all-or-nothing."""
         rows = check_columns(self.fields, columns, "insert")
         self._check_spans(spans, rows)
+        offsets = span_offsets(spans)
         self._check_rewards(columns)
+        completed = int(np.count_nonzero(spans.ends))
         with self.lock:
-            if self.limiter is not None:
+            keep = self.dedup.screen(spans, offsets, self._landed)
+            if keep.any() and self.limiter is not None:
                 self.limiter.await_insert(self, timeout)
+                keep = self.dedup.screen(spans, offsets, self._landed)  # the wait released the lock
+            duplicates = len(keep) - int(np.count_nonzero(keep))
+            if duplicates:
+                self.counters["duplicate_spans"] += duplicates
+                self.counters["duplicate_rows"] += int(spans.rows[~keep].sum())
+            if not keep.any():
+                self.counters["duplicate_requests"] += 1
+                return InsertResult(completed, duplicates)
+            columns, spans, offsets = select(columns, spans, offsets, keep)
+            rows = int(spans.rows.sum())
             ops = self._plan(spans)
             for op in ops:
                 self._apply(op, columns, spans)
-            completed = int(np.count_nonzero(spans.ends))
+            self.dedup.remember(spans, offsets)
             self.counters["inserted_rows"] += rows
             self.counters["inserted_spans"] += len(spans.rows)
-            self.counters["inserted_episodes"] += completed
+            self.counters["inserted_episodes"] += int(np.count_nonzero(spans.ends))
             self.counters["insert_requests"] += 1
             if self.limiter is not None:
                 # Items: each row that got a successor; a span that begins an episode has one row fewer.
                 self.limiter.record_insert(rows - int(np.count_nonzero(spans.begins)))
             self.inserted.notify_all()
-        return completed
+        return InsertResult(completed, duplicates)
+
+    def _landed(self, episode_id: int) -> int | None:
+        """Rows landed so far of an open episode; None if it is not open."""
+        extent = self._open.get(episode_id)
+        return None if extent is None else extent.last - extent.start + 1
 
     def _check_rewards(self, columns: Mapping[str, np.ndarray]) -> None:
         # Stored data is otherwise kept as the env produced it, but n-step returns sum rewards: one NaN or

@@ -62,6 +62,7 @@ def spans_from_request(request: pb.InsertRequest) -> Spans:
         begins=np.array(request.begins, dtype=bool),
         ends=np.array(request.ends, dtype=bool),
         terminated=np.array(request.terminated, dtype=bool),
+        offsets=np.array(request.span_offsets, dtype=np.int64) if request.span_offsets else None,
     )
 
 

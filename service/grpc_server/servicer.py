@@ -215,7 +215,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     # ---------------------------------------------------------------- episodic
     @rpc
     def Insert(self, frames: Iterator[InsertFrame], context) -> pb.InsertResponse:
-        requests = spans = rows = completed = 0
+        requests = spans = rows = completed = duplicates = 0
         for frame in frames:
             if isinstance(frame, MalformedRequest):
                 raise errors.InvalidArgument(f"{frame.error} (request {requests} of the stream)")
@@ -224,7 +224,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             try:
                 columns = codec.decode(frame.steps)
                 spans_of_request = convert.spans_from_request(request)
-                completed += buffer.insert(columns, spans_of_request, timeout=context.time_remaining())
+                result = buffer.insert_result(columns, spans_of_request, timeout=context.time_remaining())
             except (errors.ReplayError, codec.CodecError) as exc:
                 if requests:
                     exc.args = (f"{exc.args[0]} (request {requests} of the stream; the {requests} before it "
@@ -233,7 +233,10 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             requests += 1
             spans += len(spans_of_request.rows)
             rows += int(spans_of_request.rows.sum())
-        return pb.InsertResponse(requests=requests, spans=spans, rows=rows, episodes_completed=completed)
+            completed += result.completed
+            duplicates += result.duplicate_spans
+        return pb.InsertResponse(requests=requests, spans=spans, rows=rows, episodes_completed=completed,
+                                 duplicate_spans=duplicates)
 
     def _sample_payload(self, buffer: EpisodicBuffer, request: pb.SampleRequest, rng: np.random.Generator | None,
                         wait_seconds: float | None) -> bytes:
