@@ -61,17 +61,6 @@ def _cartpole_batch(B: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _fwd_bwd(net: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    params = list(net.parameters())
-
-    def step() -> None:
-        for p in params:
-            p.grad = None
-        loss_fn().backward()
-
-    return step
-
-
 def _autograd_step(net: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     params = list(net.parameters())
 
