@@ -31,6 +31,8 @@ class TransitionsMode:
             raise InvalidArgument(f"transitions.gamma must be in [0, 1], got {gamma}")
         self.n_step = int(n_step)
         self.gamma = float(gamma)
+        self._offsets = np.arange(self.n_step)  # (n,)
+        self._powers = self.gamma ** np.arange(self.n_step + 1)  # (n + 1,): gamma^0 .. gamma^n
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         positions, rows, bounds = draw.positions, draw.rows, draw.bounds
@@ -67,13 +69,13 @@ class TransitionsMode:
             batch["bootstrap_discount"] = np.where(episode_terminated, np.float32(0.0), np.float32(self.gamma))
             return batch
         # The reward window (B, n) in one gather; steps past the episode's bound are masked out.
-        offsets = np.arange(n)
-        window = ring.columns[ring.reward_field].take((rows[:, None] + offsets) % capacity)  # (B, n)
-        discounts = np.where(offsets < n_eff[:, None], self.gamma ** offsets, 0.0)  # (B, n)
-        batch["n_step_return"] = np.einsum("bn,bn->b", window, discounts).astype(np.float32)
+        window = ring.columns[ring.reward_field].take((rows[:, None] + self._offsets) % capacity)  # (B, n)
+        window *= self._offsets < n_eff[:, None]
+        batch["n_step_return"] = (window @ self._powers[:n]).astype(np.float32)  # (B,)
         bootstrap_rows = (rows + n_eff) % capacity
         for f in ring.observation_fields:
             batch[f"bootstrap_{f.name}"] = columns[f.name].take(bootstrap_rows, axis=0)
-        discount = np.power(np.float32(self.gamma), n_eff, dtype=np.float32)
-        batch["bootstrap_discount"] = np.where(episode_terminated, np.float32(0.0), discount)
+        discount = self._powers.take(n_eff).astype(np.float32)  # gamma^n_eff
+        discount[episode_terminated] = 0.0
+        batch["bootstrap_discount"] = discount
         return batch
