@@ -381,6 +381,13 @@ class ReplayClient:
         response = self._idempotent(self._stub.FetchWeights, request, None)
         return (response.version, response.safetensors) if response.version else None
 
+    def checkpoint(self, directory: str = "", timeout: float | None = None) -> str:
+        """Has the server write every buffer to a new checkpoint under `directory` (a path on the server;
+        empty: its --checkpoint-dir); returns the checkpoint's manifest path."""
+        response = self._stub.Checkpoint(pb.CheckpointRequest(directory=str(directory)),
+                                         timeout=timeout or self.timeout)
+        return response.path
+
     # ---------------------------------------------------------------- inserting
     def insert(self, requests: Iterable[InsertFrame | pb.InsertRequest], timeout: float | None = None,
                retry: bool = True) -> pb.InsertResponse:

@@ -11,6 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
+from service.errors import ReplayError
 from service.grpc_server.auth import check_bind
 from service.grpc_server.server import ReplayServer
 from service.storage.shared_arrays import remove_segment, segments
@@ -68,7 +69,13 @@ def serve(args: argparse.Namespace) -> None:
     server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
                           max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
                           token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
-                          max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers).start()
+                          max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers,
+                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                          checkpoint_keep=args.checkpoint_keep or None, restore_from=args.restore)
+    try:
+        server.start()
+    except ReplayError as exc:  # a checkpoint that cannot be restored (nothing was started, nothing restored)
+        raise SystemExit(f"replayd: {exc}") from None
     http = f", HTTP on port {server.http.port}" if server.http else ""
     security = ", token required" if args.token else ", no token"
     print(f"replayd {server.instance} listening on {server.address}{' (TLS)' if tls_cert else ''}{http}{security}",
@@ -109,6 +116,15 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     serve_parser.add_argument("--insecure-bind-all", action="store_true",
                               help="allow a non-loopback --host without --token (trusted networks only)")
+    serve_parser.add_argument("--restore", default=None, metavar="DIR",
+                              help="restore the buffers of a checkpoint before serving (DIR's LATEST, or DIR itself "
+                                   "when it is one checkpoint)")
+    serve_parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                              help="where the Checkpoint RPC writes by default and periodic checkpoints go")
+    serve_parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
+                              help="write a checkpoint of every buffer this often (needs --checkpoint-dir)")
+    serve_parser.add_argument("--checkpoint-keep", type=int, default=3,
+                              help="periodic checkpoints keep the newest this many (0: keep all)")
     serve_parser.add_argument("--log-level", default="INFO")
     # Actors and learners need the client extras (torch, gymnasium); they are imported only when asked for,
     # so the server never imports torch.
@@ -135,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
+    if args.checkpoint_every is not None and (args.checkpoint_dir is None or args.checkpoint_every <= 0):
+        parser.error("--checkpoint-every needs --checkpoint-dir and a positive number of seconds")
     try:
         check_bind(args.host, args.token, args.insecure_bind_all)
     except ValueError as exc:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from concurrent import futures
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from service.checkpoint import restore_checkpoint, write_checkpoint
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.grpc_server.sample_workers import SampleWorkers
@@ -52,6 +54,7 @@ def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
         "FinishRollout": plain(servicer.FinishRollout, pb.FinishRolloutRequest, pb.BufferInfo),
         "PublishWeights": plain(servicer.PublishWeights, pb.PublishWeightsRequest, pb.PublishWeightsResponse),
         "FetchWeights": plain(servicer.FetchWeights, pb.FetchWeightsRequest, pb.FetchWeightsResponse),
+        "Checkpoint": plain(servicer.Checkpoint, pb.CheckpointRequest, pb.CheckpointResponse),
     }
     return grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers)
 
@@ -59,7 +62,10 @@ def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
 class ReplayServer:
     """`token`: every gRPC call and HTTP request (but /healthz) must carry `authorization: Bearer <token>`.
     `tls_cert`/`tls_key`: PEM certificate chain and private key; the gRPC port then speaks TLS only.
-    `max_buffer_bytes`: shared memory one buffer may take (None: whatever /dev/shm has free)."""
+    `max_buffer_bytes`: shared memory one buffer may take (None: whatever /dev/shm has free).
+    `checkpoint_dir`: where the Checkpoint RPC writes by default, and with `checkpoint_every` (seconds) where a
+    background thread writes a checkpoint periodically (keeping the newest `checkpoint_keep`).
+    `restore_from`: a checkpoint (or a directory of them: its LATEST) restored by start() before serving."""
 
     def __init__(
         self,
@@ -73,14 +79,26 @@ class ReplayServer:
         tls_key: bytes | None = None,
         max_buffer_bytes: int | None = None,
         sample_workers: int = 0,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: float | None = None,
+        checkpoint_keep: int | None = 3,
+        restore_from: str | None = None,
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key: expected both or neither")
         if sample_workers and tls_cert is not None:
             raise ValueError("sample workers serve plain gRPC; run them without TLS (or put TLS in a proxy)")
+        if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every <= 0):
+            raise ValueError("checkpoint_every: expected seconds > 0 and a checkpoint_dir")
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.checkpoint_keep = checkpoint_keep
+        self.restore_from = restore_from
+        self.max_buffer_bytes = max_buffer_bytes
+        self._stop_checkpoints = threading.Event()
+        self._checkpoint_thread: threading.Thread | None = None
         self.instance = instance or secrets.token_hex(4)
         self.registry = BufferRegistry(self.instance)
-        self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes)
+        self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
             options=channel_options(max_message_bytes),
@@ -108,6 +126,9 @@ class ReplayServer:
                                    int(http_port))
 
     def start(self, timeout: float = 30.0) -> ReplayServer:
+        if self.restore_from is not None:
+            # Before serving: no client sees a partly restored registry. All or nothing (restore_checkpoint).
+            restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes)
         self._server.start()
         log.info("replayd instance %s serving on %s", self.instance, self.address)
         self.sample_workers.start()
@@ -121,7 +142,18 @@ class ReplayServer:
                     raise TimeoutError("the HTTP side did not start")
                 time.sleep(0.01)
             log.info("HTTP side (health, metrics, status page) on port %d", self.http.port)
+        if self.checkpoint_every is not None:
+            self._checkpoint_thread = threading.Thread(target=self._checkpoint_loop, name="replayd-checkpoints",
+                                                       daemon=True)
+            self._checkpoint_thread.start()
         return self
+
+    def _checkpoint_loop(self) -> None:
+        while not self._stop_checkpoints.wait(self.checkpoint_every):
+            try:
+                write_checkpoint(self.registry, self.checkpoint_dir, keep=self.checkpoint_keep)
+            except Exception:
+                log.exception("periodic checkpoint under %s failed", self.checkpoint_dir)
 
     def wait(self) -> None:
         self._server.wait_for_termination()
@@ -129,6 +161,9 @@ class ReplayServer:
     def stop(self, grace: float = 1.0) -> None:
         """Stops serving, then unlinks every buffer's shared memory."""
         self._server.stop(grace).wait()
+        self._stop_checkpoints.set()
+        if self._checkpoint_thread is not None:
+            self._checkpoint_thread.join()  # a checkpoint in progress finishes before the buffers go
         self.sample_workers.stop()
         if self.http is not None:
             self.http.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from service import errors
+from service import checkpoint, errors
 from service.buffers.episodic import EpisodicBuffer, shm_name
 from service.buffers.ring import EpisodicRing
 from service.buffers.rollout import RolloutBuffer
@@ -141,8 +142,10 @@ def encode_batch(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
 
 
 class ReplayServicer(pb_grpc.ReplayServicer):
-    def __init__(self, registry: BufferRegistry, max_message_bytes: int, max_buffer_bytes: int | None = None) -> None:
+    def __init__(self, registry: BufferRegistry, max_message_bytes: int, max_buffer_bytes: int | None = None,
+                 checkpoint_dir: str | None = None) -> None:
         self.registry = registry
+        self.checkpoint_dir = checkpoint_dir  # where Checkpoint writes when the request names no directory
         self.weights = WeightStore()
         self.max_message_bytes = max_message_bytes
         self.max_buffer_bytes = max_buffer_bytes
@@ -324,3 +327,16 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     def FetchWeights(self, request: pb.FetchWeightsRequest, context) -> pb.FetchWeightsResponse:
         version, payload = self.weights.fetch(request.name, request.newer_than)
         return pb.FetchWeightsResponse(version=version, safetensors=payload)
+
+    # ---------------------------------------------------------------- checkpoints
+    @rpc
+    def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
+        directory = request.directory or self.checkpoint_dir
+        if not directory:
+            raise errors.InvalidArgument("checkpoint: directory is empty and the server has no --checkpoint-dir")
+        try:
+            manifest = checkpoint.write_checkpoint(self.registry, directory)
+        except OSError as exc:
+            raise errors.FailedPrecondition(f"checkpoint: cannot write under {directory!r}: {exc}") from exc
+        buffers = [entry["name"] for entry in json.loads(manifest.read_text())["buffers"]]
+        return pb.CheckpointResponse(path=str(manifest), buffers=buffers)

@@ -360,3 +360,17 @@ class FetchWeightsResponse(_message.Message):
     version: int
     safetensors: bytes
     def __init__(self, version: _Optional[int] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("directory",)
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "buffers")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    buffers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, path: _Optional[str] = ..., buffers: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -99,6 +99,11 @@ class ReplayStub:
                 request_serializer=service_dot_wire_dot_replay__pb2.FetchWeightsRequest.SerializeToString,
                 response_deserializer=service_dot_wire_dot_replay__pb2.FetchWeightsResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/replayd.v1.Replay/Checkpoint',
+                request_serializer=service_dot_wire_dot_replay__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=service_dot_wire_dot_replay__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServicer:
@@ -187,6 +192,14 @@ class ReplayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Writes every buffer to a new checkpoint under `directory` on the server's disk (service/checkpoint.py);
+        sampling keeps being served meanwhile. `replayd serve --restore DIR` restores the latest one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +267,11 @@ def add_ReplayServicer_to_server(servicer, server):
                     servicer.FetchWeights,
                     request_deserializer=service_dot_wire_dot_replay__pb2.FetchWeightsRequest.FromString,
                     response_serializer=service_dot_wire_dot_replay__pb2.FetchWeightsResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=service_dot_wire_dot_replay__pb2.CheckpointRequest.FromString,
+                    response_serializer=service_dot_wire_dot_replay__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -607,6 +625,33 @@ class Replay:
             '/replayd.v1.Replay/FetchWeights',
             service_dot_wire_dot_replay__pb2.FetchWeightsRequest.SerializeToString,
             service_dot_wire_dot_replay__pb2.FetchWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replayd.v1.Replay/Checkpoint',
+            service_dot_wire_dot_replay__pb2.CheckpointRequest.SerializeToString,
+            service_dot_wire_dot_replay__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,438 @@
+"""Checkpoints: every buffer of a registry written to disk as Arrow IPC files plus a manifest, and restored.
+
+Layout under a checkpoint root DIR:
+
+    DIR/LATEST                           name of the newest complete checkpoint
+    DIR/ckpt-000007/manifest.json        format and layout version; per buffer: kind, the configuration that
+                                         recreates it, its arrays (dtype, shape, file), its Python-side state
+    DIR/ckpt-000007/<buffer>/<array>.arrow
+                                         one Arrow IPC file per shared array: one column named after the
+                                         array, the array flattened in its own dtype (the shape is in the
+                                         manifest), as record batches of whole rows (the chunks it was copied in)
+
+Atomicity. A checkpoint is written into DIR/.tmp-ckpt-..., every file and the directories are fsynced, the
+manifest is written last, then the directory is renamed to its final name and LATEST is replaced the same
+way (temporary name, fsync, rename, fsync of DIR). A crash leaves the previous LATEST in place; restore
+never reads a .tmp-* directory or one without manifest.json.
+
+Consistency while serving. Each buffer is a consistent snapshot of itself (buffers are snapshotted one
+after the other, not at one instant together). Episodic buffers: under the buffer's lock, everything but
+the field columns is copied at once (state, row bounds, extent table, sampler and remover arrays, open
+extents, counters, limiter and dedup state: O(capacity) small integers). The field columns, the bulk, are
+then copied in chunks of rows (`chunk_bytes`), taking the lock per chunk only, so samples and inserts run
+between chunks. A chunk copied later is still the snapshot's data: the writer never changes the row of a
+live position (>= the tail) -- appends land in reserved rows past the snapshot's landed rows, moves copy to
+the head and only relabel the old rows, and a row is overwritten only after its position was evicted,
+which first moves the tail past it (the same invariant lock-free readers rely on, service/buffers/ring.py).
+So a chunk is clean unless the tail, read under the lock with the chunk, has passed one of the snapshot's
+live positions stored in the chunk's rows. If it has (the ring turned over during the checkpoint), the
+snapshot is taken again; the last of SNAPSHOT_ATTEMPTS attempts copies every column under one hold of the
+lock (a memory copy, no disk I/O under the lock). Rollout buffers are copied whole under their lock (a
+memory copy; minibatches and pushes wait for it) and written afterwards.
+
+Restore recreates each buffer with its configuration, checks that the arrays this code builds for it match
+the checkpoint's (name, dtype, shape) and refuses the checkpoint naming the buffer and array otherwise,
+copies every array back and sets the Python-side state, so that a seeded sample draws the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from service.buffers.episodic import EpisodicBuffer, _Extent
+from service.buffers.ring import HEAD, TAIL_POS, shm_name
+from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
+from service.errors import FailedPrecondition, ReplayError
+from service.limiters import RateLimiter
+from service.registry import BufferRegistry
+from service.removers import FifoRemover, MaxTimesSampledRemover
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.uniform import UniformSampler
+from service.schema import Field
+
+log = logging.getLogger("replayd")
+
+FORMAT = "replayd-checkpoint"
+LAYOUT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+CHUNK_BYTES = 64 * 2**20
+SNAPSHOT_ATTEMPTS = 3
+_NAME = re.compile(r"^ckpt-(\d+)$")
+_write_lock = threading.Lock()  # one checkpoint at a time per process (RPC and periodic thread)
+
+
+# ---------------------------------------------------------------------------------------------- files
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+    with open(tmp, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.rename(tmp, path)
+    _fsync(path.parent)
+
+
+class _ArrayFile:
+    """One array as an Arrow IPC file, appended to chunk by chunk (flattened in its own dtype)."""
+
+    def __init__(self, path: Path, name: str, dtype: np.dtype) -> None:
+        self.path = path
+        self.type = pa.from_numpy_dtype(dtype)
+        self.schema = pa.schema([pa.field(name, self.type)])
+        self._sink = pa.OSFile(str(path), "wb")
+        self._writer = pa.ipc.new_file(self._sink, self.schema)
+
+    def write(self, values: np.ndarray) -> None:
+        array = pa.array(values.reshape(-1), type=self.type)
+        self._writer.write_batch(pa.record_batch([array], schema=self.schema))
+
+    def close(self) -> None:
+        self._writer.close()
+        self._sink.close()
+        _fsync(self.path)
+
+
+def _array_entries(arrays: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    return [{"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "file": f"{name}.arrow"}
+            for name, array in arrays.items()]
+
+
+def _write_whole(directory: Path, arrays: dict[str, np.ndarray]) -> None:
+    for name, values in arrays.items():
+        out = _ArrayFile(directory / f"{name}.arrow", name, values.dtype)
+        out.write(values)
+        out.close()
+
+
+# ---------------------------------------------------------------------------------------------- write
+def _ring_rows_overlap(lo: int, hi: int, row_lo: int, row_hi: int, capacity: int) -> bool:
+    """Whether the ring rows of positions [lo, hi) meet rows [row_lo, row_hi)."""
+    if hi <= lo:
+        return False
+    if hi - lo >= capacity:
+        return True
+    a, b = lo % capacity, hi % capacity
+    pieces = [(a, b)] if a < b else [(a, capacity), (0, b)]
+    return any(x < row_hi and row_lo < y for x, y in pieces)
+
+
+def _episodic_state(buffer: EpisodicBuffer) -> dict[str, Any]:
+    """The Python-side state (call with buffer.lock held)."""
+    limiter = buffer.limiter
+    return {
+        "open": [[e.episode_id, e.seq, e.start, e.last, e.reserved_end] for e in buffer._open.values()],
+        "counters": dict(buffer.counters),
+        "remover_counters": dict(buffer.remover.counters),
+        "limiter": None if limiter is None else {
+            key: getattr(limiter, key) for key in ("inserts", "samples", "insert_waits", "sample_waits",
+                                                   "insert_wait_seconds", "sample_wait_seconds")},
+        "dedup": [[episode_id, offset, rows] for (episode_id, offset), rows in buffer.dedup._recent.items()],
+    }
+
+
+def _episodic_config(buffer: EpisodicBuffer) -> dict[str, Any]:
+    sampler, remover = buffer.sampler, buffer.remover
+    return {
+        "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in buffer.fields],
+        "capacity_steps": buffer.capacity,
+        "reward_field": buffer.reward_field,
+        "sampler": ({"kind": "prioritized", "alpha": sampler.alpha} if isinstance(sampler, PrioritizedSampler)
+                    else {"kind": "uniform"}),
+        "remover": ({"kind": "max_times_sampled", "max_times_sampled": remover.max_times_sampled}
+                    if isinstance(remover, MaxTimesSampledRemover) else {"kind": "fifo"}),
+        "rate_limiter": None if buffer.limiter is None else buffer.limiter.config(),
+        "dedup_window": buffer.dedup.window,
+    }
+
+
+def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
+                    on_chunk: Callable[[], None] | None) -> dict[str, Any]:
+    arrays = buffer.storage.arrays
+    field_names = [f"field.{f.name}" for f in buffer.fields]
+    capacity = buffer.capacity
+    rows_per_chunk = max(1, chunk_bytes // max(1, buffer.row_bytes))
+    for attempt in range(1, SNAPSHOT_ATTEMPTS + 1):
+        whole = attempt == SNAPSHOT_ATTEMPTS
+        with buffer.lock:
+            small = {name: array.copy() for name, array in arrays.items() if name not in field_names}
+            state = _episodic_state(buffer)
+            tail, head = int(arrays["state"][TAIL_POS]), int(arrays["state"][HEAD])
+            columns = {name: arrays[name].copy() for name in field_names} if whole else None
+        _write_whole(directory, small)
+        if columns is not None:  # last attempt: everything was copied under one hold of the lock
+            _write_whole(directory, columns)
+            break
+        outputs = {name: _ArrayFile(directory / f"{name}.arrow", name, arrays[name].dtype) for name in field_names}
+        torn = False
+        try:
+            for row_lo in range(0, capacity, rows_per_chunk):
+                row_hi = min(capacity, row_lo + rows_per_chunk)
+                with buffer.lock:
+                    chunk = {name: arrays[name][row_lo:row_hi].copy() for name in field_names}
+                    tail_now = int(arrays["state"][TAIL_POS])
+                # Live positions of the snapshot are [tail, head); those below tail_now may have been overwritten.
+                if _ring_rows_overlap(tail, min(tail_now, head), row_lo, row_hi, capacity):
+                    torn = True
+                    break
+                for name, values in chunk.items():
+                    outputs[name].write(values)
+                if on_chunk is not None:
+                    on_chunk()
+        finally:
+            for out in outputs.values():
+                out.close()
+        if not torn:
+            break
+        log.info("checkpoint of buffer %r raced with evictions (attempt %d); taking the snapshot again",
+                 buffer.name, attempt)
+    return {"kind": "episodic", "config": _episodic_config(buffer), "arrays": _array_entries(arrays),
+            "state": state, "snapshot_attempts": attempt}
+
+
+def _rollout_config(buffer: RolloutBuffer) -> dict[str, Any]:
+    config = buffer.config
+    return {"fields": [[f.name, f.dtype, list(f.shape)] for f in config.columns], "num_steps": config.num_steps,
+            "num_envs": config.num_envs, "gamma": config.gamma, "gae_lambda": config.gae_lambda}
+
+
+def _write_rollout(buffer: RolloutBuffer, directory: Path) -> dict[str, Any]:
+    arrays = buffer.shared.arrays
+    with buffer._lock:
+        copies = {name: array.copy() for name, array in arrays.items()}
+        state = {"policy_version": buffer._version, "missing": buffer._missing, "gae_done": buffer._gae_done,
+                 "counters": dict(buffer.counters)}
+    _write_whole(directory, copies)
+    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": _array_entries(arrays), "state": state}
+
+
+def _complete(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    found = []
+    for path in root.iterdir() if root.is_dir() else ():
+        match = _NAME.match(path.name)
+        if match and (path / MANIFEST).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, keep: int | None = None,
+                     chunk_bytes: int = CHUNK_BYTES, on_chunk: Callable[[], None] | None = None) -> Path:
+    """Writes every buffer of `registry` as a new checkpoint under `directory`; returns its manifest's path.
+
+    `keep`: remove all but the newest `keep` complete checkpoints afterwards. `on_chunk`: called (without any
+    lock held) after each chunk of an episodic buffer's rows is written (tests use it to interleave calls).
+    """
+    root = Path(directory)
+    with _write_lock:
+        root.mkdir(parents=True, exist_ok=True)
+        numbers = [int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name))]
+        final = root / f"ckpt-{max(numbers, default=0) + 1:06d}"
+        tmp = root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            buffers = []
+            for name, buffer in registry.all():
+                buffer_dir = tmp / name
+                buffer_dir.mkdir()
+                if isinstance(buffer, EpisodicBuffer):
+                    entry = _write_episodic(buffer, buffer_dir, chunk_bytes, on_chunk)
+                else:
+                    entry = _write_rollout(buffer, buffer_dir)
+                _fsync(buffer_dir)
+                buffers.append({"name": name, **entry})
+            manifest = {"format": FORMAT, "layout_version": LAYOUT_VERSION, "instance": registry.instance,
+                        "buffers": buffers}
+            with open(tmp / MANIFEST, "w") as file:
+                json.dump(manifest, file)
+                file.flush()
+                os.fsync(file.fileno())
+            _fsync(tmp)
+            os.rename(tmp, final)
+            _fsync(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _write_atomically(root / LATEST, f"{final.name}\n".encode())
+        if keep is not None and keep > 0:
+            for old in _complete(root)[:-keep]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint %s: %d buffer(s)", final, len(buffers))
+    return final / MANIFEST
+
+
+# ---------------------------------------------------------------------------------------------- restore
+def latest_checkpoint(directory: str | os.PathLike) -> Path:
+    """The checkpoint `directory` names: itself (or its manifest) if it is one, else the checkpoint LATEST
+    names under it, else the newest complete one. Incomplete ones (no manifest, .tmp-*) are never chosen."""
+    path = Path(directory)
+    if path.name == MANIFEST and path.is_file():
+        return path.parent
+    if (path / MANIFEST).is_file():
+        return path
+    pointer = path / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _NAME.match(name) and (path / name / MANIFEST).is_file():
+            return path / name
+        log.warning("restore: %s names %r, which is not a complete checkpoint; using the newest complete one",
+                    pointer, name)
+    complete = _complete(path)
+    if not complete:
+        raise FailedPrecondition(f"restore: no complete checkpoint under {str(path)!r} (expected {LATEST} or "
+                                 f"ckpt-N/{MANIFEST})")
+    return complete[-1]
+
+
+def _check_arrays(name: str, entry: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    saved = {a["name"]: a for a in entry["arrays"]}
+    for array_name in sorted(set(saved) | set(arrays)):
+        if array_name not in arrays:
+            raise FailedPrecondition(f"buffer {name!r}: array {array_name!r} of the checkpoint is not part of the "
+                                     "buffer this code builds from its configuration (incompatible schema)")
+        built = arrays[array_name]
+        if array_name not in saved:
+            raise FailedPrecondition(f"buffer {name!r}: array {array_name!r} ({built.dtype} {list(built.shape)}) "
+                                     "is missing from the checkpoint (incompatible schema)")
+        got = saved[array_name]
+        if got["dtype"] != built.dtype.name or list(got["shape"]) != list(built.shape):
+            raise FailedPrecondition(
+                f"buffer {name!r}: array {array_name!r} is {got['dtype']} {list(got['shape'])} in the checkpoint, "
+                f"but this code builds {built.dtype.name} {list(built.shape)} (incompatible schema)"
+            )
+
+
+def _load_array(path: Path, name: str, target: np.ndarray) -> None:
+    flat = target.reshape(-1)
+    expected = pa.from_numpy_dtype(target.dtype)
+    offset = 0
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_file(source)
+        if reader.schema.names != [name] or reader.schema.field(0).type != expected:
+            raise FailedPrecondition(f"array {name!r}: {path} holds {reader.schema}, expected one column {name}: "
+                                     f"{expected}")
+        for i in range(reader.num_record_batches):
+            values = reader.get_batch(i).column(0).to_numpy(zero_copy_only=False)
+            if offset + len(values) > flat.size:
+                raise FailedPrecondition(f"array {name!r}: {path} holds more than its {flat.size} values")
+            flat[offset:offset + len(values)] = values
+            offset += len(values)
+    if offset != flat.size:
+        raise FailedPrecondition(f"array {name!r}: {path} holds {offset} values, expected {flat.size}")
+
+
+def _build_episodic(name: str, entry: dict[str, Any], instance: str, max_bytes: int | None) -> EpisodicBuffer:
+    config = entry["config"]
+    sampler_config, remover_config = config["sampler"], config["remover"]
+    sampler = (PrioritizedSampler(sampler_config["alpha"]) if sampler_config["kind"] == "prioritized"
+               else UniformSampler())
+    remover = (MaxTimesSampledRemover(remover_config["max_times_sampled"])
+               if remover_config["kind"] == "max_times_sampled" else FifoRemover())
+    limiter = None if config["rate_limiter"] is None else RateLimiter(**config["rate_limiter"])
+    fields = tuple(Field(f, dtype, tuple(shape), observation) for f, dtype, shape, observation in config["fields"])
+    return EpisodicBuffer(name, instance, fields, int(config["capacity_steps"]),
+                          reward_field=config["reward_field"] or "", sampler=sampler, remover=remover,
+                          limiter=limiter, max_bytes=max_bytes, dedup_window=int(config["dedup_window"]))
+
+
+def _restore_episodic_state(buffer: EpisodicBuffer, state: dict[str, Any]) -> None:
+    buffer._open = {int(e[0]): _Extent(int(e[0]), int(e[1]), int(e[2]), int(e[3]), int(e[4])) for e in state["open"]}
+    buffer.counters = Counter(state["counters"])
+    buffer.remover.counters = Counter(state["remover_counters"])
+    if buffer.limiter is not None and state["limiter"] is not None:
+        for key, value in state["limiter"].items():
+            setattr(buffer.limiter, key, value)
+    buffer.dedup._recent = OrderedDict(((int(e), int(o)), int(r)) for e, o, r in state["dedup"])
+
+
+def _build_rollout(name: str, entry: dict[str, Any], instance: str, max_bytes: int | None) -> RolloutBuffer:
+    config = entry["config"]
+    fields = tuple(RolloutField(f, dtype, tuple(shape)) for f, dtype, shape in config["fields"])
+    rollout_config = RolloutConfig(fields, int(config["num_steps"]), int(config["num_envs"]),
+                                   gamma=config["gamma"], gae_lambda=config["gae_lambda"])
+    return RolloutBuffer.create(shm_name(instance, name), rollout_config,
+                                policy_version=int(entry["state"]["policy_version"]), max_bytes=max_bytes)
+
+
+def _restore_rollout_state(buffer: RolloutBuffer, state: dict[str, Any]) -> None:
+    buffer._missing = int(state["missing"])
+    buffer._gae_done = bool(state["gae_done"])
+    buffer.counters.update(state["counters"])
+
+
+def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,
+                       max_bytes: int | None = None) -> list[str]:
+    """Recreates every buffer of the checkpoint `directory` names (see latest_checkpoint) in `registry`.
+
+    All or nothing: on any error the buffers restored so far are deleted again, and FailedPrecondition
+    names the checkpoint, the buffer and what does not match. Returns the restored buffers' names.
+    """
+    path = latest_checkpoint(directory)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise FailedPrecondition(f"restore {str(path)!r}: unreadable {MANIFEST}: {exc}") from None
+    if manifest.get("format") != FORMAT or manifest.get("layout_version") != LAYOUT_VERSION:
+        raise FailedPrecondition(
+            f"restore {str(path)!r}: checkpoint format {manifest.get('format')!r} layout_version "
+            f"{manifest.get('layout_version')!r}, this code reads {FORMAT!r} layout_version {LAYOUT_VERSION}"
+        )
+    restored: list[str] = []
+    try:
+        for entry in manifest["buffers"]:
+            name = entry["name"]
+            try:
+                registry.reserve_check(name)
+                kind = entry["kind"]
+                if kind == "episodic":
+                    buffer = _build_episodic(name, entry, registry.instance, max_bytes)
+                    arrays = buffer.storage.arrays
+                elif kind == "rollout":
+                    buffer = _build_rollout(name, entry, registry.instance, max_bytes)
+                    arrays = buffer.shared.arrays
+                else:
+                    raise FailedPrecondition(f"unknown buffer kind {kind!r}")
+                try:
+                    _check_arrays(name, entry, arrays)
+                    for array in entry["arrays"]:
+                        _load_array(path / name / array["file"], array["name"], arrays[array["name"]])
+                    if isinstance(buffer, EpisodicBuffer):
+                        _restore_episodic_state(buffer, entry["state"])
+                    else:
+                        _restore_rollout_state(buffer, entry["state"])
+                except BaseException:
+                    buffer.close(unlink=True)
+                    raise
+                registry.add(name, buffer)
+            except (ReplayError, OSError, KeyError, TypeError, ValueError, pa.ArrowException) as exc:
+                detail = str(exc) if str(exc).startswith(f"buffer {name!r}") else f"buffer {name!r}: {exc}"
+                raise FailedPrecondition(f"restore {str(path)!r}: {detail}") from exc
+            restored.append(name)
+    except BaseException:
+        for name in restored:
+            registry.delete(name)
+        raise
+    log.info("restored %d buffer(s) from %s: %s", len(restored), path, restored)
+    return restored

@@ -1,0 +1,299 @@
+"""Checkpoints: write every buffer to disk, restore into a new server, and get the same samples back."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from client import ReplayClient
+from client.replay_client import Span, spans_request
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.checkpoint import LATEST, MANIFEST, latest_checkpoint, restore_checkpoint, write_checkpoint
+from service.errors import FailedPrecondition
+from service.grpc_server.server import ReplayServer
+from service.registry import BufferRegistry
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+from tests.conftest import TEST_INSTANCE
+
+SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}
+ROLLOUT_SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
+T, N = 4, 2
+_instances = itertools.count()
+
+
+def new_instance() -> str:
+    return f"{TEST_INSTANCE}c{next(_instances)}"
+
+
+def episode(rng: np.random.Generator, length: int) -> dict[str, np.ndarray]:
+    return {"obs": rng.normal(size=(length + 1, 3)).astype(np.float32), "action": rng.integers(0, 4, length),
+            "reward": rng.normal(size=length).astype(np.float32)}
+
+
+def chunk(rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
+    return {"obs": rng.normal(size=(rows, 3)).astype(np.float32), "action": rng.integers(0, 4, rows),
+            "reward": rng.normal(size=rows).astype(np.float32)}
+
+
+def rollout_part(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"obs": rng.normal(size=(T, N, 2)).astype(np.float32), "action": rng.integers(0, 4, (T, N)),
+            "reward": rng.normal(size=(T, N)).astype(np.float32), "value": rng.normal(size=(T, N)).astype(np.float32),
+            "terminated": rng.random((T, N)) < 0.2, "truncated": np.zeros((T, N), bool),
+            "final_value": np.zeros((T, N), np.float32)}
+
+
+def assert_same_batches(first: list[dict[str, np.ndarray]], second: list[dict[str, np.ndarray]]) -> None:
+    assert len(first) == len(second)
+    for a, b in zip(first, second, strict=True):
+        assert sorted(a) == sorted(b)
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def samples(client: ReplayClient) -> dict[str, list[dict[str, np.ndarray]]]:
+    return {
+        "uni": [client.sample("uni", 16, n_step=3, seed=seed, include_keys=True) for seed in (1, 2)],
+        "pri": [client.sample("pri", 16, seed=seed, include_keys=True, importance_beta=0.5) for seed in (1, 2)],
+        "ppo": list(client.rollout_minibatches("ppo", 3, epochs=2, seed=5)),
+    }
+
+
+def test_round_trip_through_grpc(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    instance = new_instance()
+    with ReplayServer("127.0.0.1:0", instance=instance) as server, \
+            ReplayClient(server.address, timeout=20) as client:
+        client.create_buffer("uni", 200, SCHEMA, rate_limiter={"min_size_to_sample": 5})
+        client.create_buffer("pri", 200, SCHEMA, sampler="prioritized", alpha=0.7)
+        client.create_rollout_buffer("ppo", T, N, ROLLOUT_SCHEMA)
+        for name in ("uni", "pri"):
+            client.insert_episodes(name, [episode(rng, n) for n in (5, 9, 3, 12)], [True, False, True, True])
+            client.insert([spans_request(name, [Span(chunk(rng, 6), 77, begins=True, ends=False)])])
+        keys = client.sample("pri", 8, seed=9, include_keys=True)["key"]
+        assert client.update_priorities("pri", keys, np.linspace(0.1, 3.0, len(keys)))[0] > 0
+        client.push_rollout("ppo", 0, 0, 0, bootstrap_value=np.ones(N, np.float32), **rollout_part(rng))
+        manifest = client.checkpoint(str(tmp_path))
+        assert Path(manifest).name == MANIFEST and (tmp_path / LATEST).is_file()
+        infos = {name: client.describe(name) for name in ("uni", "pri", "ppo")}
+        trees = {name: server.registry.episodic("pri").storage.arrays[name].copy()
+                 for name in ("prioritized.sum", "prioritized.min", "prioritized.max_priority")}
+        before = samples(client)
+    tail = chunk(rng, 4)
+    with ReplayServer("127.0.0.1:0", instance=instance, restore_from=str(tmp_path)) as server, \
+            ReplayClient(server.address, timeout=20) as client:
+        assert {name: client.describe(name) for name in ("uni", "pri", "ppo")} == infos
+        for name, tree in trees.items():
+            np.testing.assert_array_equal(server.registry.episodic("pri").storage.arrays[name], tree)
+        after = samples(client)
+        for name in ("uni", "pri", "ppo"):
+            assert_same_batches(before[name], after[name])
+        for name in ("uni", "pri"):
+            # The open episode continues where it was: its next chunk (offset 6) is accepted and closes it.
+            episodes = client.describe(name)["episodes"]
+            client.insert([spans_request(name, [Span(tail, 77, begins=False, ends=True, terminated=True,
+                                                     offset=6)])])
+            info = client.describe(name)
+            assert info["episodes"] == episodes + 1 and info["counters"]["open_episodes"] == 0
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        buffer = EpisodicBuffer("b", registry.instance, FIELDS, 100)
+        registry.add("b", buffer)
+        insert(buffer, [1, 2], 9)
+        good = write_checkpoint(registry, tmp_path).parent
+        # A crash mid-write leaves a temporary directory, or (renamed by hand) one without a manifest.
+        shutil.copytree(good, tmp_path / ".tmp-ckpt-000002-1-ab")
+        (tmp_path / ".tmp-ckpt-000002-1-ab" / MANIFEST).unlink()
+        shutil.copytree(tmp_path / ".tmp-ckpt-000002-1-ab", tmp_path / "ckpt-000003")
+        assert latest_checkpoint(tmp_path) == good
+        (tmp_path / LATEST).write_text("ckpt-000003\n")  # a pointer to an incomplete one falls back
+        assert latest_checkpoint(tmp_path) == good
+        (tmp_path / LATEST).unlink()
+        assert latest_checkpoint(tmp_path) == good
+        assert (tmp_path / good.name / MANIFEST).is_file()
+        other = BufferRegistry(new_instance())
+        try:
+            assert restore_checkpoint(tmp_path, other) == ["b"]
+            assert other.episodic("b").episodes == 2
+        finally:
+            other.close()
+        with pytest.raises(FailedPrecondition, match="no complete checkpoint"):
+            restore_checkpoint(tmp_path / "empty", BufferRegistry(new_instance()))
+    finally:
+        registry.close()
+
+
+def test_incompatible_checkpoints_are_refused(tmp_path: Path) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 100))
+        path = write_checkpoint(registry, tmp_path)
+        # Same instance: the segments exist already (a server of this instance is running).
+        with pytest.raises(FailedPrecondition, match=r"buffer 'b'.*already exists"):
+            restore_checkpoint(tmp_path, BufferRegistry(registry.instance))
+        # A registry that has a buffer of that name already.
+        with pytest.raises(FailedPrecondition, match=r"buffer 'b'.*already exists"):
+            restore_checkpoint(tmp_path, registry)
+        manifest = json.loads(path.read_text())
+        other = BufferRegistry(new_instance())
+        bad = json.loads(json.dumps(manifest))
+        bad["layout_version"] = 99
+        path.write_text(json.dumps(bad))
+        with pytest.raises(FailedPrecondition, match="layout_version 99, this code reads"):
+            restore_checkpoint(tmp_path, other)
+        bad = json.loads(json.dumps(manifest))
+        bad["buffers"][0]["config"]["fields"][0][2] = [5]  # obs (3,) -> (5,): the code builds another array
+        path.write_text(json.dumps(bad))
+        with pytest.raises(FailedPrecondition, match=r"buffer 'b': array 'field.obs' is float32 \[100, 3\] in the "
+                                                     r"checkpoint, but this code builds float32 \[100, 5\]"):
+            restore_checkpoint(tmp_path, other)
+        bad = json.loads(json.dumps(manifest))
+        bad["buffers"][0]["arrays"].append({"name": "field.extra", "dtype": "int8", "shape": [100],
+                                            "file": "field.extra.arrow"})
+        path.write_text(json.dumps(bad))
+        with pytest.raises(FailedPrecondition, match=r"buffer 'b': array 'field\.extra' of the checkpoint"):
+            restore_checkpoint(tmp_path, other)
+        assert other.all() == []
+    finally:
+        registry.close()
+
+
+def test_restore_error_over_grpc_startup(tmp_path: Path) -> None:
+    (tmp_path / "ckpt-000001").mkdir()
+    server = ReplayServer("127.0.0.1:0", instance=new_instance(), restore_from=str(tmp_path))
+    with pytest.raises(FailedPrecondition, match="no complete checkpoint"):
+        server.start()
+    assert server.registry.all() == []
+
+
+FIELDS = (Field("obs", "float32", (3,), True), Field("action", "int64", (), False),
+          Field("reward", "float32", (), False))
+
+
+def insert(buffer: EpisodicBuffer, ids: list[int], length: int, width: int = 3) -> None:
+    """Whole episodes whose obs[:, 0] is the episode id (so a torn row would show)."""
+    rows = length + 1
+    obs = np.zeros((rows * len(ids), width), np.float32)
+    obs[:, 0] = np.repeat(np.asarray(ids, np.float32), rows)
+    columns = {"obs": obs, "action": np.zeros(rows * len(ids), np.int64),
+               "reward": np.ones(rows * len(ids), np.float32)}
+    buffer.insert(columns, Spans.whole_episodes(np.full(len(ids), length), np.asarray(ids, np.uint64),
+                                                np.ones(len(ids), bool)))
+
+
+def test_sampling_is_served_while_a_checkpoint_is_written(tmp_path: Path) -> None:
+    fields = (Field("obs", "float32", (256,), True), Field("action", "int64", (), False),
+              Field("reward", "float32", (), False))
+    registry = BufferRegistry(new_instance())
+    try:
+        buffer = EpisodicBuffer("big", registry.instance, fields, 40_000)
+        registry.add("big", buffer)
+        for start in range(0, 200, 50):
+            insert(buffer, list(range(start + 1, start + 51)), 99, width=256)  # 20,000 rows, 20 MB
+        episodes = buffer.episodes
+        sampled = threading.Event()
+        stop = threading.Event()
+        served = [0]
+
+        def sample() -> None:
+            rng = np.random.default_rng(0)
+            while not stop.is_set():
+                buffer.sample(32, TransitionsMode(1, 0.99), rng)
+                served[0] += 1
+                sampled.set()
+
+        waited: list[bool] = []
+
+        def on_chunk() -> None:
+            # Between chunks the lock is free: a sample gets through, and an insert (that evicts nothing).
+            sampled.clear()
+            waited.append(sampled.wait(timeout=10))
+            if len(waited) == 1:
+                insert(buffer, [1000], 5, width=256)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            manifest = write_checkpoint(registry, tmp_path, chunk_bytes=2**20, on_chunk=on_chunk)
+        finally:
+            stop.set()
+            sampler.join()
+        assert len(waited) >= 15 and all(waited), waited  # ~1 MB chunks of 40 MB of rows
+        entry = json.loads(manifest.read_text())["buffers"][0]
+        assert entry["snapshot_attempts"] == 1
+        other = BufferRegistry(new_instance())
+        try:
+            restore_checkpoint(tmp_path, other)
+            assert other.episodic("big").episodes == episodes  # the snapshot: before the insert in between
+            assert buffer.episodes == episodes + 1
+        finally:
+            other.close()
+    finally:
+        registry.close()
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_snapshot_stays_consistent_when_the_ring_turns_over(tmp_path: Path, turns: int) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        buffer = EpisodicBuffer("b", registry.instance, FIELDS, 2000)
+        registry.add("b", buffer)
+        insert(buffer, list(range(1, 21)), 99)
+        next_id = itertools.count(100)
+
+        def on_chunk() -> None:
+            nonlocal turns
+            if turns:  # a whole turn of the ring between two chunks of this attempt
+                turns -= 1
+                insert(buffer, [next(next_id) for _ in range(20)], 99)
+
+        expected_attempts = turns + 1
+        manifest = write_checkpoint(registry, tmp_path, chunk_bytes=32 * 100, on_chunk=on_chunk)
+        assert json.loads(manifest.read_text())["buffers"][0]["snapshot_attempts"] == expected_attempts
+        other = BufferRegistry(new_instance())
+        try:
+            restore_checkpoint(tmp_path, other)
+            restored = other.episodic("b")
+            mode = TransitionsMode(1, 0.99)
+            for seed in range(3):
+                a = buffer.sample(64, mode, np.random.default_rng(seed), include_keys=True)
+                b = restored.sample(64, mode, np.random.default_rng(seed), include_keys=True)
+                assert_same_batches([a], [b])
+                np.testing.assert_array_equal(b["obs"][:, 0], b["episode_id"].astype(np.float32))
+        finally:
+            other.close()
+    finally:
+        registry.close()
+
+
+def test_periodic_checkpoints(tmp_path: Path) -> None:
+    with ReplayServer("127.0.0.1:0", instance=new_instance(), checkpoint_dir=str(tmp_path), checkpoint_every=0.05,
+                      checkpoint_keep=2) as server, ReplayClient(server.address, timeout=20) as client:
+        client.create_buffer("b", 100, SCHEMA)
+        deadline = time.monotonic() + 20
+        while len([p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")]) < 2 or \
+                not any(entry["name"] == "b" for entry in
+                        json.loads((latest_checkpoint(tmp_path) / MANIFEST).read_text())["buffers"]):
+            assert time.monotonic() < deadline, os.listdir(tmp_path)
+            time.sleep(0.01)
+        # The RPC without a directory writes to the server's --checkpoint-dir.
+        assert Path(client.checkpoint()).parent.parent == tmp_path
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")]) <= 3
+
+
+def test_checkpoint_rpc_needs_a_directory(client: ReplayClient) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        client.checkpoint()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint-dir" in error.value.details()
