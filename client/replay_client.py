@@ -412,12 +412,15 @@ class ReplayClient:
         return span.episode_id
 
     def insert_episodes(self, buffer: str, episodes: Sequence[Mapping[str, np.ndarray]],
-                        terminated: Sequence[bool]) -> None:
-        """Inserts many whole episodes in one request (one Arrow batch)."""
+                        terminated: Sequence[bool], episode_ids: Sequence[int] | None = None) -> None:
+        """Inserts many whole episodes in one request (one Arrow batch); ids are drawn when not given."""
         if len(episodes) != len(terminated):
             raise ValueError(f"{len(episodes)} episodes but {len(terminated)} terminated flags")
+        ids = list(episode_ids) if episode_ids is not None else [None] * len(episodes)
+        if len(ids) != len(episodes):
+            raise ValueError(f"{len(episodes)} episodes but {len(ids)} episode_ids")
         fields = self.observation_fields(buffer)
-        spans = [episode_span(e, t, fields) for e, t in zip(episodes, terminated, strict=True)]
+        spans = [episode_span(e, t, fields, i) for e, t, i in zip(episodes, terminated, ids, strict=True)]
         self.insert([spans_request(buffer, spans)])
 
     # ---------------------------------------------------------------- sampling

@@ -56,12 +56,7 @@ from service.buffers.episodic import EpisodicBuffer, _Extent
 from service.buffers.ring import HEAD, TAIL_POS, shm_name
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.errors import FailedPrecondition, ReplayError
-from service.limiters import RateLimiter
 from service.registry import BufferRegistry
-from service.removers import FifoRemover, MaxTimesSampledRemover
-from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.uniform import UniformSampler
-from service.schema import Field
 
 log = logging.getLogger("replayd")
 
@@ -152,21 +147,6 @@ def _episodic_state(buffer: EpisodicBuffer) -> dict[str, Any]:
     }
 
 
-def _episodic_config(buffer: EpisodicBuffer) -> dict[str, Any]:
-    sampler, remover = buffer.sampler, buffer.remover
-    return {
-        "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in buffer.fields],
-        "capacity_steps": buffer.capacity,
-        "reward_field": buffer.reward_field,
-        "sampler": ({"kind": "prioritized", "alpha": sampler.alpha} if isinstance(sampler, PrioritizedSampler)
-                    else {"kind": "uniform"}),
-        "remover": ({"kind": "max_times_sampled", "max_times_sampled": remover.max_times_sampled}
-                    if isinstance(remover, MaxTimesSampledRemover) else {"kind": "fifo"}),
-        "rate_limiter": None if buffer.limiter is None else buffer.limiter.config(),
-        "dedup_window": buffer.dedup.window,
-    }
-
-
 def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
                     on_chunk: Callable[[], None] | None) -> dict[str, Any]:
     arrays = buffer.storage.arrays
@@ -207,7 +187,7 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
             break
         log.info("checkpoint of buffer %r raced with evictions (attempt %d); taking the snapshot again",
                  buffer.name, attempt)
-    return {"kind": "episodic", "config": _episodic_config(buffer), "arrays": _array_entries(arrays),
+    return {"kind": "episodic", "config": buffer.config(), "arrays": _array_entries(arrays),
             "state": state, "snapshot_attempts": attempt}
 
 
@@ -343,20 +323,6 @@ def _load_array(path: Path, name: str, target: np.ndarray) -> None:
         raise FailedPrecondition(f"array {name!r}: {path} holds {offset} values, expected {flat.size}")
 
 
-def _build_episodic(name: str, entry: dict[str, Any], instance: str, max_bytes: int | None) -> EpisodicBuffer:
-    config = entry["config"]
-    sampler_config, remover_config = config["sampler"], config["remover"]
-    sampler = (PrioritizedSampler(sampler_config["alpha"]) if sampler_config["kind"] == "prioritized"
-               else UniformSampler())
-    remover = (MaxTimesSampledRemover(remover_config["max_times_sampled"])
-               if remover_config["kind"] == "max_times_sampled" else FifoRemover())
-    limiter = None if config["rate_limiter"] is None else RateLimiter(**config["rate_limiter"])
-    fields = tuple(Field(f, dtype, tuple(shape), observation) for f, dtype, shape, observation in config["fields"])
-    return EpisodicBuffer(name, instance, fields, int(config["capacity_steps"]),
-                          reward_field=config["reward_field"] or "", sampler=sampler, remover=remover,
-                          limiter=limiter, max_bytes=max_bytes, dedup_window=int(config["dedup_window"]))
-
-
 def _restore_episodic_state(buffer: EpisodicBuffer, state: dict[str, Any]) -> None:
     buffer._open = {int(e[0]): _Extent(int(e[0]), int(e[1]), int(e[2]), int(e[3]), int(e[4])) for e in state["open"]}
     buffer.counters = Counter(state["counters"])
@@ -383,8 +349,9 @@ def _restore_rollout_state(buffer: RolloutBuffer, state: dict[str, Any]) -> None
 
 
 def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,
-                       max_bytes: int | None = None) -> list[str]:
-    """Recreates every buffer of the checkpoint `directory` names (see latest_checkpoint) in `registry`.
+                       max_bytes: int | None = None, only: set[str] | None = None) -> list[str]:
+    """Recreates every buffer (or those named in `only`) of the checkpoint `directory` names (see
+    latest_checkpoint) in `registry`.
 
     All or nothing: on any error the buffers restored so far are deleted again, and FailedPrecondition
     names the checkpoint, the buffer and what does not match. Returns the restored buffers' names.
@@ -403,11 +370,13 @@ def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,
     try:
         for entry in manifest["buffers"]:
             name = entry["name"]
+            if only is not None and name not in only:
+                continue
             try:
                 registry.reserve_check(name)
                 kind = entry["kind"]
                 if kind == "episodic":
-                    buffer = _build_episodic(name, entry, registry.instance, max_bytes)
+                    buffer = EpisodicBuffer.from_config(name, registry.instance, entry["config"], max_bytes)
                     arrays = buffer.storage.arrays
                 elif kind == "rollout":
                     buffer = _build_rollout(name, entry, registry.instance, max_bytes)

@@ -61,7 +61,8 @@ def list_segments(args: argparse.Namespace) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     tune_allocator()
-    report_stale_segments(args.instance, args.remove_stale)
+    if not args.recover:
+        report_stale_segments(args.instance, args.remove_stale)
     http_address = None if args.http_port < 0 else f"{args.host}:{args.http_port}"
     tls_cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
     tls_key = Path(args.tls_key).read_bytes() if args.tls_key else None
@@ -69,7 +70,7 @@ def serve(args: argparse.Namespace) -> None:
     server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
                           max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
                           token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
-                          max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers,
+                          max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers, recover=args.recover,
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                           checkpoint_keep=args.checkpoint_keep or None, restore_from=args.restore)
     try:
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> None:
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
     serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
+    serve_parser.add_argument("--recover", action="store_true",
+                              help="reattach to the buffers a killed server of this --instance left in shared "
+                                   "memory; buffers that fail the consistency checks come from --restore")
     serve_parser.add_argument("--remove-stale", action="store_true",
                               help="unlink segments of this --instance left by a server that died")
     serve_parser.add_argument("--sample-workers", type=int, default=0,
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.recover and not args.instance:
+        parser.error("--recover needs the --instance name of the server that was killed")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if args.checkpoint_every is not None and (args.checkpoint_dir is None or args.checkpoint_every <= 0):

@@ -111,6 +111,13 @@ class SpanDedup:
             local[episode_id] = _CLOSED if spans.ends[i] else offset + rows
         return new
 
+    def remember_closed(self, episode_ids: np.ndarray, rows: np.ndarray) -> None:
+        """Remembers stored whole episodes (a recovered buffer rebuilds its memory from its extents)."""
+        for episode_id, count in zip(episode_ids.tolist(), rows.tolist(), strict=True):
+            self._recent[(int(episode_id), 0)] = int(count)
+        while len(self._recent) > self.window:
+            self._recent.popitem(last=False)
+
     def remember(self, spans: Spans, offsets: np.ndarray) -> None:
         """Records stored spans (call after the insert succeeded, still under the lock)."""
         if self.window == 0:

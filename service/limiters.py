@@ -60,6 +60,14 @@ class RateLimiter:
         self.samples = 0
         self.insert_waits = self.sample_waits = 0
         self.insert_wait_seconds = self.sample_wait_seconds = 0.0
+        self.insert_waiting = self.sample_waiting = 0  # calls held back right now
+
+    def recover(self, sampleable_steps: int) -> None:
+        """After a crash the counts are gone: restart balanced, as if the stored steps were inserted and
+        sampled exactly at the target ratio (the centre of the allowed band)."""
+        self.inserts = sampleable_steps
+        self.samples = max(0, round(self.inserts * self.samples_per_insert
+                                    - self.min_size_to_sample * self.samples_per_insert))
 
     @property
     def diff(self) -> float:
@@ -110,7 +118,11 @@ class RateLimiter:
         if ready():
             return True
         start = time.monotonic()
-        ok = ring.inserted.wait_for(ready, timeout=timeout)
+        self._waiting(side, 1)
+        try:
+            ok = ring.inserted.wait_for(ready, timeout=timeout)
+        finally:
+            self._waiting(side, -1)  # wait_for returns (or raises) with ring.lock held again
         waited = time.monotonic() - start
         if side == "insert":
             self.insert_waits += 1
@@ -119,6 +131,12 @@ class RateLimiter:
             self.sample_waits += 1
             self.sample_wait_seconds += waited
         return ok
+
+    def _waiting(self, side: str, change: int) -> None:
+        if side == "insert":
+            self.insert_waiting += change
+        else:
+            self.sample_waiting += change
 
     def record_insert(self, items: int) -> None:
         self.inserts += items
@@ -134,4 +152,6 @@ class RateLimiter:
         return {"rate_limiter.inserts": self.inserts, "rate_limiter.samples": self.samples,
                 "rate_limiter.insert_waits": self.insert_waits, "rate_limiter.sample_waits": self.sample_waits,
                 "rate_limiter.insert_wait_seconds": self.insert_wait_seconds,
-                "rate_limiter.sample_wait_seconds": self.sample_wait_seconds, "rate_limiter.diff": self.diff}
+                "rate_limiter.sample_wait_seconds": self.sample_wait_seconds,
+                "rate_limiter.insert_waiting": self.insert_waiting, "rate_limiter.sample_waiting": self.sample_waiting,
+                "rate_limiter.diff": self.diff}

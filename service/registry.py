@@ -36,6 +36,9 @@ class BufferRegistry:
         except KeyError:
             raise NotFound(f"buffer {name!r} does not exist (have: {sorted(self._buffers)})") from None
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._buffers
+
     def episodic(self, name: str) -> EpisodicBuffer:
         buffer = self.get(name)
         if not isinstance(buffer, EpisodicBuffer):

@@ -46,6 +46,9 @@ class FifoRemover:
     def on_sampled(self, ring: EpisodicBuffer, positions: np.ndarray) -> np.ndarray:
         return _NOTHING
 
+    def recover(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
+        """After a crash, `positions` are the live rows the ring rebuilt its counts from."""
+
     def config(self) -> dict[str, float]:
         return {}
 
@@ -91,6 +94,13 @@ class MaxTimesSampledRemover(FifoRemover):
             counts = self.times_sampled[row:row + length]
             ring.state[SAMPLEABLE] += int(np.count_nonzero(counts >= self.max_times_sampled))
             counts.fill(0)
+
+    def recover(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
+        # The ring recounted every step of its live extents as sampleable; retired ones are not items.
+        from service.buffers.episodic import SAMPLEABLE
+
+        retired = self.times_sampled.take(positions % ring.capacity) >= self.max_times_sampled
+        ring.state[SAMPLEABLE] -= int(np.count_nonzero(retired))
 
     def on_sampled(self, ring: EpisodicBuffer, positions: np.ndarray) -> np.ndarray:
         """Counts the draws; returns the positions retired by them (each once)."""

@@ -1,29 +1,151 @@
+import threading
+import time
+
+import grpc
 import httpx
 import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from client import ReplayClient
 from service.grpc_server.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
 
+SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 
-def test_health_metrics_buffers_and_status_page() -> None:
+
+def _episode(steps: int = 10) -> dict[str, np.ndarray]:
+    return {"obs": np.zeros((steps + 1, 4), np.float32), "action": np.zeros(steps, np.int64),
+            "reward": np.ones(steps, np.float32)}
+
+
+def _metrics(base: str) -> tuple[dict[tuple[str, frozenset], float], dict[str, str]]:
+    """Samples by (name, labels) and the type of each metric family."""
+    samples, types = {}, {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            samples[sample.name, frozenset(sample.labels.items())] = sample.value
+    return samples, types
+
+
+def _value(samples: dict, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def _poll_metrics(base: str, ready, what: str, seconds: float = 10.0) -> tuple[dict, dict[str, str]]:
+    """Scrapes until `ready(samples)` (calls are observed as they end, a moment after the client returns)."""
+    deadline = time.monotonic() + seconds
+    while not ready((scraped := _metrics(base))[0]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {seconds}s")
+        time.sleep(0.005)
+    return scraped
+
+
+@pytest.fixture
+def http_server():
     server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}http", http_address="127.0.0.1:0").start()
     try:
-        base = f"http://127.0.0.1:{server.http.port}"
-        with ReplayClient(server.address) as client:
-            client.create_buffer("cp", 1000, {"obs": ("float32", (4,)), "action": ("int64", ()),
-                                              "reward": ("float32", ())})
-            client.insert_episode("cp", True, obs=np.zeros((11, 4), np.float32), action=np.zeros(10, np.int64),
-                                  reward=np.ones(10, np.float32))
-            client.sample("cp", 8)
-        assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
-        assert httpx.get(f"{base}/readyz").json()["buffers"] == 1
-        buffers = httpx.get(f"{base}/api/buffers").json()["buffers"]
-        assert buffers[0]["name"] == "cp" and buffers[0]["stored_steps"] == 11 and buffers[0]["sampled_items"] == 8
-        metrics = httpx.get(f"{base}/metrics").text
-        assert 'replayd_buffer_stored_steps{buffer="cp"} 11.0' in metrics
-        assert 'replayd_buffer_counter{buffer="cp",counter="sampled_items"} 8.0' in metrics
-        page = httpx.get(base).text
-        assert "<title>replayd</title>" in page and "api/buffers" in page
+        yield server
     finally:
         server.stop(grace=0)
+
+
+def test_health_metrics_buffers_and_status_page(http_server: ReplayServer) -> None:
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    with ReplayClient(http_server.address) as client:
+        client.create_buffer("cp", 1000, SCHEMA)
+        client.insert_episode("cp", True, **_episode())
+        client.sample("cp", 8)
+    assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{base}/readyz").json()["buffers"] == 1
+    buffers = httpx.get(f"{base}/api/buffers").json()["buffers"]
+    assert buffers[0]["name"] == "cp" and buffers[0]["stored_steps"] == 11 and buffers[0]["sampled_items"] == 8
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'replayd_buffer_stored_steps{buffer="cp"} 11.0' in metrics
+    assert 'replayd_buffer_counter{buffer="cp",counter="sampled_items"} 8.0' in metrics
+    page = httpx.get(base).text
+    assert "<title>replayd</title>" in page and "api/buffers" in page
+
+
+def test_metrics_rpc_latency_bytes_and_buffer_counters(http_server: ReplayServer) -> None:
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    with ReplayClient(http_server.address) as client:
+        client.create_buffer("cp", 1000, SCHEMA)
+        client.insert_episode("cp", True, **_episode())
+        client.insert_episode("cp", False, **_episode(5))
+        for _ in range(3):
+            client.sample("cp", 8)
+        assert len(list(client.sample_stream("cp", 4, num_batches=2))) == 2
+        with pytest.raises(grpc.RpcError):
+            client.update_priorities("no-such-buffer", [0], [1.0])
+    stream = {"method": "SampleStream", "buffer": "cp"}
+    samples, types = _poll_metrics(base, lambda m: _value(m, "replayd_rpc_latency_seconds_count", **stream),
+                                   "SampleStream latency")
+    value = lambda name, **labels: _value(samples, name, **labels)  # noqa: E731
+
+    assert types["replayd_rpc_latency_seconds"] == "histogram"
+    for method, calls in (("Insert", 2), ("Sample", 3), ("CreateBuffer", 1)):
+        labels = {"method": method, "buffer": "cp"}
+        assert value("replayd_rpc_latency_seconds_count", **labels) == calls
+        assert value("replayd_rpc_latency_seconds_bucket", **labels, le="+Inf") == calls
+        assert value("replayd_rpc_latency_seconds_bucket", **labels, le="1e-05") is not None  # 10 µs .. 10 s
+        assert value("replayd_rpc_latency_seconds_bucket", **labels, le="10.0") is not None
+        assert value("replayd_rpc_latency_seconds_sum", **labels) > 0
+    assert value("replayd_rpc_latency_seconds_count", **stream) == 1
+    assert value("replayd_rpc_stream_message_seconds_count", **stream) == 2
+    # A name no buffer has is not a label value: clients cannot create series at will.
+    assert value("replayd_rpc_latency_seconds_count", method="UpdatePriorities", buffer="") == 1
+    assert not any(dict(labels).get("buffer") == "no-such-buffer" for _, labels in samples)
+
+    assert types["replayd_rpc_received_bytes"] == "counter"
+    assert value("replayd_rpc_received_bytes_total", method="Insert", buffer="cp") > 0
+    assert value("replayd_rpc_sent_bytes_total", method="Sample", buffer="cp") > 0
+    assert value("replayd_rpc_sent_bytes_total", **stream) > 0
+
+    assert types["replayd_buffer_inserted_steps"] == "counter"
+    assert types["replayd_buffer_stored_steps"] == "gauge"
+    assert value("replayd_buffer_stored_steps", buffer="cp") == 17
+    assert value("replayd_buffer_capacity_steps", buffer="cp") == 1000
+    assert value("replayd_buffer_sampleable_steps", buffer="cp") == 15
+    assert value("replayd_buffer_episodes", buffer="cp") == 2
+    assert value("replayd_buffer_inserted_steps_total", buffer="cp") == 17
+    assert value("replayd_buffer_inserted_episodes_total", buffer="cp") == 2  # terminated or truncated
+    assert value("replayd_buffer_sampled_items_total", buffer="cp") == 3 * 8 + 2 * 4
+    assert value("replayd_buffer_sampled_batches_total", buffer="cp") == 5
+    assert value("replayd_rejected_calls_total", rpc="UpdatePriorities") == 1
+    assert types["replayd_rejected_calls"] == "counter"
+
+
+def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    with ReplayClient(http_server.address) as client:
+        client.create_buffer("rl", 1000, SCHEMA, rate_limiter={"min_size_to_sample": 5})
+        client.create_buffer("free", 1000, SCHEMA)
+        # Below min_size_to_sample: a sample waits out its short deadline.
+        with pytest.raises(grpc.RpcError) as failed:
+            client.sample("rl", 4, wait=True, timeout=0.2)
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        first = _value(_metrics(base)[0], "replayd_rate_limiter_wait_seconds_total", buffer="rl", side="sample")
+        assert first >= 0.1
+        # A waiting sample, released by an insert from another thread.
+        result = {}
+        sampler = threading.Thread(target=lambda: result.update(client.sample("rl", 4, wait=True, timeout=10)))
+        sampler.start()
+        _poll_metrics(base, lambda m: _value(m, "replayd_rate_limiter_waiting", buffer="rl", side="sample") == 1,
+                      "waiting sample")
+        inserter = threading.Thread(target=lambda: client.insert_episode("rl", True, **_episode()))
+        inserter.start()
+        inserter.join(timeout=10)
+        sampler.join(timeout=10)
+        assert not sampler.is_alive() and result["obs"].shape == (4, 4)
+
+    samples, _ = _poll_metrics(base, lambda m: _value(m, "replayd_rate_limiter_waits_total", buffer="rl",
+                                                      side="sample") == 2, "two sample waits")
+    assert _value(samples, "replayd_rate_limiter_wait_seconds_total", buffer="rl", side="sample") > first
+    assert _value(samples, "replayd_rate_limiter_waiting", buffer="rl", side="sample") == 0
+    assert _value(samples, "replayd_rate_limiter_waits_total", buffer="rl", side="insert") == 0
+    assert _value(samples, "replayd_rpc_latency_seconds_count", method="Sample", buffer="rl") == 2
+    # Buffers without a rate limiter have no limiter series.
+    assert _value(samples, "replayd_rate_limiter_waits_total", buffer="free", side="sample") is None

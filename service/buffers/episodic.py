@@ -154,37 +154,162 @@ class EpisodicBuffer(EpisodicRing):
             ArraySpec("state", "int64", (STATE_SIZE,)),
         ]
         # Sampler, remover and limiter are composed in; the first two keep per-row state next to the rows.
-        self.sampler = sampler or UniformSampler()
-        self.remover = remover or FifoRemover()
-        self.limiter = limiter
-        specs += self.sampler.array_specs(self.capacity) + self.remover.array_specs(self.capacity)
+        sampler, remover = sampler or UniformSampler(), remover or FifoRemover()
+        specs += sampler.array_specs(self.capacity) + remover.array_specs(self.capacity)
+        config = {
+            "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in self.fields],
+            "capacity_steps": self.capacity,
+            "reward_field": self.reward_field,
+            "sampler": ({"kind": "prioritized", "alpha": sampler.alpha} if isinstance(sampler, PrioritizedSampler)
+                        else {"kind": "uniform"}),
+            "remover": ({"kind": "max_times_sampled", "max_times_sampled": remover.max_times_sampled}
+                        if isinstance(remover, MaxTimesSampledRemover) else {"kind": "fifo"}),
+            "rate_limiter": None if limiter is None else limiter.config(),
+            "dedup_window": dedup_window,
+        }
         meta = {
             "kind": self.kind,
             "name": self.name,
             "capacity": self.capacity,
             "reward_field": self.reward_field,
-            "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in self.fields],
+            "fields": config["fields"],
             # What a reader attaching by name needs to know about how this buffer is sampled.
             "components": {
-                "sampler": {"kind": self.sampler.name},
-                "remover": {"kind": "fifo" if not self.remover.retires else "max_times_sampled"},
+                "sampler": {"kind": sampler.name},
+                "remover": {"kind": config["remover"]["kind"]},
                 "rate_limited": limiter is not None,
             },
+            "config": config,  # everything needed to build this buffer again (crash recovery)
         }
-        self.storage = SharedArrays.create(shm_name(instance, name), specs, meta, max_bytes)
-        arrays = self.storage.arrays
-        EpisodicRing.__init__(self, self.storage, self.sampler, self.remover)
+        storage = SharedArrays.create(shm_name(instance, name), specs, meta, max_bytes)
+        self._attach(storage, sampler, remover, limiter, dedup_window)
         self.row_end.fill(HOLE)
         self.row_seq.fill(-1)
+        self.sampler.bind(storage.arrays)
+
+    def _attach(self, storage: SharedArrays, sampler: UniformSampler | PrioritizedSampler,
+                remover: FifoRemover | MaxTimesSampledRemover, limiter: RateLimiter | None,
+                dedup_window: int) -> None:
+        EpisodicRing.__init__(self, storage, sampler, remover)
+        self.limiter = limiter
         self.row_bytes = sum(f.row_bytes for f in self.fields)
-        self.sampler.bind(arrays)
-        self.remover.bind(arrays)
+        self.remover.bind(storage.arrays)
         self.lock = threading.Lock()
         self.inserted = threading.Condition(self.lock)  # wakes samplers waiting for data
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
         self.counters: Counter[str] = Counter()
         self._open: dict[int, _Extent] = {}
         self.dedup = SpanDedup(dedup_window)  # recently stored span names, used under `lock`
+
+    def config(self) -> dict:
+        """Everything needed to build this buffer again: schema, capacity and components."""
+        return self.storage.meta["config"]
+
+    @staticmethod
+    def components_from_config(config: dict) -> tuple[UniformSampler | PrioritizedSampler,
+                                                       FifoRemover | MaxTimesSampledRemover, RateLimiter | None]:
+        sampler = (PrioritizedSampler(config["sampler"]["alpha"]) if config["sampler"]["kind"] == "prioritized"
+                   else UniformSampler())
+        remover = (MaxTimesSampledRemover(config["remover"]["max_times_sampled"])
+                   if config["remover"]["kind"] == "max_times_sampled" else FifoRemover())
+        limiter = None if config["rate_limiter"] is None else RateLimiter(**config["rate_limiter"])
+        return sampler, remover, limiter
+
+    @classmethod
+    def from_config(cls, name: str, instance: str, config: dict, max_bytes: int | None = None) -> EpisodicBuffer:
+        sampler, remover, limiter = cls.components_from_config(config)
+        fields = tuple(Field(f, dtype, tuple(shape), observation) for f, dtype, shape, observation in config["fields"])
+        return cls(name, instance, fields, int(config["capacity_steps"]), reward_field=config["reward_field"] or "",
+                   sampler=sampler, remover=remover, limiter=limiter, max_bytes=max_bytes,
+                   dedup_window=int(config["dedup_window"]))
+
+    @classmethod
+    def recover(cls, header_name: str) -> EpisodicBuffer:
+        """Reattaches to the segments of a writer that was killed, and repairs what an insert it was
+        running left half done (see `_repair`). Raises FailedPrecondition when the segments are not a
+        consistent replayd buffer; the caller then falls back to a checkpoint."""
+        try:
+            storage = SharedArrays.attach(header_name, readonly=False)
+        except (FileNotFoundError, ValueError) as exc:
+            raise FailedPrecondition(f"recover {header_name!r}: {exc}") from exc
+        try:
+            config = storage.meta["config"]
+            sampler, remover, limiter = cls.components_from_config(config)
+            buffer = cls.__new__(cls)
+            buffer._attach(storage, sampler, remover, limiter, int(config["dedup_window"]))
+            buffer.sampler.attach(storage.arrays)
+            with buffer.lock:
+                buffer._repair()
+        except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
+            storage.close()
+            raise FailedPrecondition(f"recover {header_name!r}: the header does not describe a buffer ({exc})") from exc
+        except BaseException:
+            storage.close()
+            raise
+        return buffer
+
+    def _repair(self) -> None:
+        """Makes the shared state consistent again after the writer died mid-insert.
+
+        The committed state is what the head covers: every op writes rows, then their bounds, then extent
+        records, and moves the head last. Extents past the head belong to an interrupted op and are dropped;
+        row bounds and counters are rebuilt from the surviving extent table; an episode that an interrupted
+        move left in two places keeps its newest; the sampler's leaves are recomputed for the live rows.
+        """
+        state, slots_total, capacity = self.state, self.extent_slots, self.capacity
+        head, tail_pos = int(state[HEAD]), int(state[TAIL_POS])
+        tail_seq, next_seq = int(state[TAIL_SEQ]), int(state[NEXT_SEQ])
+        if not (0 <= tail_pos <= head and head - tail_pos <= capacity and 0 <= tail_seq <= next_seq
+                and next_seq - tail_seq <= slots_total):
+            raise FailedPrecondition(
+                f"recover {self.name!r}: inconsistent ring state head={head} tail={tail_pos} extents "
+                f"{tail_seq}..{next_seq}"
+            )
+        seqs = np.arange(tail_seq, next_seq, dtype=np.int64)
+        slots = seqs % slots_total
+        starts = self.extent_start[slots]
+        committed = int(np.count_nonzero(starts < head))
+        if np.any(starts[:committed] < tail_pos) or np.any(np.diff(starts[:committed]) <= 0):
+            raise FailedPrecondition(f"recover {self.name!r}: extent starts are not ordered within the ring")
+        self.extent_flags[slots[committed:]] = 0
+        seqs, slots, starts = seqs[:committed], slots[:committed], starts[:committed]
+        state[NEXT_SEQ] = tail_seq + committed
+        flags = self.extent_flags[slots]
+        alive = (flags & ALIVE) != 0
+        is_open = alive & ((flags & IS_OPEN) != 0)
+        ids = self.extent_episode_id[slots]
+        # An interrupted move leaves an open episode in two extents: the newer one is complete.
+        open_index = np.flatnonzero(is_open)
+        _, first = np.unique(ids[open_index][::-1], return_index=True)
+        newest = open_index[::-1][first]
+        stale = np.setdiff1d(open_index, newest)
+        self.extent_flags[slots[stale]] = 0
+        alive[stale] = is_open[stale] = False
+        lasts = self.extent_last[slots]
+        ends = np.append(starts[1:], head)  # each extent's room reaches the next extent (or the head)
+        if np.any(alive & ((lasts < starts) | (lasts >= ends))):
+            raise FailedPrecondition(f"recover {self.name!r}: an extent's last row lies outside its room")
+        # Row bounds of the live range, rebuilt from the extent table.
+        self._set_ring(self.row_end, tail_pos, np.full(head - tail_pos, HOLE, dtype=np.int64))
+        self._set_ring(self.row_seq, tail_pos, np.full(head - tail_pos, -1, dtype=np.int64))
+        lengths = np.where(alive, lasts - starts + 1, 0)
+        positions = np.repeat(starts, lengths) + (np.arange(int(lengths.sum())) -
+                                                   np.repeat(np.cumsum(lengths) - lengths, lengths))
+        rows = positions % capacity
+        self.row_seq[rows] = np.repeat(seqs, lengths)
+        self.row_end[rows] = np.repeat(np.where(is_open, OPEN, lasts), lengths)
+        state[EPISODES] = int(np.count_nonzero(alive & ~is_open))
+        state[STORED] = int(lengths.sum())
+        state[SAMPLEABLE] = int(np.where(alive, lasts - starts, 0).sum())
+        self._open = {int(ids[i]): _Extent(int(ids[i]), int(seqs[i]), int(starts[i]), int(lasts[i]), int(ends[i]))
+                      for i in np.flatnonzero(is_open)}
+        self.remover.recover(self, positions)
+        self.sampler.recover(self, tail_pos, head)
+        closed = np.flatnonzero(alive & ~is_open)
+        self.dedup.remember_closed(ids[closed], lengths[closed])
+        if self.limiter is not None:
+            self.limiter.recover(self.sampleable_steps)
+        self.counters["recovered"] += 1
 
     @property
     def open_episodes(self) -> int:
@@ -417,12 +542,17 @@ class EpisodicBuffer(EpisodicRing):
         else:  # move: copy the landed rows out before their old place can be evicted or reused
             old = op.moved_from
             landed = self._gather_positions(np.arange(old.start, old.last + 1, dtype=np.int64))
-            self._kill_extent(old)
-            self.counters["moved_open_episodes"] += 1
+            self._open.pop(old.episode_id)  # moving, not lost: the eviction below must not count it
             self._evict_before(op.head_after - self.capacity)
             self._write_rows(op.extent.start, landed, 0, old.last - old.start + 1)
             self._write_extent_rows(op, columns, at=op.extent.start + old.last - old.start + 1,
                                     mark_from=op.extent.start, prev_sampleable=0)
+            self.state[HEAD] = op.head_after
+            # The old place is retired only once the new one is committed: a crash in between leaves the
+            # episode alive in one place or both (recovery keeps the newest), never in neither.
+            if old.seq >= int(self.state[TAIL_SEQ]):  # unless the eviction above took it already
+                self._kill_extent(old)
+            self.counters["moved_open_episodes"] += 1
         self.state[HEAD] = op.head_after
 
     def _write_block(self, op: _Op, columns: Mapping[str, np.ndarray], spans: Spans) -> None:
@@ -487,7 +617,6 @@ class EpisodicBuffer(EpisodicRing):
         self._set_ring(self.row_seq, extent.start, np.full(landed, -1, dtype=np.int64))
         self.state[SAMPLEABLE] -= landed - 1
         self.state[STORED] -= landed
-        self._open.pop(extent.episode_id, None)
         self._rows_cleared(extent.start, extent.last + 1)
 
     def _evict_before(self, boundary: int) -> None:
@@ -520,8 +649,8 @@ class EpisodicBuffer(EpisodicRing):
         self.state[SAMPLEABLE] -= int((lasts - starts)[alive].sum())
         self.state[STORED] -= int((lasts - starts + 1)[alive].sum())
         for episode_id in self.extent_episode_id[slots[alive & is_open]]:
-            del self._open[int(episode_id)]
-            self.counters["evicted_open_episodes"] += 1
+            if self._open.pop(int(episode_id), None) is not None:
+                self.counters["evicted_open_episodes"] += 1
         self.counters["evicted_episodes"] += int(np.count_nonzero(alive & ~is_open))
         self.extent_flags[slots] = 0
         self._set_ring(self.row_end, tail_pos, np.full(new_tail_pos - tail_pos, HOLE, dtype=np.int64))

@@ -16,6 +16,7 @@ from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.grpc_server.sample_workers import SampleWorkers
 from service.grpc_server.servicer import ReplayServicer, lenient
+from service.recovery import recover_instance
 from service.registry import BufferRegistry
 from service.wire import replay_pb2 as pb
 from service.wire.frames import InsertFrame, sample_response_bytes
@@ -83,6 +84,7 @@ class ReplayServer:
         checkpoint_every: float | None = None,
         checkpoint_keep: int | None = 3,
         restore_from: str | None = None,
+        recover: bool = False,
     ) -> None:
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key: expected both or neither")
@@ -93,12 +95,15 @@ class ReplayServer:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.checkpoint_keep = checkpoint_keep
         self.restore_from = restore_from
+        self.recover = recover
         self.max_buffer_bytes = max_buffer_bytes
         self._stop_checkpoints = threading.Event()
         self._checkpoint_thread: threading.Thread | None = None
         self.instance = instance or secrets.token_hex(4)
         self.registry = BufferRegistry(self.instance)
-        self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir)
+        self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
+        self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,
+                                       metrics=self.metrics)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
             options=channel_options(max_message_bytes),
@@ -116,7 +121,6 @@ class ReplayServer:
         self.address = f"{host}:{self.port}"
         self.sample_workers = SampleWorkers(sample_workers, self.instance, host, max_message_bytes, token)
         self.servicer.sample_endpoints = self.sample_workers.endpoints
-        self.metrics = CollectorRegistry()
         self.http = None
         if http_address is not None:
             from service.http.app import HttpServer, create_app
@@ -126,8 +130,13 @@ class ReplayServer:
                                    int(http_port))
 
     def start(self, timeout: float = 30.0) -> ReplayServer:
-        if self.restore_from is not None:
-            # Before serving: no client sees a partly restored registry. All or nothing (restore_checkpoint).
+        # Before serving: no client sees a partly restored registry.
+        if self.recover:
+            recovery = recover_instance(self.registry)
+            if recovery.lost and self.restore_from is not None:
+                restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes,
+                                   only=set(recovery.lost))
+        elif self.restore_from is not None:  # all or nothing (restore_checkpoint)
             restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes)
         self._server.start()
         log.info("replayd instance %s serving on %s", self.instance, self.address)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,12 +13,14 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
+from prometheus_client import CollectorRegistry
 
 from service import checkpoint, errors
 from service.buffers.episodic import EpisodicBuffer, shm_name
 from service.buffers.ring import EpisodicRing
 from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
+from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
 from service.registry import BufferRegistry
 from service.schema import check_buffer_name
 from service.weights import WeightStore
@@ -75,37 +78,92 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
 
 
 def rpc(method: Callable) -> Callable:
-    """Turns replayd errors into gRPC statuses; anything else is INTERNAL and logged with its trace."""
+    """Turns replayd errors into gRPC statuses; anything else is INTERNAL and logged with its trace.
+    With the servicer's `rpc_metrics`, observes the call's latency and payload bytes (failed calls too)."""
 
     @functools.wraps(method)
     def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
+        metrics: RpcMetrics | None = getattr(self, "rpc_metrics", None)
+        if metrics is None:
+            return _unary(self, method, request, context)
+        start = time.perf_counter()
+        buffers: list[str] = []
+        if isinstance(request, Iterator):  # Insert: a stream of frames, each naming its buffer
+            request = _counted_frames(metrics, method.__name__, request, buffers)
+        else:
+            buffers.append(buffer_of(request))
+        response, succeeded = None, False
         try:
-            if isinstance(request, MalformedRequest):
-                raise errors.InvalidArgument(request.error)
-            return method(self, request, context)
-        except (errors.ReplayError, codec.CodecError) as exc:
-            self.counters_rejected(method.__name__, exc)
-            context.abort(_status_of(exc), _message(exc))
-        except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+            response = _unary(self, method, request, context)
+            succeeded = True
+            return response
+        finally:
+            label = metrics.label(buffers[0] if buffers else "", succeeded)
+            metrics.observe_latency(method.__name__, label, time.perf_counter() - start)
+            metrics.add_bytes(method.__name__, label, request_bytes(request), response_bytes(response))
 
     return wrapper
 
 
+def _unary(self: ReplayServicer, method: Callable, request, context: grpc.ServicerContext):
+    try:
+        if isinstance(request, MalformedRequest):
+            raise errors.InvalidArgument(request.error)
+        return method(self, request, context)
+    except (errors.ReplayError, codec.CodecError) as exc:
+        self.counters_rejected(method.__name__, exc)
+        context.abort(_status_of(exc), _message(exc))
+    except Exception as exc:
+        log.exception("%s failed", method.__name__)
+        context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+
+
+def _counted_frames(metrics: RpcMetrics, method: str, frames: Iterator, buffers: list[str]) -> Iterator:
+    """Passes the frames through, counting each one's payload under its buffer; `buffers` gets the first's."""
+    for frame in frames:
+        if not isinstance(frame, MalformedRequest):
+            if not buffers:
+                buffers.append(buffer_of(frame))
+            metrics.add_received(method, frame)
+        yield frame
+
+
 def stream_rpc(method: Callable) -> Callable:
+    """`rpc` for server-streaming calls. Metrics: each message's production time (not the time spent handing
+    it to gRPC), its bytes, and the whole stream's latency."""
+
     @functools.wraps(method)
     def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
+        metrics: RpcMetrics | None = getattr(self, "rpc_metrics", None)
+        start = produce = time.perf_counter()
+        succeeded = False
+        messages = None
         try:
             if isinstance(request, MalformedRequest):
                 raise errors.InvalidArgument(request.error)
-            yield from method(self, request, context)
+            if metrics is None:
+                yield from method(self, request, context)
+            else:
+                label = metrics.label(buffer_of(request), False)
+                messages = method(self, request, context)
+                for message in messages:
+                    metrics.observe_message(method.__name__, label, time.perf_counter() - produce,
+                                            response_bytes(message))
+                    yield message
+                    produce = time.perf_counter()
+            succeeded = True
         except (errors.ReplayError, codec.CodecError) as exc:
             self.counters_rejected(method.__name__, exc)
             context.abort(_status_of(exc), _message(exc))
         except Exception as exc:
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+        finally:
+            if messages is not None:
+                messages.close()  # a cancelled stream closes its producer now, as `yield from` would
+            if metrics is not None:
+                label = metrics.label(buffer_of(request), succeeded)
+                metrics.observe_latency(method.__name__, label, time.perf_counter() - start)
 
     return wrapper
 
@@ -143,8 +201,10 @@ def encode_batch(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
 
 class ReplayServicer(pb_grpc.ReplayServicer):
     def __init__(self, registry: BufferRegistry, max_message_bytes: int, max_buffer_bytes: int | None = None,
-                 checkpoint_dir: str | None = None) -> None:
+                 checkpoint_dir: str | None = None, metrics: CollectorRegistry | None = None) -> None:
+        """`metrics`: the registry RPC latencies and payload bytes are reported in (None: not measured)."""
         self.registry = registry
+        self.rpc_metrics = RpcMetrics(metrics, registry.__contains__) if metrics is not None else None
         self.checkpoint_dir = checkpoint_dir  # where Checkpoint writes when the request names no directory
         self.weights = WeightStore()
         self.max_message_bytes = max_message_bytes

@@ -9,10 +9,11 @@ import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from service.buffers.episodic import EpisodicBuffer
 from service.grpc_server.auth import token_matches
+from service.grpc_server.convert import components_counters
 from service.registry import BufferRegistry
 
 STATUS_PAGE = """<!doctype html>
@@ -98,18 +99,22 @@ def buffer_stats(registry: BufferRegistry) -> list[dict]:
     for name, buffer in registry.all():
         if isinstance(buffer, EpisodicBuffer):
             capacity, stored = buffer.capacity, buffer.stored_steps
-            counters, episodes = buffer.counters, buffer.episodes
+            counters, episodes = {**buffer.counters, **components_counters(buffer)}, buffer.episodes
+            sampleable, rate_limited = buffer.sampleable_steps, buffer.limiter is not None
         else:
             info = buffer.info()
             capacity = info["num_steps"] * info["num_envs"]
             stored, counters, episodes = capacity - info["missing_steps"], info["counters"], 0
+            sampleable, rate_limited = None, False
         stats.append({
             "name": name,
             "kind": buffer.kind if isinstance(buffer, EpisodicBuffer) else "rollout",
             "capacity_steps": capacity,
             "stored_steps": stored,
             "fill": stored / capacity,
+            "sampleable_steps": sampleable,
             "episodes": episodes,
+            "rate_limited": rate_limited,
             "inserted_steps": int(counters.get("inserted_rows", counters.get("pushed_steps", 0))),
             "sampled_items": int(counters.get("sampled_items", 0)),
             "counters": {k: float(v) for k, v in counters.items()},
@@ -118,26 +123,57 @@ def buffer_stats(registry: BufferRegistry) -> list[dict]:
 
 
 class BufferCollector:
-    """Prometheus collector reading the buffers on each scrape (no state of its own)."""
+    """Prometheus collector reading the buffers on each scrape (no state of its own). Sizes are gauges,
+    monotonic counts counters (`_total`); `replayd_buffer_counter` carries every raw buffer counter."""
 
     def __init__(self, registry: BufferRegistry, rejected: dict[str, int]) -> None:
         self.registry = registry
         self.rejected = rejected
 
     def collect(self) -> Iterator[Metric]:
-        stored = GaugeMetricFamily("replayd_buffer_stored_steps", "Steps stored", labels=["buffer"])
-        capacity = GaugeMetricFamily("replayd_buffer_capacity_steps", "Capacity in steps", labels=["buffer"])
-        counters = GaugeMetricFamily("replayd_buffer_counter", "Buffer counters (inserts, samples, evictions, ...)",
-                                     labels=["buffer", "counter"])
+        def gauge(name: str, text: str, *labels: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"replayd_{name}", text, labels=["buffer", *labels])
+
+        def counter(name: str, text: str, *labels: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"replayd_{name}", text, labels=["buffer", *labels])
+
+        stored = gauge("buffer_stored_steps", "Steps stored")
+        capacity = gauge("buffer_capacity_steps", "Capacity in steps")
+        sampleable = gauge("buffer_sampleable_steps", "Steps a sample may draw (episodic buffers)")
+        episodes = gauge("buffer_episodes", "Episodes stored, complete or open (episodic buffers)")
+        inserted = counter("buffer_inserted_steps", "Steps inserted (rows; pushed steps for rollout buffers)")
+        inserted_episodes = counter("buffer_inserted_episodes", "Episodes completed by inserts (episodic buffers)")
+        sampled = counter("buffer_sampled_items", "Items sampled (batch rows, episodic buffers)")
+        sampled_batches = counter("buffer_sampled_batches", "Batches sampled (episodic buffers)")
+        waits = counter("rate_limiter_waits", "Calls the rate limiter held back, once their wait ended", "side")
+        wait_seconds = counter("rate_limiter_wait_seconds", "Seconds calls spent held back by the rate limiter",
+                               "side")
+        waiting = gauge("rate_limiter_waiting", "Calls the rate limiter holds back right now", "side")
+        raw = gauge("buffer_counter", "Buffer counters (inserts, samples, evictions, ...)", "counter")
         for stat in buffer_stats(self.registry):
-            stored.add_metric([stat["name"]], stat["stored_steps"])
-            capacity.add_metric([stat["name"]], stat["capacity_steps"])
-            for counter, value in stat["counters"].items():
-                counters.add_metric([stat["name"], counter], value)
-        rejected = GaugeMetricFamily("replayd_rejected_calls", "Calls rejected with a client error", labels=["rpc"])
+            name, counts = stat["name"], stat["counters"]
+            stored.add_metric([name], stat["stored_steps"])
+            capacity.add_metric([name], stat["capacity_steps"])
+            inserted.add_metric([name], stat["inserted_steps"])
+            for counter_name, value in counts.items():
+                raw.add_metric([name, counter_name], value)
+            if stat["kind"] == "rollout":
+                continue
+            sampleable.add_metric([name], stat["sampleable_steps"])
+            episodes.add_metric([name], stat["episodes"])
+            inserted_episodes.add_metric([name], counts.get("inserted_episodes", 0))
+            sampled.add_metric([name], stat["sampled_items"])
+            sampled_batches.add_metric([name], counts.get("sampled_batches", 0))
+            if stat["rate_limited"]:
+                for side in ("insert", "sample"):
+                    waits.add_metric([name, side], counts.get(f"rate_limiter.{side}_waits", 0))
+                    wait_seconds.add_metric([name, side], counts.get(f"rate_limiter.{side}_wait_seconds", 0))
+                    waiting.add_metric([name, side], counts.get(f"rate_limiter.{side}_waiting", 0))
+        rejected = CounterMetricFamily("replayd_rejected_calls", "Calls rejected with a client error", labels=["rpc"])
         for rpc, count in dict(self.rejected).items():
             rejected.add_metric([rpc], count)
-        yield from (stored, capacity, counters, rejected)
+        yield from (stored, capacity, sampleable, episodes, inserted, inserted_episodes, sampled, sampled_batches,
+                    waits, wait_seconds, waiting, raw, rejected)
 
 
 def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: CollectorRegistry,

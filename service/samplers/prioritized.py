@@ -46,6 +46,20 @@ class PrioritizedSampler:
         self._max_priority = arrays["prioritized.max_priority"]
         self._max_priority[0] = 1.0
 
+    def attach(self, arrays: dict[str, np.ndarray]) -> None:
+        """Takes arrays that already hold a tree (a writer restarting on its segments)."""
+        self.tree = SumTree(arrays["prioritized.sum"], arrays["prioritized.min"])
+        self._max_priority = arrays["prioritized.max_priority"]
+
+    def recover(self, ring: EpisodicBuffer, tail: int, head: int) -> None:
+        """Keeps the priorities of live sampleable steps and zeroes every other leaf (an interrupted
+        insert may have given rows past the head their first priority), then rebuilds the tree."""
+        rows = np.arange(ring.capacity, dtype=np.int64)
+        positions = tail + (rows - tail) % ring.capacity  # the position each row holds in [tail, tail + cap)
+        _, bounds, _ = ring.episode_bounds(positions)
+        live = (positions < head) & (positions < bounds)
+        self.tree.update(rows, np.where(live, self.tree.get(rows), 0.0))
+
     def _leaf_values(self, priorities: np.ndarray) -> np.ndarray:
         # Priority 0 means "never sample", also for alpha = 0 where 0**0 would be 1.
         return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)

@@ -32,6 +32,12 @@ class UniformSampler:
     def bind(self, arrays: dict[str, np.ndarray]) -> None:
         pass
 
+    def attach(self, arrays: dict[str, np.ndarray]) -> None:
+        pass
+
+    def recover(self, ring: EpisodicBuffer, tail: int, head: int) -> None:
+        pass
+
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0) -> Draw:
         """Every weight would be 1, so `importance_beta` adds no column."""

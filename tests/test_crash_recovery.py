@@ -1,0 +1,200 @@
+"""Crash recovery: a writer killed mid-insert leaves segments a new writer reattaches to and repairs;
+a server SIGKILLed twice while actors insert loses no acknowledged episode and tears none."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from client import ReplayClient
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+from service.storage.shared_arrays import segments
+from tests.conftest import TEST_INSTANCE
+
+FIELDS = [Field("obs", "float64", (2,), observation=True), Field("reward", "float32")]
+
+
+class Crash(BaseException):
+    """Stands for SIGKILL in the middle of an operation: nothing after it runs."""
+
+
+def episode(episode_id: int, length: int) -> dict[str, np.ndarray]:
+    t = np.arange(length + 1, dtype=np.float64)
+    obs = np.stack([np.full(length + 1, episode_id, np.float64), np.cos(episode_id + t)], axis=1)
+    return {"obs": obs, "reward": np.ones(length + 1, np.float32)}
+
+
+def whole(episode_id: int, length: int) -> tuple[dict[str, np.ndarray], Spans]:
+    return episode(episode_id, length), Spans.whole_episodes(np.array([length]), [episode_id], [True])
+
+
+def chunk(episode_id: int, rows: int, begins: bool, ends: bool, first_t: int = 0) -> tuple[dict, Spans]:
+    data = episode(episode_id, first_t + rows - 1)
+    columns = {name: array[first_t:first_t + rows] for name, array in data.items()}
+    return columns, Spans(np.array([episode_id], np.uint64), np.array([rows]), np.array([begins]), np.array([ends]),
+                          np.array([False]))
+
+
+def live_episodes(ring: EpisodicRing) -> dict[int, tuple[int, int, bool]]:
+    """episode id -> (start, last, open) of every live extent (fails on an id stored twice)."""
+    tail_seq, next_seq = int(ring.state[1]), int(ring.state[2])
+    found: dict[int, tuple[int, int, bool]] = {}
+    for seq in range(tail_seq, next_seq):
+        slot = seq % ring.extent_slots
+        flags = int(ring.extent_flags[slot])
+        if flags & ALIVE:
+            episode_id = int(ring.extent_episode_id[slot])
+            assert episode_id not in found, f"episode {episode_id} stored twice"
+            found[episode_id] = (int(ring.extent_start[slot]), int(ring.extent_last[slot]), bool(flags & IS_OPEN))
+    return found
+
+
+def assert_untorn(ring: EpisodicRing, episodes: dict[int, tuple[int, int, bool]]) -> None:
+    for episode_id, (start, last, _) in episodes.items():
+        rows = np.arange(start, last + 1) % ring.capacity
+        expected = episode(episode_id, last - start)["obs"]
+        np.testing.assert_array_equal(ring.columns["obs"][rows], expected, err_msg=f"episode {episode_id} torn")
+
+
+def crash_inside(buffer: EpisodicBuffer, method: str, monkeypatch: pytest.MonkeyPatch, after: bool = False) -> None:
+    original = getattr(buffer, method)
+
+    def dies(*args, **kwargs):
+        if after:
+            original(*args, **kwargs)
+        raise Crash(method)
+
+    monkeypatch.setattr(buffer, method, dies)
+
+
+@pytest.mark.parametrize(("method", "after"), [("_write_block", False), ("_write_block", True),
+                                              ("_write_rows", False), ("_evict_before", True),
+                                              ("_kill_extent", False), ("_write_extent_rows", True)])
+def test_writer_killed_mid_insert_is_repaired(method: str, after: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    buffer = EpisodicBuffer("crash", TEST_INSTANCE, FIELDS, 200, sampler=PrioritizedSampler(0.5))
+    header = buffer.storage.header_name
+    committed = {}
+    try:
+        for episode_id in range(4):
+            buffer.insert(*whole(episode_id, 20))
+            committed[episode_id] = 21
+        buffer.insert(*chunk(100, 5, True, False))  # an open episode with a small reservation
+        buffer.insert(*whole(50, 10))
+        committed[50] = 11
+        crash_inside(buffer, method, monkeypatch, after)
+        with pytest.raises(Crash):
+            if method in ("_kill_extent", "_write_extent_rows"):  # the open episode outgrows its room: a move
+                buffer.insert(*chunk(100, 40, False, False, 5))
+            else:
+                buffer.insert(*whole(60, 70))  # evicts the oldest episodes to make room
+        monkeypatch.undo()
+        buffer.storage.close()  # the process is gone; the segments stay
+
+        recovered = EpisodicBuffer.recover(header)
+        try:
+            ring_episodes = live_episodes(recovered)
+            assert_untorn(recovered, {k: v for k, v in ring_episodes.items() if not v[2]})
+            assert 100 in ring_episodes and ring_episodes[100][2]  # the open episode survived, once
+            start, last, _ = ring_episodes[100]
+            np.testing.assert_array_equal(recovered.columns["obs"][np.arange(start, last + 1) % 200][:, 0], 100)
+            assert recovered.stored_steps == sum(last - start + 1 for start, last, _ in ring_episodes.values())
+            # Whatever the interrupted insert did not commit is gone; everything older is intact or evicted whole.
+            for episode_id in set(ring_episodes) - {100}:
+                assert episode_id in committed or episode_id == 60
+            # The recovered writer carries on: the open episode continues, samples are whole.
+            landed = last - start + 1
+            recovered.insert(*chunk(100, 3, False, True, landed))
+            batch = recovered.sample(64, TransitionsMode(3, 0.9), np.random.default_rng(0), include_keys=True)
+            np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
+            np.testing.assert_array_equal(batch["bootstrap_obs"][:, 0], batch["episode_id"].astype(np.float64))
+            assert np.all(batch["probability"] > 0)
+        finally:
+            recovered.close()
+    finally:
+        for name in segments(f"rpd_{TEST_INSTANCE}_crash"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
+    instance = f"{TEST_INSTANCE}fault"
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
+               "--http-port", "-1", "--log-level", "WARNING", "--recover"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    acknowledged: list[list[int]] = [[] for _ in range(3)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def actor(index: int) -> None:
+        try:
+            with ReplayClient(address, timeout=20, retries=12) as client:
+                episode_id = index * 1_000_000
+                while not stop.is_set():
+                    batch = [episode(episode_id + k, 5 + (episode_id + k) % 30) for k in range(4)]
+                    episodes = [{"obs": e["obs"], "reward": e["reward"][:-1]} for e in batch]
+                    client.insert_episodes("fault", episodes, [True] * 4, episode_ids=list(range(episode_id,
+                                                                                                    episode_id + 4)))
+                    acknowledged[index].extend(range(episode_id, episode_id + 4))
+                    episode_id += 4
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        with ReplayClient(address, timeout=30) as client:
+            client.wait_ready(timeout=60)
+            client.create_buffer("fault", 2_000_000, {"obs": ("float64", (2,)), "reward": ("float32", ())})
+        actors = [threading.Thread(target=actor, args=(i,)) for i in range(3)]
+        for thread in actors:
+            thread.start()
+        for _ in range(2):
+            deadline = time.monotonic() + 60
+            before = sum(len(a) for a in acknowledged)
+            while sum(len(a) for a in acknowledged) < before + 200:  # inserts are flowing
+                assert time.monotonic() < deadline and not errors, errors
+                time.sleep(0.02)
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+            server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        before = sum(len(a) for a in acknowledged)
+        while sum(len(a) for a in acknowledged) < before + 200:  # and flow again after the second restart
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.02)
+        stop.set()
+        for thread in actors:
+            thread.join(timeout=120)
+        assert not errors, errors
+        ring = EpisodicRing.attach(f"rpd_{instance}_fault")
+        try:
+            stored = live_episodes(ring)  # fails if any episode is stored twice
+            acked = {e for ids in acknowledged for e in ids}
+            assert acked <= set(stored), f"{len(acked - set(stored))} acknowledged episodes lost"
+            assert_untorn(ring, stored)
+            assert not any(is_open for _, _, is_open in stored.values())
+        finally:
+            ring.close()
+    finally:
+        stop.set()
+        server.terminate()
+        server.wait(timeout=30)
+        for name in segments(f"rpd_{instance}_"):
+            os.unlink(f"/dev/shm/{name}")
