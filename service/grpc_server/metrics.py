@@ -67,7 +67,6 @@ class RpcMetrics:
                                 "published weights)", LABELS, registry=registry)
         self.sent = Counter("replayd_rpc_sent_bytes", "Payload bytes sent (sampled batches, minibatches, fetched "
                             "weights)", LABELS, registry=registry)
-
         self._children: dict[tuple[int, str, str], Histogram | Counter] = {}
 
     def label(self, buffer: str, succeeded: bool) -> str:
