@@ -198,3 +198,39 @@ def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
         server.wait(timeout=30)
         for name in segments(f"rpd_{instance}_"):
             os.unlink(f"/dev/shm/{name}")
+
+
+def test_inconsistent_segments_fall_back_to_the_latest_checkpoint(tmp_path) -> None:
+    from service.grpc_server.server import ReplayServer
+    from service.storage.shared_arrays import SharedArrays
+
+    instance = f"{TEST_INSTANCE}fallback"
+    schema = {"obs": ("float64", (2,)), "reward": ("float32", ())}
+    first = ReplayServer("127.0.0.1:0", instance=instance, checkpoint_dir=str(tmp_path)).start()
+    try:
+        with ReplayClient(first.address) as client:
+            client.create_buffer("b", 1000, schema)
+            client.insert_episodes("b", [{"obs": episode(7, 10)["obs"], "reward": np.ones(10, np.float32)}], [True],
+                                   episode_ids=[7])
+            client.checkpoint()
+            client.insert_episodes("b", [{"obs": episode(8, 10)["obs"], "reward": np.ones(10, np.float32)}], [True],
+                                   episode_ids=[8])
+        # The server dies without unlinking, and its ring state is left corrupt.
+        first._server.stop(0).wait()
+        first.registry.get("b").storage.close()
+        corrupt = SharedArrays.attach(f"rpd_{instance}_b", readonly=False)
+        corrupt.arrays["state"][0] = -5  # head
+        corrupt.close()
+
+        second = ReplayServer("127.0.0.1:0", instance=instance, checkpoint_dir=str(tmp_path), recover=True).start()
+        try:
+            with ReplayClient(second.address) as client:
+                info = client.describe("b")
+                assert info["episodes"] == 1  # the checkpoint's content: episode 8 came after it
+                batch = client.sample("b", 32, include_keys=True)
+                assert set(batch["episode_id"].tolist()) == {7}
+        finally:
+            second.stop(grace=0)
+    finally:
+        for name in segments(f"rpd_{instance}_"):
+            os.unlink(f"/dev/shm/{name}")

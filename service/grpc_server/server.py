@@ -133,8 +133,10 @@ class ReplayServer:
         # Before serving: no client sees a partly restored registry.
         if self.recover:
             recovery = recover_instance(self.registry)
-            if recovery.lost and self.restore_from is not None:
-                restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes,
+            fallback = self.restore_from or self.checkpoint_dir
+            if recovery.lost and fallback is not None:
+                # Buffers whose segments failed the checks come back from the latest checkpoint.
+                restore_checkpoint(fallback, self.registry, max_bytes=self.max_buffer_bytes,
                                    only=set(recovery.lost))
         elif self.restore_from is not None:  # all or nothing (restore_checkpoint)
             restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes)

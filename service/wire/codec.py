@@ -30,6 +30,7 @@ _SHAPE_KEY = b"shape"
 _ALIASES_KEY = b"aliases"
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _CACHE_LIMIT = 512
+_PARTS_MIN_BYTES = 256 * 2**10
 # A row travels as one Arrow fixed-size list, whose size is an int32; numpy allows at most 64 dimensions.
 _MAX_ROW_VALUES = 2**31 - 1
 _MAX_RANK = 32
@@ -102,8 +103,30 @@ def _encode_plan(key: tuple, columns: tuple[_Column, ...], aliases: tuple[tuple[
     return _remember(_encode_plans, key, _Plan(schema, schema.serialize().to_pybytes(), columns, aliases))
 
 
-def encode(columns: Mapping[str, np.ndarray]) -> bytes:
-    """Encodes equal-length columns into one Arrow IPC stream (schema + one record batch)."""
+class _Parts:
+    """A write-only file that keeps what Arrow's IPC writer writes as a list, without copying: metadata
+    arrives as small bytes, column bodies as pyarrow Buffers over the caller's numpy memory."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.parts: list = []
+
+    def write(self, data) -> int:
+        self.parts.append(data)
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def encode_parts(columns: Mapping[str, np.ndarray]) -> tuple:
+    """`encode` as a tuple of buffers whose concatenation is the payload; column bodies are views of the
+    (contiguous) input arrays, so the only copy is the caller's final join (e.g. into a gRPC message).
+    The arrays must not change until the parts are joined."""
     arrays: list[np.ndarray] = []
     layout: list[tuple[str, str, tuple[int, ...]]] = []
     aliases: list[tuple[str, str]] = []
@@ -135,7 +158,17 @@ def encode(columns: Mapping[str, np.ndarray]) -> bytes:
             values = pa.Array.from_buffers(column.arrow_type, len(array), [None], children=[values])
         arrow_columns.append(values)
     batch = pa.RecordBatch.from_arrays(arrow_columns, schema=plan.schema)
-    return b"".join([plan.schema_message, batch.serialize(), _END_OF_STREAM])
+    if batch.nbytes < _PARTS_MIN_BYTES:  # small batches: one serialize copy is cheaper than the writer's calls
+        return plan.schema_message, batch.serialize(), _END_OF_STREAM
+    sink = _Parts()
+    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), plan.schema) as writer:
+        writer.write_batch(batch)
+    return tuple(sink.parts)
+
+
+def encode(columns: Mapping[str, np.ndarray]) -> bytes:
+    """Encodes equal-length columns into one Arrow IPC stream (schema + one record batch)."""
+    return b"".join(encode_parts(columns))
 
 
 def _decode_plan(schema_message: bytes, schema: pa.Schema) -> _Plan:

@@ -72,10 +72,13 @@ def split_bytes_field(raw: bytes, field_number: int) -> tuple[bytes, memoryview]
     return b"".join(rest), payload
 
 
-def join_bytes_field(message: bytes, field_number: int, payload: bytes | memoryview) -> bytes:
-    """`message` with a length-delimited field appended (protobuf: the last occurrence wins)."""
-    header = _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(len(payload))
-    return b"".join([message, header, payload])
+def join_bytes_field(message: bytes, field_number: int, payload: bytes | memoryview | tuple) -> bytes:
+    """`message` with a length-delimited field appended (protobuf: the last occurrence wins). `payload` may
+    be a tuple of buffers (codec.encode_parts): they are joined straight into the message, one copy."""
+    parts = payload if isinstance(payload, tuple) else (payload,)
+    size = sum(memoryview(part).nbytes for part in parts)
+    header = _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(size)
+    return b"".join([message, header, *parts])
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class InsertFrame:
     """An InsertRequest whose `steps` payload is held apart from the parsed message."""
 
     request: pb.InsertRequest  # every field but steps
-    steps: bytes | memoryview
+    steps: bytes | memoryview | tuple  # a tuple: codec.encode_parts, joined when serialized
 
     @classmethod
     def parse(cls, raw: bytes) -> InsertFrame:
