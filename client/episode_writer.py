@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from client.replay_client import ReplayClient, Span, new_episode_id, spans_request
+from client.replay_client import ReplayClient, Span, new_episode_id, spans_requests
 
 
 class EpisodeWriter:
@@ -83,7 +83,8 @@ class EpisodeWriter:
         return self._pending_rows
 
     def flush(self) -> None:
-        """Sends every pending span in one request (completed episodes and chunks, in order)."""
+        """Sends every pending span in one stream (completed episodes and chunks, in order; requests of up
+        to the client's `max_request_bytes`)."""
         if self._pending:
-            self.client.insert([spans_request(self.buffer, self._pending)])
+            self.client.insert(spans_requests(self.buffer, self._pending, self.client.max_request_bytes))
             self._pending, self._pending_rows = [], 0

@@ -64,22 +64,23 @@ class LocalReader:
         self.close()
 
     def sample(self, batch_size: int, mode: str = "transitions", *, seed: int | None = None,
-               include_keys: bool = False, **options: Any) -> dict[str, np.ndarray]:
+               include_keys: bool = False, importance_beta: float = 0.0, **options: Any) -> dict[str, np.ndarray]:
         """Same arguments and batch format as ReplayClient.sample (fresh arrays, not views)."""
         rng = np.random.default_rng(seed) if seed is not None else self._rng
-        batch, torn = self.ring.sample_shared(batch_size, batch_mode(mode, **options), rng, include_keys)
+        batch, torn = self.ring.sample_shared(batch_size, batch_mode(mode, **options), rng, include_keys,
+                                              importance_beta)
         self.torn_redraws += torn
         return batch
 
     def sample_stream(self, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
-                      seed: int | None = None, include_keys: bool = False,
+                      seed: int | None = None, include_keys: bool = False, importance_beta: float = 0.0,
                       **options: Any) -> Iterator[dict[str, np.ndarray]]:
         """Batches until `num_batches` (0: forever); one generator, so a seeded stream is reproducible."""
         rng = np.random.default_rng(seed)
         chosen = batch_mode(mode, **options)
         sent = 0
         while num_batches == 0 or sent < num_batches:
-            batch, torn = self.ring.sample_shared(batch_size, chosen, rng, include_keys)
+            batch, torn = self.ring.sample_shared(batch_size, chosen, rng, include_keys, importance_beta)
             self.torn_redraws += torn
             yield batch
             sent += 1

@@ -15,7 +15,7 @@ from client.local_reader import LocalReader
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import EpisodicRing
 from service.errors import FailedPrecondition
-from service.samplers.prioritized import PrioritizedSampler
+from service.removers import MaxTimesSampledRemover
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 from tests.conftest import TEST_INSTANCE
@@ -43,12 +43,28 @@ def test_local_reader_matches_grpc_sampling(client: ReplayClient) -> None:
 
 def test_local_reader_refuses_buffers_only_the_server_may_sample() -> None:
     fields = [Field("obs", "float32", (2,), observation=True), Field("reward", "float32")]
-    buffer = EpisodicBuffer("prio", TEST_INSTANCE, fields, 100, sampler=PrioritizedSampler(0.6))
+    buffer = EpisodicBuffer("retiring", TEST_INSTANCE, fields, 100, remover=MaxTimesSampledRemover(2))
     try:
-        with pytest.raises(FailedPrecondition, match="prioritized"):
+        with pytest.raises(FailedPrecondition, match="sampled by its server only"):
             EpisodicRing.attach(buffer.storage.header_name)
     finally:
         buffer.close()
+
+
+def test_local_reader_samples_prioritized_buffers_like_the_server(client: ReplayClient) -> None:
+    client.create_buffer("prio", 5000, SCHEMA, sampler="prioritized", alpha=0.7)
+    rng = np.random.default_rng(1)
+    client.insert_episodes("prio", [{"obs": rng.normal(size=(n + 1, 4)).astype(np.float32),
+                                     "action": rng.integers(0, 2, n), "reward": np.ones(n, np.float32)}
+                                    for n in rng.integers(5, 40, 30)], [True] * 30)
+    keys = client.sample("prio", 64, include_keys=True, seed=2)["key"]
+    client.update_priorities("prio", keys, rng.uniform(0.1, 5.0, len(keys)))
+    with LocalReader(client, "prio") as reader:
+        local = reader.sample(128, seed=9, include_keys=True, importance_beta=0.5)
+    remote = client.sample("prio", 128, seed=9, include_keys=True, importance_beta=0.5)
+    assert {"probability", "weight"} <= set(local)
+    for name in remote:
+        np.testing.assert_array_equal(local[name], remote[name], err_msg=name)
 
 
 # ---------------------------------------------------------------- concurrency: writer vs reader processes

@@ -44,10 +44,13 @@ def test_workers_serve_sampling_with_the_servers_results(worker_server: ReplaySe
             for name in reference:
                 np.testing.assert_array_equal(batch[name], reference[name])
         assert len(list(client.sample_stream("uniform", 32, num_batches=4))) == 4
-        # Buffers whose sampling changes state stay with the server.
+        # Prioritized buffers are served by the workers too; buffers whose sampling changes state are not.
         fill(client, "prio", sampler="prioritized")
-        assert client.describe("prio")["sample_endpoints"] == []
+        assert len(client.describe("prio")["sample_endpoints"]) == 2
         assert "probability" in client.sample("prio", 8)
+        fill(client, "retiring", remover="max_times_sampled", max_times_sampled=3)
+        assert client.describe("retiring")["sample_endpoints"] == []
+        assert client.sample("retiring", 8)["obs"].shape == (8, 4)
 
 
 def test_a_killed_worker_is_restarted_on_its_port(worker_server: ReplayServer) -> None:

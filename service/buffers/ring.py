@@ -45,9 +45,9 @@ def shm_name(instance: str, buffer: str) -> str:
 
 def shared_sampling(components: dict) -> bool:
     """Whether processes other than the writer may sample: not when sampling changes state (a remover
-    counting draws, a rate limiter) or needs the writer's priority updates."""
-    return (components["sampler"]["kind"] == "uniform" and components["remover"]["kind"] == "fifo"
-            and not components["rate_limited"])
+    counting draws, a rate limiter). Prioritized readers descend the shared sum tree; priority updates
+    still go to the writer."""
+    return components["remover"]["kind"] == "fifo" and not components["rate_limited"]
 
 
 @dataclass
@@ -97,12 +97,16 @@ class EpisodicRing:
             if not shared_sampling(meta["components"]):
                 raise FailedPrecondition(
                     f"buffer {meta['name']!r} ({meta['components']}) is sampled by its server only: shared-memory "
-                    "readers sample uniform buffers without a remover or rate limiter"
+                    "readers sample buffers without a remover or rate limiter"
                 )
+            sampler_config = meta["config"]["sampler"]
+            sampler = (PrioritizedSampler(sampler_config["alpha"]) if sampler_config["kind"] == "prioritized"
+                       else UniformSampler())
+            sampler.attach(storage.arrays)
         except BaseException:
             storage.close()
             raise
-        return cls(storage, UniformSampler(), FifoRemover())
+        return cls(storage, sampler, FifoRemover())
 
     # ------------------------------------------------------------------ state
     @property
@@ -174,12 +178,15 @@ class EpisodicRing:
         batch.update(draw.extra)
         return Gathered(draw, batch)
 
-    def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator,
-                      include_keys: bool = False) -> tuple[dict[str, np.ndarray], int]:
+    def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
+                      importance_beta: float = 0.0) -> tuple[dict[str, np.ndarray], int]:
         """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn)."""
         for torn in range(MAX_TORN_DRAWS):
-            gathered = self.gather(batch_size, mode, rng, include_keys)
-            if int(gathered.draw.positions.min()) >= self.tail_position():
+            gathered = self.gather(batch_size, mode, rng, include_keys, importance_beta)
+            draw = gathered.draw
+            # Every position drawn was a step and is still live: the batch was read whole. (A prioritized
+            # draw can also race a priority write and land on a position that just stopped being a step.)
+            if int(draw.positions.min()) >= self.tail_position() and np.all(draw.positions < draw.bounds):
                 return gathered.batch, torn
         raise FailedPrecondition(
             f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with evictions; the ring turns over "

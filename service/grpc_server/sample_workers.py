@@ -74,7 +74,7 @@ class SampleWorkerServicer:
                 raise errors.DeadlineExceeded(f"buffer {ring.name!r} got no sampleable steps before the deadline")
             time.sleep(delay)
             delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
-        batch, _ = ring.sample_shared(request.batch_size, mode, rng, request.include_keys)
+        batch, _ = ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta)
         return encode_batch(batch, self.max_message_bytes)
 
     @staticmethod

@@ -86,7 +86,13 @@ class InsertFrame:
     """An InsertRequest whose `steps` payload is held apart from the parsed message."""
 
     request: pb.InsertRequest  # every field but steps
-    steps: bytes | memoryview | tuple  # a tuple: codec.encode_parts, joined when serialized
+    # The Arrow payload: bytes, a view (parsed), or a tuple of buffers (codec.encode_parts) joined only
+    # when serialized, so that a client's columns are copied once into the message.
+    payload: bytes | memoryview | tuple
+
+    @property
+    def steps(self) -> bytes | memoryview:
+        return b"".join(self.payload) if isinstance(self.payload, tuple) else self.payload
 
     @classmethod
     def parse(cls, raw: bytes) -> InsertFrame:
@@ -94,7 +100,7 @@ class InsertFrame:
         return cls(pb.InsertRequest.FromString(rest), steps)
 
     def serialize(self) -> bytes:
-        return join_bytes_field(self.request.SerializeToString(), pb.InsertRequest.STEPS_FIELD_NUMBER, self.steps)
+        return join_bytes_field(self.request.SerializeToString(), pb.InsertRequest.STEPS_FIELD_NUMBER, self.payload)
 
 
 def serialize_insert(message: InsertFrame | pb.InsertRequest) -> bytes:
