@@ -90,9 +90,9 @@ def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
     return InsertFrame(request, codec.encode_parts(columns))
 
 
-# Requests above this are split (see split_spans): messages up to ~16 MB keep both ends' copies in reused
+# Requests above this are split (see split_spans): messages of a few MB keep both ends' copies in reused
 # heap memory and pipeline over the stream; a whole Atari episode (28-56 MB) in one message measured 2-4x slower.
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 def _piece(span: Span, lo: int, hi: int, rows: int) -> Span:
