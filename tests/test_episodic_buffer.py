@@ -315,3 +315,26 @@ def test_uniform_sampler_is_uniform_over_sampleable_steps() -> None:
         assert chi2 < _chi_square_critical(len(values) - 1), chi2
     finally:
         buffer.close()
+
+
+def test_open_episode_at_the_head_grows_in_place() -> None:
+    """One writer streaming a long episode in chunks: its room doubles in place, no rows are copied, and
+    closing gives the unused room back, so the ring holds no holes."""
+    rng = np.random.default_rng(6)
+    buffer = new_buffer(1000)
+    try:
+        buffer.insert(make_rows(rng, 0, 5), Spans(np.array([1], np.uint64), np.array([5]), np.array([True]),
+                                                   np.array([False]), np.array([False])))
+        landed = 5
+        for k in range(12):
+            ends = k == 11
+            buffer.insert(make_rows(rng, landed, 20), Spans(np.array([1], np.uint64), np.array([20]),
+                                                             np.array([False]), np.array([ends]), np.array([True])))
+            landed += 20
+        assert buffer.counters["moved_open_episodes"] == 0
+        assert buffer.head == landed == buffer.stored_steps  # no holes
+        batch = buffer.sample(256, TransitionsMode(1, 0.9), rng)
+        np.testing.assert_array_equal(batch["next_t"], batch["t"] + 1)
+        assert (batch["terminated"] == (batch["t"] == landed - 2)).all()
+    finally:
+        buffer.close()

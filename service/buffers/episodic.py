@@ -495,6 +495,12 @@ class EpisodicBuffer(EpisodicRing):
                 if current.last + k < current.reserved_end:
                     op.kind = "append"
                     extent = _Extent(episode_id, current.seq, current.start, current.last + k, current.reserved_end)
+                elif current.reserved_end == head:
+                    # Nothing was placed after it: the room grows in place (doubling), no rows are copied.
+                    op.kind = "append"
+                    room = max(min(2 * (landed + k), self.capacity), landed + k)
+                    extent = _Extent(episode_id, current.seq, current.start, current.last + k, current.start + room)
+                    head = extent.reserved_end
                 else:
                     op.kind = "move"
                     op.moved_from = current
@@ -535,6 +541,8 @@ class EpisodicBuffer(EpisodicRing):
             self._evict_before(op.head_after - self.capacity)
             self._write_extent_rows(op, columns, at=op.extent.start, mark_from=op.extent.start, prev_sampleable=0)
         elif op.kind == "append":
+            if op.head_after > op.head_before:  # the head extent grew its room: make space for it
+                self._evict_before(op.head_after - self.capacity)
             slot = op.extent.seq % self.extent_slots
             old_last = int(self.extent_last[slot])
             self._write_extent_rows(op, columns, at=old_last + 1, mark_from=old_last + 1,
