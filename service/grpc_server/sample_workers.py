@@ -26,7 +26,7 @@ from service.buffers.ring import EpisodicRing, shm_name
 from service.grpc_server import convert
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import channel_options
-from service.grpc_server.servicer import check_sample_request, encode_batch, rpc, stream_rpc
+from service.grpc_server.servicer import check_sample_request, encode_batch, rpc, stream_rpc, wait_seconds
 from service.wire import replay_pb2 as pb
 from service.wire.frames import sample_response_bytes
 
@@ -79,12 +79,8 @@ class SampleWorkerServicer:
 
     @staticmethod
     def _deadline(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
-        if not request.wait:
-            return None
-        remaining = context.time_remaining()
-        if remaining is None:
-            raise errors.InvalidArgument("sample: wait=true needs a call deadline (timeout)")
-        return time.monotonic() + remaining
+        seconds = wait_seconds(request, context)
+        return None if seconds is None else time.monotonic() + seconds
 
     @staticmethod
     def _rng(request: pb.SampleRequest) -> np.random.Generator:

@@ -105,17 +105,22 @@ def rpc(method: Callable) -> Callable:
     return wrapper
 
 
+def _abort(self: ReplayServicer, method: Callable, exc: Exception, context: grpc.ServicerContext) -> None:
+    """Ends the call: replayd errors with their status code, anything else as INTERNAL (logged with its trace)."""
+    if isinstance(exc, errors.ReplayError | codec.CodecError):
+        self.counters_rejected(method.__name__, exc)
+        context.abort(_status_of(exc), _message(exc))
+    log.exception("%s failed", method.__name__)
+    context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+
+
 def _unary(self: ReplayServicer, method: Callable, request, context: grpc.ServicerContext):
     try:
         if isinstance(request, MalformedRequest):
             raise errors.InvalidArgument(request.error)
         return method(self, request, context)
-    except (errors.ReplayError, codec.CodecError) as exc:
-        self.counters_rejected(method.__name__, exc)
-        context.abort(_status_of(exc), _message(exc))
     except Exception as exc:
-        log.exception("%s failed", method.__name__)
-        context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+        _abort(self, method, exc, context)
 
 
 def _counted_frames(metrics: RpcMetrics, method: str, frames: Iterator, buffers: list[str]) -> Iterator:
@@ -152,12 +157,8 @@ def stream_rpc(method: Callable) -> Callable:
                     yield message
                     produce = time.perf_counter()
             succeeded = True
-        except (errors.ReplayError, codec.CodecError) as exc:
-            self.counters_rejected(method.__name__, exc)
-            context.abort(_status_of(exc), _message(exc))
         except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+            _abort(self, method, exc, context)
         finally:
             if messages is not None:
                 messages.close()  # a cancelled stream closes its producer now, as `yield from` would
@@ -168,7 +169,8 @@ def stream_rpc(method: Callable) -> Callable:
     return wrapper
 
 
-def _wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
+def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
+    """How long a sample may wait for data: None unless the request asks to wait (up to its deadline)."""
     if not request.wait:
         return None
     remaining = context.time_remaining()
@@ -313,7 +315,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     def Sample(self, request: pb.SampleRequest, context) -> bytes:
         buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
-        return self._sample_payload(buffer, request, rng, _wait_seconds(request, context))
+        return self._sample_payload(buffer, request, rng, wait_seconds(request, context))
 
     @rpc
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context) -> pb.UpdatePrioritiesResponse:
@@ -333,7 +335,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
         sent = 0
         while context.is_active() and (request.num_batches == 0 or sent < request.num_batches):
-            yield self._sample_payload(buffer, inner, rng, _wait_seconds(inner, context))
+            yield self._sample_payload(buffer, inner, rng, wait_seconds(inner, context))
             sent += 1
 
     # ---------------------------------------------------------------- rollout
