@@ -44,7 +44,6 @@ import re
 import secrets
 import shutil
 import threading
-from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from service.buffers.episodic import EpisodicBuffer, _Extent
+from service.buffers.episodic import EpisodicBuffer
 from service.buffers.ring import HEAD, TAIL_POS, shm_name
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.errors import FailedPrecondition, ReplayError
@@ -133,20 +132,6 @@ def _ring_rows_overlap(lo: int, hi: int, row_lo: int, row_hi: int, capacity: int
     return any(x < row_hi and row_lo < y for x, y in pieces)
 
 
-def _episodic_state(buffer: EpisodicBuffer) -> dict[str, Any]:
-    """The Python-side state (call with buffer.lock held)."""
-    limiter = buffer.limiter
-    return {
-        "open": [[e.episode_id, e.seq, e.start, e.last, e.reserved_end] for e in buffer._open.values()],
-        "counters": dict(buffer.counters),
-        "remover_counters": dict(buffer.remover.counters),
-        "limiter": None if limiter is None else {
-            key: getattr(limiter, key) for key in ("inserts", "samples", "insert_waits", "sample_waits",
-                                                   "insert_wait_seconds", "sample_wait_seconds")},
-        "dedup": [[episode_id, offset, rows] for (episode_id, offset), rows in buffer.dedup._recent.items()],
-    }
-
-
 def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
                     on_chunk: Callable[[], None] | None) -> dict[str, Any]:
     arrays = buffer.storage.arrays
@@ -157,7 +142,7 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
         whole = attempt == SNAPSHOT_ATTEMPTS
         with buffer.lock:
             small = {name: array.copy() for name, array in arrays.items() if name not in field_names}
-            state = _episodic_state(buffer)
+            state = buffer.python_state()
             tail, head = int(arrays["state"][TAIL_POS]), int(arrays["state"][HEAD])
             columns = {name: arrays[name].copy() for name in field_names} if whole else None
         _write_whole(directory, small)
@@ -198,13 +183,10 @@ def _rollout_config(buffer: RolloutBuffer) -> dict[str, Any]:
 
 
 def _write_rollout(buffer: RolloutBuffer, directory: Path) -> dict[str, Any]:
-    arrays = buffer.shared.arrays
-    with buffer._lock:
-        copies = {name: array.copy() for name, array in arrays.items()}
-        state = {"policy_version": buffer._version, "missing": buffer._missing, "gae_done": buffer._gae_done,
-                 "counters": dict(buffer.counters)}
+    copies, state = buffer.snapshot()
     _write_whole(directory, copies)
-    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": _array_entries(arrays), "state": state}
+    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": _array_entries(buffer.shared.arrays),
+            "state": state}
 
 
 def _complete(root: Path) -> list[Path]:
@@ -323,16 +305,6 @@ def _load_array(path: Path, name: str, target: np.ndarray) -> None:
         raise FailedPrecondition(f"array {name!r}: {path} holds {offset} values, expected {flat.size}")
 
 
-def _restore_episodic_state(buffer: EpisodicBuffer, state: dict[str, Any]) -> None:
-    buffer._open = {int(e[0]): _Extent(int(e[0]), int(e[1]), int(e[2]), int(e[3]), int(e[4])) for e in state["open"]}
-    buffer.counters = Counter(state["counters"])
-    buffer.remover.counters = Counter(state["remover_counters"])
-    if buffer.limiter is not None and state["limiter"] is not None:
-        for key, value in state["limiter"].items():
-            setattr(buffer.limiter, key, value)
-    buffer.dedup._recent = OrderedDict(((int(e), int(o)), int(r)) for e, o, r in state["dedup"])
-
-
 def _build_rollout(name: str, entry: dict[str, Any], instance: str, max_bytes: int | None) -> RolloutBuffer:
     config = entry["config"]
     fields = tuple(RolloutField(f, dtype, tuple(shape)) for f, dtype, shape in config["fields"])
@@ -340,12 +312,6 @@ def _build_rollout(name: str, entry: dict[str, Any], instance: str, max_bytes: i
                                    gamma=config["gamma"], gae_lambda=config["gae_lambda"])
     return RolloutBuffer.create(shm_name(instance, name), rollout_config,
                                 policy_version=int(entry["state"]["policy_version"]), max_bytes=max_bytes)
-
-
-def _restore_rollout_state(buffer: RolloutBuffer, state: dict[str, Any]) -> None:
-    buffer._missing = int(state["missing"])
-    buffer._gae_done = bool(state["gae_done"])
-    buffer.counters.update(state["counters"])
 
 
 def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,
@@ -388,9 +354,9 @@ def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,
                     for array in entry["arrays"]:
                         _load_array(path / name / array["file"], array["name"], arrays[array["name"]])
                     if isinstance(buffer, EpisodicBuffer):
-                        _restore_episodic_state(buffer, entry["state"])
+                        buffer.restore_python_state(entry["state"])
                     else:
-                        _restore_rollout_state(buffer, entry["state"])
+                        buffer.restore_state(entry["state"])
                 except BaseException:
                     buffer.close(unlink=True)
                     raise

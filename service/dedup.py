@@ -111,6 +111,12 @@ class SpanDedup:
             local[episode_id] = _CLOSED if spans.ends[i] else offset + rows
         return new
 
+    def snapshot(self) -> list[list[int]]:
+        return [[episode_id, offset, rows] for (episode_id, offset), rows in self._recent.items()]
+
+    def restore(self, entries: list[list[int]]) -> None:
+        self._recent = OrderedDict(((int(e), int(o)), int(r)) for e, o, r in entries)
+
     def remember_closed(self, episode_ids: np.ndarray, rows: np.ndarray) -> None:
         """Remembers stored whole episodes (a recovered buffer rebuilds its memory from its extents)."""
         for episode_id, count in zip(episode_ids.tolist(), rows.tolist(), strict=True):

@@ -62,6 +62,15 @@ class RateLimiter:
         self.insert_wait_seconds = self.sample_wait_seconds = 0.0
         self.insert_waiting = self.sample_waiting = 0  # calls held back right now
 
+    _STATE = ("inserts", "samples", "insert_waits", "sample_waits", "insert_wait_seconds", "sample_wait_seconds")
+
+    def snapshot(self) -> dict[str, float]:
+        return {key: getattr(self, key) for key in self._STATE}
+
+    def restore(self, state: dict[str, float]) -> None:
+        for key in self._STATE:
+            setattr(self, key, state[key])
+
     def recover(self, sampleable_steps: int) -> None:
         """After a crash the counts are gone: restart balanced, as if the stored steps were inserted and
         sampled exactly at the target ratio (the centre of the allowed band)."""

@@ -201,6 +201,25 @@ class EpisodicBuffer(EpisodicRing):
         self._open: dict[int, _Extent] = {}
         self.dedup = SpanDedup(dedup_window)  # recently stored span names, used under `lock`
 
+    def python_state(self) -> dict:
+        """The writer's state that lives outside shared memory (call with `lock` held): open episodes'
+        reservations, counters, limiter counts, dedup memory. Checkpoints store it beside the arrays."""
+        return {
+            "open": [[e.episode_id, e.seq, e.start, e.last, e.reserved_end] for e in self._open.values()],
+            "counters": dict(self.counters),
+            "remover_counters": dict(self.remover.counters),
+            "limiter": None if self.limiter is None else self.limiter.snapshot(),
+            "dedup": self.dedup.snapshot(),
+        }
+
+    def restore_python_state(self, state: dict) -> None:
+        self._open = {int(e[0]): _Extent(*(int(v) for v in e)) for e in state["open"]}
+        self.counters = Counter(state["counters"])
+        self.remover.counters = Counter(state["remover_counters"])
+        if self.limiter is not None and state["limiter"] is not None:
+            self.limiter.restore(state["limiter"])
+        self.dedup.restore(state["dedup"])
+
     def config(self) -> dict:
         """Everything needed to build this buffer again: schema, capacity and components."""
         return self.storage.meta["config"]

@@ -390,6 +390,21 @@ class RolloutBuffer:
                     batch["advantage"] = _normalize(batch["advantage"])
                 yield batch
 
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Copies of every shared array and the state kept outside them, taken together under the lock."""
+        with self._lock:
+            arrays = {name: array.copy() for name, array in self.shared.arrays.items()}
+            state = {"policy_version": self._version, "missing": self._missing, "gae_done": self._gae_done,
+                     "counters": dict(self.counters)}
+        return arrays, state
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """The counterpart of `snapshot` for a buffer created at the snapshot's policy version."""
+        with self._lock:
+            self._missing = int(state["missing"])
+            self._gae_done = bool(state["gae_done"])
+            self.counters.update(state["counters"])
+
     def info(self) -> dict[str, Any]:
         with self._lock:
             return {
