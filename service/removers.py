@@ -77,9 +77,6 @@ class MaxTimesSampledRemover(FifoRemover):
     def bind(self, arrays: dict[str, np.ndarray]) -> None:
         self.times_sampled = arrays["remover.times_sampled"]
 
-    def is_retired(self, rows: np.ndarray) -> np.ndarray:
-        return self.times_sampled.take(rows) >= self.max_times_sampled
-
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
         # Rows in the range were not items before (new rows, or a last row that just got its successor).
         for row, _, length in ring._ring_pieces(lo, hi - lo):

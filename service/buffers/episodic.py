@@ -50,6 +50,7 @@ from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from service.limiters import RateLimiter
 from service.removers import FifoRemover, MaxTimesSampledRemover
+from service.samplers.kernels import REWARD_DTYPES
 from service.samplers.modes import BatchMode
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.uniform import UniformSampler
@@ -137,9 +138,9 @@ class EpisodicBuffer(EpisodicRing):
         self.reward_field = reward_field if reward_field in by_name else None
         if self.reward_field is not None:
             reward = by_name[reward_field]
-            if reward.observation or reward.shape != () or not np.issubdtype(np.dtype(reward.dtype), np.floating):
+            if reward.observation or reward.shape != () or reward.dtype not in REWARD_DTYPES:
                 raise InvalidArgument(
-                    f"reward field {reward_field!r} must be a scalar floating per-step field, got "
+                    f"reward field {reward_field!r} must be a scalar float32 or float64 per-step field, got "
                     f"{reward.dtype}{list(reward.shape)} observation={reward.observation}"
                 )
         self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions

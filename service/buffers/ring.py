@@ -19,6 +19,7 @@ import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
 from service.removers import FifoRemover, MaxTimesSampledRemover
+from service.samplers import kernels
 from service.samplers.draw import Draw
 from service.samplers.modes import BatchMode
 from service.samplers.prioritized import PrioritizedSampler
@@ -26,10 +27,10 @@ from service.samplers.uniform import UniformSampler
 from service.schema import Field
 from service.storage.shared_arrays import SharedArrays
 
-OPEN = -1  # row_end of a row whose episode is still open
-HOLE = -2  # row_end of a row that holds no episode
+OPEN, HOLE = kernels.OPEN, kernels.HOLE  # row_end of a row whose episode is open / that holds no episode
+NO_COUNTS = np.empty(0, dtype=np.int64)  # no remover counts draws
 
-ALIVE, IS_OPEN, TERMINATED = 1, 2, 4  # extent flags
+ALIVE, IS_OPEN, TERMINATED = 1, 2, kernels.TERMINATED  # extent flags
 
 # Indices into the shared `state` array.
 HEAD, TAIL_SEQ, NEXT_SEQ, EPISODES, SAMPLEABLE, STORED, TAIL_POS = range(7)
@@ -131,19 +132,20 @@ class EpisodicRing:
 
     # ------------------------------------------------------------------ lookups
     def episode_bounds(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Ring rows, episode bounds and open-episode mask of absolute positions.
+        """Ring rows, episode bounds and closed-episode mask of absolute positions.
 
         The bound is the absolute position of the episode's final row (the last landed row while the
-        episode is open); positions that hold no episode get HOLE. Sampleable iff position < bound.
+        episode is open); positions that hold no episode, or a step a remover retired, get HOLE.
+        Sampleable iff position < bound.
         """
-        rows = positions % self.capacity
-        bounds = self.row_end.take(rows)
-        in_open = bounds == OPEN
-        if np.count_nonzero(in_open):
-            bounds[in_open] = self.extent_last.take(self.row_seq.take(rows[in_open]) % self.extent_slots)
-        if self.remover.retires:  # a retired step is no longer an item: samplers see a hole
-            bounds[self.remover.is_retired(rows)] = HOLE
-        return rows, bounds, in_open
+        return kernels.episode_bounds(np.asarray(positions, dtype=np.int64), *self.bound_tables())
+
+    def bound_tables(self) -> tuple:
+        """The arguments after `positions` of the bound-lookup kernels."""
+        retired_counts, max_times = ((self.remover.times_sampled, self.remover.max_times_sampled)
+                                     if self.remover.retires else (NO_COUNTS, 0))
+        return (self.capacity, self.row_end, self.row_seq, self.extent_last, self.extent_slots, retired_counts,
+                max_times)
 
     def terminated_at(self, rows: np.ndarray) -> np.ndarray:
         """Whether the episode of each row ended by termination (False for open or truncated episodes)."""

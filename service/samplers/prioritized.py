@@ -94,10 +94,10 @@ class PrioritizedSampler:
         # Leaf = ring row; the live range lies within the last `capacity` positions before the head.
         base = ring.head - ring.capacity
         positions = base + (leaves - base) % ring.capacity
-        rows, bounds, in_open = ring.episode_bounds(positions)
+        rows, bounds, closed = ring.episode_bounds(positions)
         values = self.tree.get(leaves)
         weight = np.power(values / self.tree.min_positive, -importance_beta).astype(np.float32)
-        return Draw(positions, rows, bounds, ~in_open, {"probability": values / total, "weight": weight})
+        return Draw(positions, rows, bounds, closed, {"probability": values / total, "weight": weight})
 
     def update_priorities(self, ring: EpisodicBuffer, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
         """Sets the priorities of live keys; returns (applied, ignored_stale). Call with ring.lock held.

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from service.errors import FailedPrecondition
+from service.samplers import kernels
 from service.samplers.draw import Draw
 from service.storage.shared_arrays import ArraySpec
 
@@ -15,12 +17,10 @@ if TYPE_CHECKING:
 # Below this fraction of sampleable positions in the live range, rejection would take many rounds,
 # so the sampler enumerates the sampleable positions instead (only tiny-episode or hole-ridden rings).
 _DENSE_ENOUGH = 1 / 16
-
-
-def _uniform_integers(rng: np.random.Generator, low: int, high: int, size: int) -> np.ndarray:
-    # Twice as fast as Generator.integers for small batches; the bias of flooring a 53-bit uniform
-    # is below 2^-53 * (high - low), far under any statistical test's resolution.
-    return low + (rng.random(size) * (high - low)).astype(np.int64)
+# Each round draws about 1.06x the expected number of candidates it needs, so one usually suffices and
+# 64 never fall short in practice; a lock-free reader can get there only when evictions emptied the
+# range it read.
+_MAX_ROUNDS = 64
 
 
 class UniformSampler:
@@ -46,25 +46,27 @@ class UniformSampler:
             candidates = np.arange(low, high, dtype=np.int64)
             _, bounds, _ = ring.episode_bounds(candidates)
             positions = rng.choice(candidates[candidates < bounds], size=batch_size)
-            rows, bounds, in_open = ring.episode_bounds(positions)
-            return Draw(positions, rows, bounds, ~in_open)
+            return Draw(positions, *ring.episode_bounds(positions))
         # Rejection sampling over the live range is exactly uniform over sampleable positions: final
-        # observations and holes are dropped. One oversampled round almost always yields enough, so the
-        # usual call runs a fixed, short sequence of vector operations; a second round tops up.
-        positions = rows = bounds = in_open = None
+        # observations and holes are dropped. One oversampled round almost always yields enough; a
+        # second round tops up.
+        tables = ring.bound_tables()
+        candidates_per_step = 1.0625 * min(1 / _DENSE_ENOUGH, (high - low) / max(ring.sampleable_steps, 1))
+        parts = []
         needed = batch_size
-        while needed:
-            candidates = _uniform_integers(rng, low, high, needed + needed // 16 + 8)
-            cand_rows, cand_bounds, cand_open = ring.episode_bounds(candidates)
-            keep = np.flatnonzero(candidates < cand_bounds)[:needed]
-            parts = candidates.take(keep), cand_rows.take(keep), cand_bounds.take(keep), cand_open.take(keep)
-            if positions is None:
-                positions, rows, bounds, in_open = parts
-            else:
-                positions, rows, bounds, in_open = (np.concatenate(pair) for pair in
-                                                    zip((positions, rows, bounds, in_open), parts, strict=True))
-            needed = batch_size - len(positions)
-        return Draw(positions, rows, bounds, ~in_open)
+        for _ in range(_MAX_ROUNDS):
+            uniforms = rng.random(int(needed * candidates_per_step) + 8)
+            part = kernels.draw_uniform(uniforms, low, high, needed, *tables)
+            parts.append(part)
+            needed -= len(part[0])
+            if not needed:
+                if len(parts) == 1:
+                    return Draw(*part)
+                return Draw(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+        raise FailedPrecondition(
+            f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
+            f"[{low}, {high}) (sampleable_steps={ring.sampleable_steps}); the ring changed under the draw"
+        )
 
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
         """Positions [lo, hi) changed (new rows, or rows that just got a successor)."""

@@ -1,0 +1,187 @@
+"""Compiled loops of the sampling hot path (numba): bound lookup, rejection draw, n-step and geometric targets.
+
+A batch of 256 needs a few dozen elementwise steps per sample; as numpy calls that is about twenty
+calls of ~1 µs of overhead each, as one compiled loop per stage it is a few µs. The column gathers
+stay numpy `take` calls: they are single calls already, and work for any dtype and row shape.
+
+Kernels release the GIL (the servicer's threads overlap them). Importing this module compiles them
+for the array types a writer and a read-only reader pass (or loads them from numba's on-disk cache),
+so no sample waits on the compiler; `NUMBA_CACHE_DIR` moves the cache where the package directory is
+read-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from numba import njit
+
+OPEN = -1  # row_end of a row whose episode is still open
+HOLE = -2  # row_end of a row that holds no episode
+TERMINATED = 4  # extent flag
+
+REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_targets is compiled for ahead
+
+
+def _jit(function: Callable) -> Callable:
+    return njit(cache=True, nogil=True)(function)
+
+
+@njit(inline="always")
+def _wrap(row: int, capacity: int) -> int:
+    """A row index past the ring's end by less than one lap, wrapped (no division)."""
+    return row - capacity if row >= capacity else row
+
+
+@njit(inline="always")
+def _bound(row: int, row_end: np.ndarray, row_seq: np.ndarray, extent_last: np.ndarray, extent_slots: int,
+           times_sampled: np.ndarray, max_times_sampled: int) -> tuple[int, bool]:
+    bound = row_end[row]
+    closed = True
+    if bound == OPEN:  # the open episode's bound is its last landed row, kept in the extent table
+        bound = extent_last[row_seq[row] % extent_slots]
+        closed = False
+    if times_sampled.size and times_sampled[row] >= max_times_sampled:
+        bound = HOLE  # a retired step is no longer an item
+    return bound, closed
+
+
+@_jit
+def episode_bounds(positions: np.ndarray, capacity: int, row_end: np.ndarray, row_seq: np.ndarray,
+                   extent_last: np.ndarray, extent_slots: int, times_sampled: np.ndarray,
+                   max_times_sampled: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, bounds, closed) of absolute positions; see EpisodicRing.episode_bounds."""
+    count = positions.size
+    rows = np.empty(count, np.int64)
+    bounds = np.empty(count, np.int64)
+    closed = np.empty(count, np.bool_)
+    for i in range(count):
+        rows[i] = positions[i] % capacity
+        bounds[i], closed[i] = _bound(rows[i], row_end, row_seq, extent_last, extent_slots, times_sampled,
+                                      max_times_sampled)
+    return rows, bounds, closed
+
+
+@_jit
+def draw_uniform(uniforms: np.ndarray, low: int, high: int, batch_size: int, capacity: int, row_end: np.ndarray,
+                 row_seq: np.ndarray, extent_last: np.ndarray, extent_slots: int, times_sampled: np.ndarray,
+                 max_times_sampled: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rejection sampling over [low, high): one candidate per uniform, kept when it is a step.
+
+    Returns (positions, rows, bounds, closed) of up to `batch_size` accepted candidates, in draw order;
+    fewer when the uniforms ran out (the caller draws the rest).
+    """
+    positions = np.empty(batch_size, np.int64)
+    rows = np.empty(batch_size, np.int64)
+    bounds = np.empty(batch_size, np.int64)
+    closed = np.empty(batch_size, np.bool_)
+    span = high - low
+    low_row = low % capacity
+    accepted = 0
+    for u in uniforms:
+        if accepted == batch_size:
+            break
+        offset = np.int64(u * span)  # < span <= capacity
+        position = low + offset
+        row = low_row + offset
+        if row >= capacity:
+            row -= capacity
+        bound, is_closed = _bound(row, row_end, row_seq, extent_last, extent_slots, times_sampled,
+                                  max_times_sampled)
+        if position < bound:  # a step: it has a successor in its episode
+            positions[accepted], rows[accepted], bounds[accepted], closed[accepted] = position, row, bound, is_closed
+            accepted += 1
+    return positions[:accepted], rows[:accepted], bounds[:accepted], closed[:accepted]
+
+
+@_jit
+def transition_targets(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarray, closed: np.ndarray, n_step: int,
+                       powers: np.ndarray, capacity: int, reward: np.ndarray, row_seq: np.ndarray,
+                       extent_flags: np.ndarray, extent_slots: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(next_rows, terminated, truncated, n_step_return, bootstrap_discount, bootstrap_rows); see TransitionsMode.
+
+    `powers` = gamma^0 .. gamma^n_step; `reward` is the reward column (empty: no reward field, and then
+    n_step_return and bootstrap_discount are not computed).
+    """
+    count = positions.size
+    next_rows = np.empty(count, np.int64)
+    bootstrap_rows = np.empty(count, np.int64)
+    terminated = np.zeros(count, np.bool_)
+    truncated = np.zeros(count, np.bool_)
+    n_step_return = np.zeros(count, np.float32)
+    bootstrap_discount = np.zeros(count, np.float32)
+    has_reward = reward.size > 0
+    for i in range(count):
+        position, row = positions[i], rows[i]
+        n_eff = min(n_step, bounds[i] - position)
+        next_rows[i] = _wrap(row + 1, capacity)
+        bootstrap_rows[i] = _wrap(row + n_eff, capacity)
+        # Only a window that reaches a closed episode's final row can see its termination.
+        episode_terminated = False
+        if closed[i] and bounds[i] == position + n_eff:
+            episode_terminated = (extent_flags[row_seq[row] % extent_slots] & TERMINATED) != 0
+            if n_eff == 1:  # the 1-step transition is the episode's last
+                terminated[i] = episode_terminated
+                truncated[i] = not episode_terminated
+        if has_reward:
+            total = 0.0
+            for k in range(n_eff):
+                total += powers[k] * reward[_wrap(row + k, capacity)]
+            n_step_return[i] = total
+            bootstrap_discount[i] = 0.0 if episode_terminated else powers[n_eff]
+    return next_rows, terminated, truncated, n_step_return, bootstrap_discount, bootstrap_rows
+
+
+@_jit
+def geometric_offsets(uniforms: np.ndarray, discount: float, positions: np.ndarray, rows: np.ndarray,
+                      bounds: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, future_rows): d in 1..M with P(d) proportional to discount^(d-1), M = bound - position.
+
+    Inverse CDF: CDF(k) = (1 - g^k) / (1 - g^M), so d = ceil(log(1 - u (1 - g^M)) / log g) for u ~ U[0, 1).
+    """
+    count = positions.size
+    offsets = np.empty(count, np.int64)
+    future_rows = np.empty(count, np.int64)
+    log_g = np.log(discount) if 0.0 < discount < 1.0 else 0.0
+    for i in range(count):
+        horizon = bounds[i] - positions[i]
+        if discount == 0.0:
+            offset = 1
+        elif discount == 1.0:
+            offset = np.int64(uniforms[i] * horizon) + 1
+        else:
+            offset = np.int64(np.ceil(np.log1p(uniforms[i] * np.expm1(horizon * log_g)) / log_g))
+        offset = min(max(offset, 1), horizon)  # float rounding at the ends of the CDF
+        offsets[i] = offset
+        future_rows[i] = _wrap(rows[i] + offset, capacity)
+    return offsets, future_rows
+
+
+def _compile_ahead() -> None:
+    """Runs every kernel once on tiny arrays, writable and read-only (a reader's shared memory)."""
+    def tables(readonly: bool) -> tuple:
+        row_end, row_seq, extent_last, counts = (np.zeros(4, np.int64) for _ in range(4))
+        for array in (row_end, row_seq, extent_last, counts):
+            array.flags.writeable = not readonly
+        return 4, row_end, row_seq, extent_last, 3, counts, 1
+
+    positions = np.zeros(2, np.int64)
+    read_only_positions = positions.copy()
+    read_only_positions.flags.writeable = False
+    closed = np.ones(2, np.bool_)
+    for readonly in (False, True):
+        capacity, row_end, row_seq, extent_last, slots, counts, max_times = tables(readonly)
+        for keys in (positions, read_only_positions):
+            episode_bounds(keys, capacity, row_end, row_seq, extent_last, slots, counts, max_times)
+        draw_uniform(np.zeros(2), 0, 2, 2, capacity, row_end, row_seq, extent_last, slots, counts, max_times)
+        for dtype in REWARD_DTYPES:
+            reward = np.zeros(4, dtype)
+            reward.flags.writeable = not readonly
+            transition_targets(positions, positions, positions + 1, closed, 1, np.ones(2), capacity, reward,
+                               row_seq, extent_last, slots)
+        geometric_offsets(np.zeros(2), 0.5, positions, positions, positions + 1, capacity)
+
+
+_compile_ahead()
