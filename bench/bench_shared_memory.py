@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from bench.bench_replay import PROFILES, Profile, ServerProcess, insert_requests
+from bench.bench_replay import PROFILES, Profile, ServerProcess, insert_batches
 from client.local_reader import LocalReader
-from client.replay_client import ReplayClient
+from client.replay_client import ReplayClient, spans_requests
 
 
 def record(case: str, metric: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0,
@@ -31,9 +31,10 @@ def record(case: str, metric: str, value: float, unit: str, baseline: str = "", 
 
 def fill(client: ReplayClient, profile: Profile, capacity: int) -> None:
     client.create_buffer(profile.name, capacity, profile.schema)
-    requests, _, _ = insert_requests(profile, profile.name, 20_000 if profile.name == "cartpole" else 2_000,
-                                     int(capacity * 1.2), np.random.default_rng(0))
-    client.insert(requests, timeout=600)
+    batches, _, _ = insert_batches(profile, 20_000 if profile.name == "cartpole" else 2_000, int(capacity * 1.2),
+                                   np.random.default_rng(0))
+    for spans in batches:
+        client.insert(spans_requests(profile.name, spans, client.max_request_bytes), timeout=600)
 
 
 def items_per_second(stream, batch_size: int, seconds: float) -> float:
