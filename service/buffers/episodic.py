@@ -194,7 +194,6 @@ class EpisodicBuffer(EpisodicRing):
         EpisodicRing.__init__(self, storage, sampler, remover)
         self.limiter = limiter
         self.row_bytes = sum(f.row_bytes for f in self.fields)
-        self.remover.bind(storage.arrays)
         self.lock = threading.Lock()
         self.inserted = threading.Condition(self.lock)  # wakes samplers waiting for data
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed

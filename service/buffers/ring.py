@@ -82,6 +82,12 @@ class EpisodicRing:
         self.state = arrays["state"]
         self.sampler = sampler
         self.remover = remover
+        remover.bind(arrays)
+        retired_counts, max_times = ((remover.times_sampled, remover.max_times_sampled) if remover.retires
+                                     else (NO_COUNTS, 0))
+        # The arguments after `positions` of the bound-lookup kernels.
+        self.bound_tables = (self.capacity, self.row_end, self.row_seq, self.extent_last, self.extent_slots,
+                             retired_counts, max_times)
 
     @classmethod
     def attach(cls, header_name: str) -> EpisodicRing:
@@ -138,14 +144,7 @@ class EpisodicRing:
         episode is open); positions that hold no episode, or a step a remover retired, get HOLE.
         Sampleable iff position < bound.
         """
-        return kernels.episode_bounds(np.asarray(positions, dtype=np.int64), *self.bound_tables())
-
-    def bound_tables(self) -> tuple:
-        """The arguments after `positions` of the bound-lookup kernels."""
-        retired_counts, max_times = ((self.remover.times_sampled, self.remover.max_times_sampled)
-                                     if self.remover.retires else (NO_COUNTS, 0))
-        return (self.capacity, self.row_end, self.row_seq, self.extent_last, self.extent_slots, retired_counts,
-                max_times)
+        return kernels.episode_bounds(np.ascontiguousarray(positions, dtype=np.int64), *self.bound_tables)
 
     def terminated_at(self, rows: np.ndarray) -> np.ndarray:
         """Whether the episode of each row ended by termination (False for open or truncated episodes)."""

@@ -50,7 +50,7 @@ class UniformSampler:
         # Rejection sampling over the live range is exactly uniform over sampleable positions: final
         # observations and holes are dropped. One oversampled round almost always yields enough; a
         # second round tops up.
-        tables = ring.bound_tables()
+        tables = ring.bound_tables
         candidates_per_step = 1.0625 * min(1 / _DENSE_ENOUGH, (high - low) / max(ring.sampleable_steps, 1))
         parts = []
         needed = batch_size
