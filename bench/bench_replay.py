@@ -1,6 +1,7 @@
 """Replay sampling and insert speed: in-process against bare numpy and seed 000, and over gRPC.
 
     .venv/bin/python -m bench.bench_replay [--quick]      # JSON lines on stdout
+    .venv/bin/python -m bench.bench_replay --quick --grpc [--profile atari,cartpole]   # section 2 and 3 only
 
 1. In-process `EpisodicBuffer.sample` (transitions n=1, n=3, geometric) per profile, median and p90 µs
    per call, beside (a) the bare numpy gather of the same rows from precomputed random indices (fresh
@@ -10,7 +11,9 @@
    wrong there (seed 000's vectorized terminal table is never cleared when a slot is reused).
 2. gRPC sampling over loopback from a server subprocess (separate GIL): one client, `sample_stream` and
    unary `sample`; cartpole transitions/s, mujoco and atari MB/s (decoded batch nbytes, aliased arrays
-   once) against plain loopback TCP measured in the same run.
+   once, median of 5 passes) against plain loopback TCP measured in the same run. The machine is shared,
+   so the stream figures also come against a short TCP transfer run right after each pass
+   (`loopback_tcp_interleaved`, median): both sides then see the same load.
 3. gRPC insert as a writer does it: batches of whole episodes (numpy), encoded and split into requests of up
    to `max_request_bytes` by the client (`spans_requests`), one stream per batch; median of the passes after
    the first (which faults in fresh shared memory).
@@ -22,6 +25,7 @@ TCP (atari); insert >= 1.2 GB/s (atari), >= 1.5M steps/s (cartpole).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -30,7 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,14 +307,17 @@ def insert_batches(profile: Profile, rows_per_batch: int, steps: int, rng: np.ra
     return batches, total_steps, total_bytes
 
 
-def bench_grpc(quick: bool, tcp_mbps: float) -> list[dict]:
-    """Insert and sample over gRPC against a server subprocess (its own GIL, as deployed)."""
+def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = None) -> list[dict]:
+    """Insert and sample over gRPC against a server subprocess (its own GIL, as deployed). `profiles`: names
+    of the profiles to run (None: all)."""
     out = []
     server = ServerProcess()
     client = ReplayClient(server.address, timeout=600)
     try:
         client.wait_ready(30)
         for profile in PROFILES:
+            if profiles is not None and profile.name not in profiles:
+                continue
             capacity = profile.quick_capacity if quick else profile.capacity
             rng = np.random.default_rng(3)
             name = f"bench_{profile.name}"
@@ -356,8 +363,15 @@ def bench_grpc(quick: bool, tcp_mbps: float) -> list[dict]:
                     return time.perf_counter() - start, total
 
                 one_pass(20)
-                runs = [one_pass(batches) for _ in range(3)]
-                elapsed, total = sorted(runs)[1]  # the median run
+                runs, beside = [], []
+                for _ in range(5):
+                    runs.append(one_pass(batches))
+                    if how == "sample_stream" and profile.name != "cartpole":
+                        # as many bytes (in whole 4 MiB writes) over plain loopback TCP, right after the pass
+                        write_mb = 4
+                        beside_mb = write_mb * max(4, round(runs[-1][1] / 2**20 / write_mb))
+                        beside.append(loopback_tcp_gbps(beside_mb, write_mb, repeats=1) * 1e3)
+                elapsed, total = sorted(runs)[len(runs) // 2]  # the median run
                 case = f"{profile.name} {how} transitions n_step=1 batch={profile.batch}"
                 mbps = total / elapsed / MB
                 if profile.name == "cartpole":
@@ -366,6 +380,10 @@ def bench_grpc(quick: bool, tcp_mbps: float) -> list[dict]:
                 target = {"mujoco": " (target >= 700 MB/s)", "atari": " (target: speedup >= 0.4)"}
                 out.append(record(case + (target.get(profile.name, "") if how == "sample_stream" else ""),
                                   "MB_per_s", mbps, "MB/s", "loopback_tcp", tcp_mbps, mbps / tcp_mbps))
+                if beside:
+                    tcp_beside = float(np.median(beside))
+                    out.append(record(case, "MB_per_s", mbps, "MB/s", "loopback_tcp_interleaved", tcp_beside,
+                                      mbps / tcp_beside))
             client.delete_buffer(name)
     finally:
         client.close()
@@ -383,7 +401,24 @@ def run(quick: bool = False) -> list[dict]:
     return records
 
 
+def run_grpc(quick: bool = False, profiles: Collection[str] | None = None) -> list[dict]:
+    """Sections 2 and 3 alone (with the TCP baseline they are compared with)."""
+    tcp_gbps = loopback_tcp_gbps(512 if quick else 2048)
+    return [record("loopback TCP, 4 MiB writes, one connection", "tcp_MB_per_s", tcp_gbps * 1e3, "MB/s"),
+            *bench_grpc(quick, tcp_gbps * 1e3, profiles)]
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for row in run(quick="--quick" in sys.argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller rings and fewer repeats")
+    parser.add_argument("--grpc", action="store_true", help="only the gRPC sections (2 and 3)")
+    parser.add_argument("--profile", help="comma-separated profiles for the gRPC sections (default: all)")
+    args = parser.parse_args()
+    if args.profile and not args.grpc:
+        parser.error("--profile applies to the gRPC sections: add --grpc")
+    chosen = set(args.profile.split(",")) if args.profile else None
+    if chosen is not None and not chosen <= {p.name for p in PROFILES}:
+        parser.error(f"--profile: expected names among {[p.name for p in PROFILES]}, got {sorted(chosen)}")
+    for row in run_grpc(args.quick, chosen) if args.grpc else run(quick=args.quick):
         print(json.dumps(row), flush=True)

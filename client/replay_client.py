@@ -516,7 +516,8 @@ class ReplayClient:
 
     def sample_stream(self, buffer: str, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
                       timeout: float | None = None, **options: Any) -> Iterator[dict[str, np.ndarray]]:
-        """Batches from one server stream; HTTP/2 flow control keeps several in flight.
+        """Batches from one server stream; HTTP/2 flow control keeps several in flight (and the server samples
+        the next batch while it sends one). Each batch is decoded without a copy: numpy views of the message.
 
         `num_batches=0` streams until the iterator is closed (which cancels the call).
         """

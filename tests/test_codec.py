@@ -80,3 +80,87 @@ def test_two_record_batches_are_rejected() -> None:
         codec.decode(schema + record + record + b"\xff\xff\xff\xff\x00\x00\x00\x00")
     with pytest.raises(codec.CodecError, match="ends before its record batch"):
         codec.decode(schema + b"\xff\xff\xff\xff\x00\x00\x00\x00")
+
+
+LAYOUTS = [
+    # name -> (dtype, row shape); sizes chosen so that bodies need padding to 8 bytes
+    {"obs": (np.uint8, (3, 5)), "flag": (np.bool_, ()), "half": (np.float16, (3,)), "id": (np.uint64, ())},
+    {"obs": (np.float32, (7,)), "action": (np.int64, ()), "reward": (np.float32, ())},
+    {"big": (np.uint8, (84, 84, 4)), "small": (np.int8, ())},  # over the writer's parts threshold
+]
+
+
+def _columns(layout: dict, rows: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    columns = {name: rng.integers(0, 2 if dtype == np.bool_ else 100, (rows, *shape)).astype(dtype)
+               for name, (dtype, shape) in layout.items()}
+    if "obs" in columns:
+        columns["next_obs"] = columns["obs"]  # an alias
+    return columns
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_encoding_a_known_layout_gives_arrows_bytes(layout: dict, rows: int) -> None:
+    for seed in (0, 1):  # the second time a layout comes, its frame is learned
+        codec.encode(_columns(layout, rows, seed=seed))
+    names = (*layout, "next_obs") if "obs" in layout else tuple(layout)
+    assert any(isinstance(frame, codec._Frame) for (key, count), frame in codec._frames.items()
+               if count == rows and tuple(name for name, _, _ in key[0]) + tuple(a for a, _ in key[1]) == names)
+    columns = _columns(layout, rows, seed=2)
+    parts = codec.encode_parts(columns)
+    assert codec.encoded_size(parts) == len(b"".join(parts))
+    fast = b"".join(parts)
+    codec._frames.clear()  # Arrow's writer again, for the same columns
+    assert fast == codec.encode(columns)
+    table = pa.ipc.open_stream(fast).read_all()  # Arrow's own reader agrees
+    assert table.num_rows == rows
+    decoded = codec.decode(fast)
+    for name, array in columns.items():
+        np.testing.assert_array_equal(decoded[name], array)
+        assert decoded[name].dtype == array.dtype
+
+
+def test_encoded_parts_are_views_of_the_columns() -> None:
+    obs = np.arange(2 * 300_000, dtype=np.uint32).astype(np.uint8).reshape(2, 300_000)
+    address = obs.__array_interface__["data"][0]
+    for _ in range(3):  # Arrow's writer, then the learned frame
+        parts = codec.encode_parts({"obs": obs, "a": np.arange(2)})
+        bodies = [p for p in parts if memoryview(p).nbytes == obs.nbytes]
+        assert len(bodies) == 1
+        assert np.frombuffer(bodies[0], np.uint8).__array_interface__["data"][0] == address
+
+
+def test_decode_maps_a_validated_layout_again() -> None:
+    layout = LAYOUTS[0]
+    first = codec.encode(_columns(layout, 5, seed=0))
+    codec.decode(first)  # validated by Arrow; its layout is remembered
+    columns = _columns(layout, 5, seed=2)
+    payload = codec.encode(columns)
+    decoded = codec.decode(payload)
+    base = np.frombuffer(payload, np.uint8).__array_interface__["data"][0]
+    for name, array in columns.items():
+        np.testing.assert_array_equal(decoded[name], array)
+        assert decoded[name].dtype == array.dtype and not decoded[name].flags.writeable
+        address = decoded[name].__array_interface__["data"][0]
+        assert base <= address < base + len(payload)  # a view, not a copy
+    assert decoded["next_obs"] is decoded["obs"]
+    # The same checks as Arrow's path: booleans are 0/1, and the size must be the validated one.
+    flag = decoded["flag"].__array_interface__["data"][0] - base
+    corrupt = bytearray(payload)
+    corrupt[flag] = 2
+    with pytest.raises(codec.CodecError, match="'flag': boolean bytes must be 0 or 1"):
+        codec.decode(bytes(corrupt))
+    with pytest.raises(codec.CodecError):
+        codec.decode(payload[:-40])  # the same head over a body shorter than it says
+    # Other buffer types still decode (bytearray: through Arrow; it is writable).
+    for other in (memoryview(payload), pa.py_buffer(payload), bytearray(payload)):
+        np.testing.assert_array_equal(codec.decode(other)["obs"], columns["obs"])
+
+
+def test_trailing_bytes_after_the_stream_are_not_remembered() -> None:
+    columns = {"x": np.arange(12, dtype=np.int32).reshape(4, 3)}
+    payload = codec.encode(columns) + b"\x00" * 8
+    for _ in range(2):
+        np.testing.assert_array_equal(codec.decode(payload)["x"], columns["x"])
+    assert not any(layout.size == len(payload) for layout in codec._layouts.values())

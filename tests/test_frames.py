@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire.codec import CodecError
 from service.wire.frames import InsertFrame, sample_response_batch, sample_response_bytes, split_bytes_field
@@ -30,3 +32,23 @@ MALFORMED = [b"\x12\x05abc", b"\x80", b"\x0f\x00", b"\x12\xff\xff\xff\xff\xff\xf
 def test_malformed_frames_raise_codec_error(raw: bytes) -> None:
     with pytest.raises(CodecError):
         split_bytes_field(raw, 2)
+
+
+@given(parts=st.lists(st.binary(max_size=300), max_size=6))
+def test_sample_response_from_parts_is_protobuf(parts: list[bytes]) -> None:
+    raw = sample_response_bytes(tuple(parts))
+    assert pb.SampleResponse.FromString(raw).batch == b"".join(parts)
+    assert bytes(sample_response_batch(raw)) == b"".join(parts)
+    if any(parts):  # protobuf itself leaves an empty field out; the hand framing writes it, empty
+        assert raw == pb.SampleResponse(batch=b"".join(parts)).SerializeToString()
+
+
+def test_sample_response_joins_numpy_parts_once() -> None:
+    obs = np.arange(200_000, dtype=np.uint32).astype(np.uint8)
+    flags = np.array([True, False, True])
+    payload = codec.encode_parts({"obs": obs.reshape(4, 50_000), "flag": np.array([True, False, True, True])})
+    raw = sample_response_bytes(payload)
+    assert pb.SampleResponse.FromString(raw).batch == b"".join(payload)
+    decoded = codec.decode(sample_response_batch(raw))
+    np.testing.assert_array_equal(decoded["obs"].reshape(-1), obs)
+    assert pb.SampleResponse.FromString(sample_response_bytes((b"ab", flags))).batch == b"ab\x01\x00\x01"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -10,8 +11,11 @@ import pytest
 
 from client import EpisodeWriter, ReplayClient
 from client.replay_client import Span, spans_request
+from service import errors
 from service.grpc_server.server import ReplayServer
+from service.grpc_server.servicer import _Ahead
 from service.storage.shared_arrays import SharedArrays
+from service.wire import codec
 from service.wire import replay_pb2 as pb
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -192,3 +196,90 @@ def test_delete_unlinks_and_list(client: ReplayClient) -> None:
     assert client.list_buffers() == []
     with pytest.raises(FileNotFoundError):
         SharedArrays.attach(info["shm_name"])
+
+
+def test_stream_is_plain_protobuf_reproducible_and_exact(server: ReplayServer, client: ReplayClient) -> None:
+    rng = np.random.default_rng(3)
+    client.create_buffer("p", 10_000, SCHEMA)
+    client.insert_episodes("p", [episode(rng, 30) for _ in range(8)], [True] * 8)
+    before = client.describe("p")["counters"].get("sampled_batches", 0)
+    # Any gRPC client with the generated classes reads the stream: the messages are ordinary SampleResponses.
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_stream("/replayd.v1.Replay/SampleStream",
+                                    request_serializer=pb.SampleStreamRequest.SerializeToString,
+                                    response_deserializer=pb.SampleResponse.FromString)
+        request = pb.SampleStreamRequest(request=ReplayClient.sample_request("p", 16, seed=7), num_batches=5)
+        responses = list(call(request, timeout=20))
+    plain = [codec.decode(response.batch) for response in responses]
+    assert len(plain) == 5 and all(batch["obs"].shape == (16, 4) for batch in plain)
+    # Sampled ahead of gRPC, still one generator per stream: seeded streams repeat batch after batch, and
+    # the first batch is the unary sample of the same seed.
+    ours = list(client.sample_stream("p", 16, num_batches=5, seed=7))
+    for a, b in zip(plain, ours, strict=True):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+    np.testing.assert_array_equal(client.sample("p", 16, seed=7)["obs"], ours[0]["obs"])
+    # Exactly num_batches were sampled per stream (none ahead of the end), plus the unary one.
+    assert client.describe("p")["counters"]["sampled_batches"] == before + 11
+    sent = server.metrics.get_sample_value("replayd_rpc_sent_bytes_total",
+                                           {"method": "SampleStream", "buffer": "p"})
+    assert sent == sum(len(response.batch) for response in responses) * 2  # payload bytes, both streams
+
+
+def test_cancelled_stream_stops_its_producer(client: ReplayClient) -> None:
+    client.create_buffer("c", 10_000, SCHEMA)
+    client.insert_episodes("c", [episode(np.random.default_rng(4), 30) for _ in range(4)], [True] * 4)
+    stream = client.sample_stream("c", 8)  # until cancelled
+    for _ in range(3):
+        next(stream)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while any(t.name == "replayd-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "replayd-ahead" for t in threading.enumerate())
+    code, details = _code(lambda: list(client.sample_stream("c", 8, num_batches=-1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_batches" in details
+    code, details = _code(lambda: list(client.sample_stream("missing", 8, num_batches=2)))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def _messages(count: int, log: list, fail_after: int | None = None):
+    try:
+        for i in range(count):
+            if i == fail_after:
+                raise errors.InvalidArgument(f"message {i}")
+            log.append(("produced", i, threading.current_thread().name))
+            yield i
+    finally:
+        log.append(("closed", threading.current_thread().name))
+
+
+def test_ahead_keeps_order_bounds_its_lead_and_raises_in_place() -> None:
+    log: list = []
+    ahead = _Ahead(_messages(6, log), depth=2, observe=None)
+    first = next(ahead)
+    time.sleep(0.2)  # the producer runs ahead, but at most `depth` messages
+    assert first == 0 and sum(entry[0] == "produced" for entry in log) <= 1 + 2
+    assert list(ahead) == [1, 2, 3, 4, 5]
+    assert log[-1] == ("closed", "replayd-ahead")  # advanced and closed on its own thread only
+    log.clear()
+    failing = _Ahead(_messages(6, log, fail_after=3), depth=1, observe=None)
+    assert [next(failing) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(errors.InvalidArgument, match="message 3"):
+        next(failing)
+    with pytest.raises(StopIteration):
+        next(failing)
+
+
+def test_closing_ahead_closes_the_generator_on_its_thread() -> None:
+    log: list = []
+    timed: list = []
+    ahead = _Ahead(_messages(1000, log), depth=1, observe=lambda seconds, message: timed.append(seconds))
+    assert next(ahead) == 0
+    ahead.close()
+    deadline = time.monotonic() + 5
+    while not log or log[-1][0] != "closed":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert log[-1] == ("closed", "replayd-ahead")
+    assert sum(entry[0] == "produced" for entry in log) <= 3 and timed and min(timed) >= 0

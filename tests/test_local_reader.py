@@ -141,10 +141,11 @@ def test_readers_never_see_torn_samples_while_the_writer_evicts() -> None:
             episode_id += 4
             inserted[0] = episode_id
 
+    thread = threading.Thread(target=writer)
+    readers = []
     try:
         buffer.insert({"obs": make_episode(10_000)["obs"], "reward": make_episode(10_000)["reward"]},
                       Spans.whole_episodes(np.array([episode_length(10_000)]), [10_000], [True]))
-        thread = threading.Thread(target=writer)
         thread.start()
         context = mp.get_context("spawn")
         results = context.Queue()
@@ -153,12 +154,15 @@ def test_readers_never_see_torn_samples_while_the_writer_evicts() -> None:
         for reader in readers:
             reader.start()
         reports = [results.get(timeout=120) for _ in readers]
+    finally:
+        # Readers and the writer thread stop before the segments go: the mapping must outlive them.
+        stop.set()
         for reader in readers:
             reader.join(timeout=30)
-        stop.set()
-        thread.join()
-    finally:
-        stop.set()
+            if reader.is_alive():
+                reader.kill()
+        if thread.is_alive():
+            thread.join()
         buffer.close()
     assert inserted[0] > 1000, "the writer did not keep the ring turning over"
     assert all(report["samples"] > 1000 for report in reports), reports

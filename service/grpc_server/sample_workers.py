@@ -26,9 +26,15 @@ from service.buffers.ring import EpisodicRing, shm_name
 from service.grpc_server import convert
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import channel_options
-from service.grpc_server.servicer import check_sample_request, encode_batch, rpc, stream_rpc, wait_seconds
+from service.grpc_server.servicer import (
+    SAMPLE_AHEAD,
+    check_sample_request,
+    rpc,
+    sample_message,
+    stream_rpc,
+    wait_seconds,
+)
 from service.wire import replay_pb2 as pb
-from service.wire.frames import sample_response_bytes
 
 log = logging.getLogger("replayd.sample_worker")
 
@@ -64,7 +70,7 @@ class SampleWorkerServicer:
             self._rings[buffer] = (inode, ring)
             return ring
 
-    def _payload(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
+    def _message(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
                  deadline: float | None) -> bytes:
         check_sample_request(request, ring, self.max_message_bytes)
         mode = convert.mode_from_request(request)
@@ -75,7 +81,7 @@ class SampleWorkerServicer:
             time.sleep(delay)
             delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
         batch, _ = ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta)
-        return encode_batch(batch, self.max_message_bytes)
+        return sample_message(batch, self.max_message_bytes)
 
     @staticmethod
     def _deadline(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
@@ -88,17 +94,17 @@ class SampleWorkerServicer:
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> bytes:
-        return self._payload(self.ring(request.buffer), request, self._rng(request), self._deadline(request, context))
+        return self._message(self.ring(request.buffer), request, self._rng(request), self._deadline(request, context))
 
-    @stream_rpc
+    @stream_rpc(ahead=lambda servicer, request: SAMPLE_AHEAD)  # workers serve side-effect-free buffers only
     def SampleStream(self, request: pb.SampleStreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         if request.num_batches < 0:
             raise errors.InvalidArgument(f"sample_stream: num_batches expected >= 0, got {request.num_batches}")
         inner = request.request
         ring, rng = self.ring(inner.buffer), self._rng(inner)
         sent = 0
-        while context.is_active() and (request.num_batches == 0 or sent < request.num_batches):
-            yield self._payload(ring, inner, rng, self._deadline(inner, context))
+        while request.num_batches == 0 or sent < request.num_batches:  # see ReplayServicer.SampleStream
+            yield self._message(ring, inner, rng, self._deadline(inner, context))
             sent += 1
 
 
@@ -107,12 +113,11 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
     """A worker process's main: serve until terminated; report the bound port on `ports`."""
     servicer = SampleWorkerServicer(instance, max_message_bytes)
     handlers = {
+        # Both return serialized SampleResponse messages (servicer.sample_message).
         "Sample": grpc.unary_unary_rpc_method_handler(
-            servicer.Sample, request_deserializer=pb.SampleRequest.FromString,
-            response_serializer=sample_response_bytes),
+            servicer.Sample, request_deserializer=pb.SampleRequest.FromString),
         "SampleStream": grpc.unary_stream_rpc_method_handler(
-            servicer.SampleStream, request_deserializer=pb.SampleStreamRequest.FromString,
-            response_serializer=sample_response_bytes),
+            servicer.SampleStream, request_deserializer=pb.SampleStreamRequest.FromString),
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="replayd-sampler"),
                          options=channel_options(max_message_bytes),

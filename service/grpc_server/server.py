@@ -19,7 +19,7 @@ from service.grpc_server.servicer import ReplayServicer, lenient
 from service.recovery import recover_instance
 from service.registry import BufferRegistry
 from service.wire import replay_pb2 as pb
-from service.wire.frames import InsertFrame, sample_response_bytes
+from service.wire.frames import InsertFrame
 
 log = logging.getLogger("replayd")
 
@@ -27,7 +27,8 @@ log = logging.getLogger("replayd")
 
 def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
     """The Replay service's handlers. Inserts and batches skip protobuf's copies of their Arrow payload
-    (service/wire/frames.py): Insert gets InsertFrames, and the sampling RPCs return the payload bytes."""
+    (service/wire/frames.py): Insert gets InsertFrames, and the sampling RPCs return serialized
+    SampleResponse messages, framed by hand as they are encoded (so their serializer is the identity)."""
     unary = grpc.unary_unary_rpc_method_handler
 
     def plain(method, request: type, response: type, kind=unary) -> grpc.RpcMethodHandler:
@@ -42,16 +43,13 @@ def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
         "Insert": grpc.stream_unary_rpc_method_handler(
             servicer.Insert, request_deserializer=lenient(InsertFrame.parse),
             response_serializer=pb.InsertResponse.SerializeToString),
-        "Sample": unary(servicer.Sample, request_deserializer=lenient(pb.SampleRequest.FromString),
-                        response_serializer=sample_response_bytes),
+        "Sample": unary(servicer.Sample, request_deserializer=lenient(pb.SampleRequest.FromString)),
         "SampleStream": grpc.unary_stream_rpc_method_handler(
-            servicer.SampleStream, request_deserializer=lenient(pb.SampleStreamRequest.FromString),
-            response_serializer=sample_response_bytes),
+            servicer.SampleStream, request_deserializer=lenient(pb.SampleStreamRequest.FromString)),
         "UpdatePriorities": plain(servicer.UpdatePriorities, pb.UpdatePrioritiesRequest, pb.UpdatePrioritiesResponse),
         "PushRollout": plain(servicer.PushRollout, pb.PushRolloutRequest, pb.PushRolloutResponse),
         "RolloutMinibatches": grpc.unary_stream_rpc_method_handler(
-            servicer.RolloutMinibatches, request_deserializer=lenient(pb.RolloutMinibatchesRequest.FromString),
-            response_serializer=sample_response_bytes),
+            servicer.RolloutMinibatches, request_deserializer=lenient(pb.RolloutMinibatchesRequest.FromString)),
         "FinishRollout": plain(servicer.FinishRollout, pb.FinishRolloutRequest, pb.BufferInfo),
         "PublishWeights": plain(servicer.PublishWeights, pb.PublishWeightsRequest, pb.PublishWeightsResponse),
         "FetchWeights": plain(servicer.FetchWeights, pb.FetchWeightsRequest, pb.FetchWeightsResponse),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,17 +24,20 @@ from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
 from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
 from service.registry import BufferRegistry
+from service.samplers.modes import BatchMode
 from service.schema import check_buffer_name
 from service.weights import WeightStore
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.frames import InsertFrame
+from service.wire.frames import InsertFrame, sample_response_batch, sample_response_bytes
 
 log = logging.getLogger("replayd")
 
 # Far above any learner's batch; keeps a hostile batch_size from allocating before the size check.
 MAX_BATCH_SIZE = 2**24
+# Sampling streams of side-effect-free buffers sample and encode this many batches ahead of gRPC (see _Ahead).
+SAMPLE_AHEAD = 1
 # Status messages travel as trailing metadata, which clients cap at 8-16 KiB; messages quote request
 # values (names, shapes), so a long one would turn the status into a transport error.
 MAX_STATUS_MESSAGE = 1024
@@ -77,6 +82,13 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _sent_bytes(response: object) -> int:
+    """Payload bytes of a response; batches go out as serialized SampleResponse messages."""
+    if isinstance(response, bytes):
+        return len(sample_response_batch(response))
+    return response_bytes(response)
+
+
 def rpc(method: Callable) -> Callable:
     """Turns replayd errors into gRPC statuses; anything else is INTERNAL and logged with its trace.
     With the servicer's `rpc_metrics`, observes the call's latency and payload bytes (failed calls too)."""
@@ -100,7 +112,7 @@ def rpc(method: Callable) -> Callable:
         finally:
             label = metrics.label(buffers[0] if buffers else "", succeeded)
             metrics.observe_latency(method.__name__, label, time.perf_counter() - start)
-            metrics.add_bytes(method.__name__, label, request_bytes(request), response_bytes(response))
+            metrics.add_bytes(method.__name__, label, request_bytes(request), _sent_bytes(response))
 
     return wrapper
 
@@ -133,35 +145,127 @@ def _counted_frames(metrics: RpcMetrics, method: str, frames: Iterator, buffers:
         yield frame
 
 
-def stream_rpc(method: Callable) -> Callable:
+_END = object()
+
+
+class _Ahead:
+    """Iterates `messages` on a thread of its own, at most `depth` messages ahead of the consumer.
+
+    gRPC's synchronous server hands a streamed message to the transport and waits until it is written
+    before it asks for the next one; produced on that thread, each batch would be sampled and encoded
+    while nothing is sent. Here the next batch is produced while the previous one is being sent (numpy's
+    gathers, the join into the message and gRPC's socket writes release the GIL). Messages and the
+    producer's exception (re-raised here, after the messages before it) arrive in order; the generator
+    is advanced and closed on the producer thread only. `observe(seconds, message)` times each message's
+    production."""
+
+    def __init__(self, messages: Iterator, depth: int, observe: Callable[[float, Any], None] | None) -> None:
+        self._messages, self._depth, self._observe = messages, depth, observe
+        self._ready: collections.deque = collections.deque()
+        self._condition = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._produce, name="replayd-ahead", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        failure: BaseException | None = None
+        try:
+            while True:
+                with self._condition:
+                    while len(self._ready) >= self._depth and not self._closed:
+                        self._condition.wait()
+                    if self._closed:
+                        return
+                start = time.perf_counter()
+                try:
+                    message = next(self._messages)
+                except StopIteration:
+                    return
+                if self._observe is not None:
+                    self._observe(time.perf_counter() - start, message)
+                with self._condition:
+                    self._ready.append(message)
+                    self._condition.notify_all()
+        except BaseException as exc:  # handed to the consumer, raised there
+            failure = exc
+        finally:
+            self._messages.close()
+            with self._condition:
+                if failure is not None:
+                    self._ready.append(failure)
+                self._ready.append(_END)
+                self._condition.notify_all()
+
+    def __iter__(self) -> _Ahead:
+        return self
+
+    def __next__(self):
+        with self._condition:
+            while not self._ready:
+                self._condition.wait()
+            item = self._ready[0]
+            if item is _END:
+                raise StopIteration
+            self._ready.popleft()
+            self._condition.notify_all()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stops the producer after the message it is producing (if any); does not wait for it."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+
+
+def _timed(messages: Iterator, observe: Callable[[float, Any], None] | None) -> Iterator:
+    produce = time.perf_counter()
+    for message in messages:
+        if observe is not None:
+            observe(time.perf_counter() - produce, message)
+        yield message
+        produce = time.perf_counter()
+
+
+def stream_rpc(method: Callable | None = None, *, ahead: Callable[[Any, Any], int] | None = None) -> Callable:
     """`rpc` for server-streaming calls. Metrics: each message's production time (not the time spent handing
-    it to gRPC), its bytes, and the whole stream's latency."""
+    it to gRPC), its bytes, and the whole stream's latency. `ahead(servicer, request)`: how many messages
+    may be produced ahead of gRPC on a thread of the stream's own (_Ahead); 0 or no `ahead`: each is
+    produced when gRPC asks for it."""
+    if method is None:
+        return functools.partial(stream_rpc, ahead=ahead)
 
     @functools.wraps(method)
     def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
         metrics: RpcMetrics | None = getattr(self, "rpc_metrics", None)
-        start = produce = time.perf_counter()
+        start = time.perf_counter()
         succeeded = False
-        messages = None
+        messages = produced = None
         try:
             if isinstance(request, MalformedRequest):
                 raise errors.InvalidArgument(request.error)
-            if metrics is None:
-                yield from method(self, request, context)
-            else:
+            observe = None
+            if metrics is not None:
                 label = metrics.label(buffer_of(request), False)
-                messages = method(self, request, context)
-                for message in messages:
-                    metrics.observe_message(method.__name__, label, time.perf_counter() - produce,
-                                            response_bytes(message))
-                    yield message
-                    produce = time.perf_counter()
+
+                def observe(seconds: float, message: object) -> None:
+                    metrics.observe_message(method.__name__, label, seconds, _sent_bytes(message))
+
+            depth = ahead(self, request) if ahead is not None else 0
+            produced = method(self, request, context)
+            messages = _Ahead(produced, depth, observe) if depth > 0 else _timed(produced, observe)
+            yield from messages
             succeeded = True
         except Exception as exc:
             _abort(self, method, exc, context)
         finally:
-            if messages is not None:
-                messages.close()  # a cancelled stream closes its producer now, as `yield from` would
+            # A cancelled stream stops its producer now, as `yield from` would: an _Ahead closes the method's
+            # generator on its own thread (it may be running there); otherwise it is closed here.
+            if isinstance(messages, _Ahead):
+                messages.close()
+            elif produced is not None:
+                produced.close()
             if metrics is not None:
                 label = metrics.label(buffer_of(request), succeeded)
                 metrics.observe_latency(method.__name__, label, time.perf_counter() - start)
@@ -191,14 +295,17 @@ def check_sample_request(request: pb.SampleRequest, ring: EpisodicRing, max_mess
         )
 
 
-def encode_batch(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
-    payload = codec.encode(batch)
-    if len(payload) > max_message_bytes:
+def sample_message(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
+    """A batch as a serialized SampleResponse, what the sampling RPCs send (their response serializer is
+    the identity): the columns are copied once, from the sampler's arrays into the message."""
+    parts = codec.encode_parts(batch)
+    size = codec.encoded_size(parts)
+    if size > max_message_bytes:
         raise errors.ResourceExhausted(
-            f"sample: the batch encodes to {len(payload)} bytes, over the server's max_message_bytes="
+            f"sample: the batch encodes to {size} bytes, over the server's max_message_bytes="
             f"{max_message_bytes}; lower batch_size or raise --max-message-mb"
         )
-    return payload
+    return sample_response_bytes(parts)
 
 
 class ReplayServicer(pb_grpc.ReplayServicer):
@@ -303,19 +410,23 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return pb.InsertResponse(requests=requests, spans=spans, rows=rows, episodes_completed=completed,
                                  duplicate_spans=duplicates)
 
-    def _sample_payload(self, buffer: EpisodicBuffer, request: pb.SampleRequest, rng: np.random.Generator | None,
-                        wait_seconds: float | None) -> bytes:
+    def _sample_mode(self, buffer: EpisodicBuffer, request: pb.SampleRequest) -> BatchMode:
+        """The request's batch mode, once its size is checked (modes hold no state: one serves a whole stream)."""
         check_sample_request(request, buffer, self.max_message_bytes)
-        mode = convert.mode_from_request(request)
+        return convert.mode_from_request(request)
+
+    def _sample_message(self, buffer: EpisodicBuffer, request: pb.SampleRequest, mode: BatchMode,
+                        rng: np.random.Generator | None, wait_seconds: float | None) -> bytes:
         batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds,
                               importance_beta=request.importance_beta)
-        return encode_batch(batch, self.max_message_bytes)
+        return sample_message(batch, self.max_message_bytes)
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context) -> bytes:
         buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
-        return self._sample_payload(buffer, request, rng, wait_seconds(request, context))
+        return self._sample_message(buffer, request, self._sample_mode(buffer, request), rng,
+                                    wait_seconds(request, context))
 
     @rpc
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context) -> pb.UpdatePrioritiesResponse:
@@ -324,18 +435,32 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                                                     np.array(request.priorities, dtype=np.float64))
         return pb.UpdatePrioritiesResponse(applied=applied, ignored_stale=ignored)
 
-    @stream_rpc
+    def _sample_ahead(self, request: pb.SampleStreamRequest) -> int:
+        """Batches a stream samples ahead of gRPC: SAMPLE_AHEAD where sampling changes nothing (no remover
+        counting draws, no rate limiter), else none: a batch sampled ahead and never sent (the stream was
+        cancelled) must not have counted."""
+        try:
+            buffer = self.registry.episodic(request.request.buffer)
+        except errors.ReplayError:
+            return 0  # the stream fails with the error
+        return SAMPLE_AHEAD if buffer.shared_sampling else 0
+
+    @stream_rpc(ahead=_sample_ahead)
     def SampleStream(self, request: pb.SampleStreamRequest, context) -> Iterator[bytes]:
         inner = request.request
         if request.num_batches < 0:
             raise errors.InvalidArgument(f"sample_stream: num_batches expected >= 0 (0 = until cancelled), "
                                          f"got {request.num_batches}")
         buffer = self.registry.episodic(inner.buffer)
+        mode = self._sample_mode(buffer, inner)
         # One generator for the whole stream: seeded streams are reproducible batch after batch.
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
         sent = 0
-        while context.is_active() and (request.num_batches == 0 or sent < request.num_batches):
-            yield self._sample_payload(buffer, inner, rng, wait_seconds(inner, context))
+        # No context.is_active() here: gRPC asks for a batch only while the call is active, a stream sampling
+        # ahead is stopped by stream_rpc, and is_active() waits for the call's lock, which gRPC holds while it
+        # hands the previous batch to the transport (it would serialize sampling ahead with sending).
+        while request.num_batches == 0 or sent < request.num_batches:
+            yield self._sample_message(buffer, inner, mode, rng, wait_seconds(inner, context))
             sent += 1
 
     # ---------------------------------------------------------------- rollout
@@ -371,7 +496,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         for batch in minibatches:
             if not context.is_active():
                 return
-            yield codec.encode(batch)
+            yield sample_response_bytes(codec.encode_parts(batch))
 
     @rpc
     def FinishRollout(self, request: pb.FinishRolloutRequest, context) -> pb.BufferInfo:

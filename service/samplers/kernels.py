@@ -30,8 +30,10 @@ def _jit(function: Callable) -> Callable:
 
 @njit(inline="always")
 def _wrap(row: int, capacity: int) -> int:
-    """A row index past the ring's end by less than one lap, wrapped (no division)."""
-    return row - capacity if row >= capacity else row
+    """A row index wrapped onto the ring; divides only when it is off the ring. (A lock-free reader's
+    offsets come from tables the writer may be changing, and a prioritized reader may draw a position
+    that just stopped being a step, so sums can land anywhere: never index with an unchecked one.)"""
+    return row % capacity if row >= capacity or row < 0 else row
 
 
 @njit(inline="always")
@@ -82,11 +84,9 @@ def draw_uniform(uniforms: np.ndarray, low: int, high: int, batch_size: int, cap
     for u in uniforms:
         if accepted == batch_size:
             break
-        offset = np.int64(u * span)  # < span <= capacity
+        offset = np.int64(u * span)
         position = low + offset
-        row = low_row + offset
-        if row >= capacity:
-            row -= capacity
+        row = _wrap(low_row + offset, capacity)
         bound, is_closed = _bound(row, row_end, row_seq, extent_last, extent_slots, times_sampled,
                                   max_times_sampled)
         if position < bound:  # a step: it has a successor in its episode

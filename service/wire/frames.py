@@ -107,8 +107,10 @@ def serialize_insert(message: InsertFrame | pb.InsertRequest) -> bytes:
     return message.serialize() if isinstance(message, InsertFrame) else message.SerializeToString()
 
 
-def sample_response_bytes(batch: bytes) -> bytes:
-    """A serialized SampleResponse around an Arrow payload."""
+def sample_response_bytes(batch: bytes | memoryview | tuple) -> bytes:
+    """A serialized SampleResponse around an Arrow payload. `batch` may be the payload's parts
+    (codec.encode_parts): they are copied once, straight into the message, which is the only copy
+    of the columns between the sampler's gather and gRPC's own copy into its send buffer."""
     return join_bytes_field(b"", pb.SampleResponse.BATCH_FIELD_NUMBER, batch)
 
 
