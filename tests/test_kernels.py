@@ -5,9 +5,13 @@ it read can exceed the capacity) and a prioritized reader may draw a position th
 The kernels do not bounds-check, so every row they compute must be wrapped onto the ring.
 """
 
+import os
+
 import numpy as np
 
+from service.buffers.episodic import EpisodicBuffer, Spans
 from service.samplers import kernels
+from service.schema import Field
 
 CAPACITY = 10
 
@@ -26,11 +30,10 @@ def test_transition_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
     positions = np.array([3, 7, 9, 25], np.int64)
     rows = positions % CAPACITY
     bounds = np.array([10**6, kernels.HOLE, 9 + 3 * CAPACITY, 24], np.int64)  # torn, hole, torn, behind
-    next_rows, _, _, _, _, bootstrap_rows = kernels.transition_targets(
+    target_rows, _, _ = kernels.transition_targets(
         positions, rows, bounds, np.ones(4, bool), 1000, 0.9 ** np.arange(1001), CAPACITY,
         np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7)
-    assert np.all((next_rows >= 0) & (next_rows < CAPACITY))
-    assert np.all((bootstrap_rows >= 0) & (bootstrap_rows < CAPACITY))
+    assert np.all((target_rows >= 0) & (target_rows < CAPACITY))  # next and bootstrap rows
 
 
 def test_geometric_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
@@ -49,3 +52,33 @@ def test_bound_lookup_wraps_negative_and_huge_keys() -> None:
                                              np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
     np.testing.assert_array_equal(rows, keys % CAPACITY)
     np.testing.assert_array_equal(bounds, row_end[keys % CAPACITY])
+
+
+class FirstRoundOnFinalRows:
+    """A generator stand-in whose first uniforms all land on final observations (rejected): the uniform
+    sampler must top the batch up in further rounds."""
+
+    def __init__(self, final_fraction_points: np.ndarray) -> None:
+        self.first = final_fraction_points
+        self.rng = np.random.default_rng(0)
+        self.calls = 0
+
+    def random(self, size: int) -> np.ndarray:
+        self.calls += 1
+        return np.resize(self.first, size) if self.calls == 1 else self.rng.random(size)
+
+
+def test_uniform_draw_tops_up_when_a_round_falls_short() -> None:
+    buffer = EpisodicBuffer("topup", f"test{os.getpid()}", [Field("obs", "float32", (), observation=True)], 40)
+    try:
+        lengths = np.full(10, 3)  # 10 episodes of 3 steps: rows 3, 7, 11, ... are final observations
+        buffer.insert({"obs": np.arange(40, dtype=np.float32)},
+                      Spans.whole_episodes(lengths, np.arange(10), np.ones(10, bool)))
+        final_rows = (np.arange(10) * 4 + 3 + 0.5) / 40  # uniforms whose candidate is a final row
+        rng = FirstRoundOnFinalRows(final_rows)
+        draw = buffer.draw(64, rng)
+        assert rng.calls >= 2
+        assert len(draw.positions) == 64
+        assert np.all(draw.positions % 4 != 3) and np.all(draw.positions < draw.bounds)
+    finally:
+        buffer.close()

@@ -187,7 +187,7 @@ class EpisodicRing:
             draw = gathered.draw
             # Every position drawn was a step and is still live: the batch was read whole. (A prioritized
             # draw can also race a priority write and land on a position that just stopped being a step.)
-            if int(draw.positions.min()) >= self.tail_position() and np.all(draw.positions < draw.bounds):
+            if kernels.drawn_whole(draw.positions, draw.bounds, self.tail_position()):
                 return gathered.batch, torn
         raise FailedPrecondition(
             f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with evictions; the ring turns over "

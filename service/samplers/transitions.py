@@ -42,7 +42,7 @@ class TransitionsMode:
         reward = _NO_REWARD if ring.reward_field is None else columns[ring.reward_field]
         targets = kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,
                                              ring.capacity, reward, ring.row_seq, ring.extent_flags, ring.extent_slots)
-        next_rows, terminated, truncated, n_step_return, bootstrap_discount, bootstrap_rows = targets
+        (next_rows, bootstrap_rows), (terminated, truncated), (n_step_return, bootstrap_discount) = targets
         batch = {f.name: columns[f.name].take(rows, axis=0) for f in ring.observation_fields + ring.step_fields}
         batch.update({f"next_{f.name}": columns[f.name].take(next_rows, axis=0) for f in ring.observation_fields})
         batch["terminated"], batch["truncated"] = terminated, truncated

@@ -41,8 +41,8 @@ class UniformSampler:
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0) -> Draw:
         """Every weight would be 1, so `importance_beta` adds no column."""
-        low, high = ring.tail_position(), ring.head
-        if ring.sampleable_steps < _DENSE_ENOUGH * (high - low):
+        low, high, sampleable = ring.tail_position(), ring.head, ring.sampleable_steps
+        if sampleable < _DENSE_ENOUGH * (high - low):
             candidates = np.arange(low, high, dtype=np.int64)
             _, bounds, _ = ring.episode_bounds(candidates)
             positions = rng.choice(candidates[candidates < bounds], size=batch_size)
@@ -50,22 +50,20 @@ class UniformSampler:
         # Rejection sampling over the live range is exactly uniform over sampleable positions: final
         # observations and holes are dropped. One oversampled round almost always yields enough; a
         # second round tops up.
-        tables = ring.bound_tables
-        candidates_per_step = 1.0625 * min(1 / _DENSE_ENOUGH, (high - low) / max(ring.sampleable_steps, 1))
+        candidates_per_step = 1.0625 * (high - low) / max(sampleable, 1)  # <= 17: dense enough
         parts = []
         needed = batch_size
         for _ in range(_MAX_ROUNDS):
-            uniforms = rng.random(int(needed * candidates_per_step) + 8)
-            part = kernels.draw_uniform(uniforms, low, high, needed, *tables)
-            parts.append(part)
+            part = kernels.draw_uniform(rng.random(int(needed * candidates_per_step) + 8), low, high, needed,
+                                        *ring.bound_tables)
             needed -= len(part[0])
             if not needed:
-                if len(parts) == 1:
-                    return Draw(*part)
-                return Draw(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+                return Draw(*part) if not parts else Draw(*(np.concatenate(column)
+                                                            for column in zip(*parts, part, strict=True)))
+            parts.append(part)
         raise FailedPrecondition(
             f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
-            f"[{low}, {high}) (sampleable_steps={ring.sampleable_steps}); the ring changed under the draw"
+            f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
         )
 
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
