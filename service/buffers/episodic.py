@@ -742,8 +742,7 @@ class EpisodicBuffer(EpisodicRing):
                 lambda: self.sampleable_steps > 0, timeout=wait_seconds
             ):
                 raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
-            gathered = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
-            draw, batch = gathered.draw, gathered.batch
+            draw, batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
             self.counters["sampled_batches"] += 1
             self.counters["sampled_items"] += batch_size
             retired = self.remover.on_sampled(self, draw.positions)

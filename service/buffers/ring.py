@@ -13,8 +13,6 @@ with an eviction and is drawn again. (x86 keeps stores in program order, which t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
@@ -49,12 +47,6 @@ def shared_sampling(components: dict) -> bool:
     counting draws, a rate limiter). Prioritized readers descend the shared sum tree; priority updates
     still go to the writer."""
     return components["remover"]["kind"] == "fifo" and not components["rate_limited"]
-
-
-@dataclass
-class Gathered:
-    draw: Draw
-    batch: dict[str, np.ndarray]
 
 
 class EpisodicRing:
@@ -169,26 +161,26 @@ class EpisodicRing:
         return self.sampler.draw(self, batch_size, rng, importance_beta)
 
     def gather(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
-               importance_beta: float = 0.0) -> Gathered:
-        """Indices from the sampler, columns from the mode (the caller ensures consistency)."""
+               importance_beta: float = 0.0) -> tuple[Draw, dict[str, np.ndarray]]:
+        """(draw, batch): indices from the sampler, columns from the mode (the caller ensures consistency)."""
         draw = self.draw(batch_size, rng, importance_beta)
         batch = mode.build(self, draw, rng)
         if include_keys:
             batch["key"] = draw.positions
             batch["episode_id"] = self.episode_ids_at(draw.rows)
-        batch.update(draw.extra)
-        return Gathered(draw, batch)
+        if draw.extra:
+            batch.update(draw.extra)
+        return draw, batch
 
     def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
                       importance_beta: float = 0.0) -> tuple[dict[str, np.ndarray], int]:
         """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn)."""
         for torn in range(MAX_TORN_DRAWS):
-            gathered = self.gather(batch_size, mode, rng, include_keys, importance_beta)
-            draw = gathered.draw
+            draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)
             # Every position drawn was a step and is still live: the batch was read whole. (A prioritized
             # draw can also race a priority write and land on a position that just stopped being a step.)
             if kernels.drawn_whole(draw.positions, draw.bounds, self.tail_position()):
-                return gathered.batch, torn
+                return batch, torn
         raise FailedPrecondition(
             f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with evictions; the ring turns over "
             "faster than one batch can be gathered (raise capacity_steps)"
