@@ -8,3 +8,5 @@ COPY constraints.txt pyproject.toml README.md ./
 COPY service ./service
 COPY client ./client
 RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX_URL} --constraint constraints.txt '.[learner]'
+# Compile the sampling kernels into numba's on-disk cache now, not at every container start.
+RUN python -c "import service.samplers.kernels"

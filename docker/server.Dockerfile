@@ -6,6 +6,8 @@ COPY constraints.txt pyproject.toml README.md ./
 COPY service ./service
 COPY client ./client
 RUN pip install --no-cache-dir --constraint constraints.txt .
+# Compile the sampling kernels into numba's on-disk cache now, not at every container start.
+RUN python -c "import service.samplers.kernels"
 EXPOSE 50051 8080
 # The container's own network is private; publish ports deliberately, and set REPLAYD_TOKEN to require a
 # bearer token from every client (the server reads it from the environment).
