@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 
 from bench.bench_replay import PROFILES, Profile, ServerProcess, insert_batches
 from client.local_reader import LocalReader
@@ -74,38 +75,67 @@ def local_versus_grpc(quick: bool) -> list[dict]:
 def _sampling_client(address: str, seconds: float, results: mp.Queue) -> None:
     client = ReplayClient(address, timeout=120)
     stream = client.sample_stream("cartpole", 256)
-    results.put(items_per_second(stream, 256, seconds))
+    cpu = time.process_time()  # this process's CPU, gRPC's threads included
+    rate = items_per_second(stream, 256, seconds)
+    results.put((rate, time.process_time() - cpu))
     stream.close()
     client.close()
 
 
+def _cpu_seconds(process: psutil.Process) -> float:
+    """CPU time of a process and its children (the server and its sample workers)."""
+    total = 0.0
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            times = member.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def workers_scaling(quick: bool) -> list[dict]:
+    """Two sampling client processes against K = 0, 1, 2 sample workers. Also the CPU each side spends per
+    batch (K = 0): with both cores busy, K = 2 can reach at most 2 cores / (server + client CPU per batch),
+    which bounds the K = 2 / K = 0 ratio whatever the workers do."""
     seconds = 3.0 if quick else 8.0
     profile = PROFILES[0]
-    totals = {}
+    totals, cpu_per_batch = {}, {}
     for workers in (0, 1, 2):
         server = ServerProcess("--sample-workers", str(workers))
         try:
             client = ReplayClient(server.address, timeout=600)
             client.wait_ready(timeout=60)
             fill(client, profile, profile.quick_capacity)
+            server_process = psutil.Process(server.process.pid)
             context = mp.get_context("spawn")
             results = context.Queue()
             clients = [context.Process(target=_sampling_client, args=(server.address, seconds, results))
                        for _ in range(2)]
+            server_cpu = _cpu_seconds(server_process)
             for process in clients:
                 process.start()
-            totals[workers] = sum(results.get(timeout=120) for _ in clients)
+            reports = [results.get(timeout=120) for _ in clients]
+            server_cpu = _cpu_seconds(server_process) - server_cpu
             for process in clients:
                 process.join()
+            totals[workers] = sum(rate for rate, _ in reports)
+            batches = totals[workers] * seconds / 256  # the measured windows; setup batches are not counted
+            cpu_per_batch[workers] = (server_cpu / batches, sum(cpu for _, cpu in reports) / batches)
             client.close()
         finally:
             server.stop()
     case = "cartpole batch 256, 2 sampling clients"
+    server_us, client_us = (1e6 * seconds_per_batch for seconds_per_batch in cpu_per_batch[0])
+    ceiling = 2 * 256 / ((server_us + client_us) * 1e-6)  # transitions/s with both cores busy
     return [
-        record(f"{case}, {k} sample workers" + (" (target >= 1.6x)" if k == 2 else ""), "transitions_per_s",
-               totals[k], "transitions/s", "0 sample workers", totals[0], totals[k] / totals[0])
-        for k in (0, 1, 2)
+        *(record(f"{case}, {k} sample workers" + (" (target >= 1.6x)" if k == 2 else ""), "transitions_per_s",
+                 totals[k], "transitions/s", "0 sample workers", totals[0], totals[k] / totals[0])
+          for k in (0, 1, 2)),
+        record(f"{case}, 0 sample workers: CPU per batch, server (clients: {client_us:.0f} us)",
+               "server_cpu_us_per_batch", server_us, "us"),
+        record(f"{case}: ceiling on 2 cores = 2 cores / ({server_us:.0f} + {client_us:.0f} us CPU per batch)",
+               "transitions_per_s", ceiling, "transitions/s", "0 sample workers", totals[0], ceiling / totals[0]),
     ]
 
 
