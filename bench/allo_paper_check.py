@@ -1,6 +1,6 @@
 """Reproduce ALLO's headline check on four rooms: learned vs exact Laplacian eigenvectors (d = 10).
 
-    .venv/bin/python -m bench.allo_paper_check [--out runs/allo_check] [--steps N] [--threads 2]
+    .venv/bin/python -m bench.allo_paper_check [--out runs/allo_check] [--steps N] [--seed S] [--threads 2]
 
 Data comes from uniform-random-policy episodes (``collect_episodes``), inserted into a replay server
 (started in this process on a free port) and read back through ``sample_fn(kind, batch_size)`` with
@@ -9,21 +9,42 @@ Data comes from uniform-random-policy episodes (``collect_episodes``), inserted 
 ``make_numpy_sampler``, an in-process sampler written independently with the same semantics, as a
 cross-check of the server's sampling.
 
-Defaults (tuned on 2 CPU cores):
-encoder 2-128-128-128-10, batch 512 for each of pairs/u1/u2, Adam lr 2e-3, duals lr 1e-2, barrier
-fixed at 2.0 (lr_barrier 0), γ = 0.9, 2000 random-walk episodes of 50 steps.  Tried and rejected:
-the paper-code-like barrier schedule (init 0.5, lr_barrier 1.0, 256x3 net, batch 1024) -- the
-barrier jumped to ~38 within 2000 steps and the average cosine stalled at ~0.56 after 6000 steps;
-lr_beta 0.05 with lr_barrier 0.01 oscillated (~0.35 after 5000 steps).
+Setup, following Gomez, Bowling & Machado (ICLR 2024) as configured in their code
+(tarod13/laplacian_dual_dynamics, ``src/hyperparam/al.yaml``): xy observations, Adam lr 1e-3,
+batch 1024 for each of pairs/u1/u2, geometric-pair discount 0.9, dual learning rate 1e-4 with duals
+clipped to [-100, 100], barrier starting at 1.0, 50-step uniform-start random-walk episodes.  Where
+this check departs from it:
 
-Measured (2-core CPU): seed 0 reaches 0.94 average |cosine| in 8000 steps (~41 s, 2 threads).  It is
-seed-dependent: four rooms has near-degenerate pairs (eigenvalues of I - P: 0.0921 / 0.0941 for
-dimensions 6/7, 0.1020 / 0.1075 for 8/9), and on seed 1 dimensions 6/7 stayed rotated within their
-2-D eigenspace (|cos| ~0.35 each) through 20000 steps (average 0.84); batch 1024 / lr 1e-3 or a
-growing barrier (lr_barrier 0.5) did not fix it within 10000 steps.
+* Data: 8000 episodes (400k transitions) instead of their 200k samples.  ALLO can only learn the
+  eigenvectors of the operator its samplers induce on the stored episodes
+  (``sampled_laplacian_eigenvectors``), and four rooms has near-degenerate pairs (eigenvalues of
+  I - P 0.0921 / 0.0941 for dimensions 6/7, 0.1020 / 0.1075 for 8/9), which a finite sample rotates
+  into each other.  The average |cosine| of that exact data optimum with the true eigenvectors (the
+  "data ceiling", printed by this check) for seeds 0 / 1 / 2 is 0.950 / 0.844 / 0.920 with 2000
+  episodes, 0.818 / 0.853 / 0.987 with 4000, and 0.987 / 0.989 / 0.990 with 8000.  The previous
+  default (2000 episodes) had seed 1 capped at 0.844: its 0.84 was that ceiling, not an optimizer
+  failure.
+* The barrier stays at 1.0 (``lr_barrier`` 0).  Their config grows it at rate 1.0; with the
+  constraints far from satisfied at initialization that sends it to ~45 within 2000 steps here, and
+  the average cosine then stalled at ~0.57 after 8000 steps (seed 1), too slow for a CPU check.  (The
+  previous default, fixed at 2.0, left seed 2 with dimensions 8/9 swapped through 10000 steps,
+  0.80; at 1.0 they sort out by step 5000.)
+* Encoder 2-128-128-128-10 instead of 3 x 256 (14.5 vs 45 ms per step at batch 1024, 1 thread), and
+  10000 steps instead of their 50000.
 
-Prints per-dimension |cosine| similarities, their average (target >= 0.9) and the wall time, and
-saves a learned-vs-true heatmap PNG and a JSON summary into the output folder.
+Evaluation: per-dimension |cosine| between learned dimension i and the i-th eigenvector of I - P
+(ascending eigenvalue), averaged.  The paper's metric rotates learned dimensions only within exactly
+repeated eigenvalues; the first 10 eigenvalues here are distinct (smallest gap 0.0011, between
+dimensions 1 and 2; the check prints it), so dimension i is compared with eigenvector i.
+
+Measured with these defaults (server data, 10000 steps; average |cosine|, step at which it first
+reached >= 0.9 at the 1000-step evaluations, data ceiling): seed 0 0.9771 (7000; ceiling 0.987),
+seed 1 0.9893 (5000; 0.989), seed 2 0.9895 (5000; 0.990), seed 3 0.9801 (4000; 0.985), seed 4 0.9860
+(6000; 0.994), each 190-230 s of training with 1 thread while another check ran beside it.  Alone
+with the default 2 threads seed 0 took 109 s of training, 115 s in all (0.975).
+
+Prints per-dimension |cosine| similarities, their average (target >= 0.9), the data ceiling and the
+wall time, and saves a learned-vs-true heatmap PNG and a JSON summary into the output folder.
 """
 
 from __future__ import annotations
@@ -106,21 +127,65 @@ def make_numpy_sampler(episodes: list[dict[str, np.ndarray]], discount: float, s
     return sample_fn
 
 
+def sampled_laplacian_eigenvectors(
+    env: GridWorld, episodes: list[dict[str, np.ndarray]], discount: float, d: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """ALLO's exact solution on these episodes: (eigvals (d,), eigvecs (n_states, d)).
+
+    ALLO only sees the data through its samplers.  Its graph term is
+    E_pairs[(phi(s) - phi(s'))^2] = phi^T (D_s + D_s' - W - W^T) phi, with W[s, s'] the probability
+    that the geometric sampler (``make_numpy_sampler``'s law, the server's) draws the pair (s, s'),
+    and its constraints are orthonormality under the state sampler's distribution D_u.  The fixed
+    point is therefore the smallest-d solutions of (D_s + D_s' - W - W^T) / 2 v = lambda D_u v.  With
+    infinite data these are the true eigenvectors; with finite data a near-degenerate pair can be
+    rotated.  Their |cosine| with the true eigenvectors is the best any learner can score on this
+    data (the "data ceiling"), which tells a data shortfall from an optimization one.
+    """
+    n = env.n_states
+    W = np.zeros((n, n))
+    visits = np.zeros(n)
+    by_length: dict[int, list[np.ndarray]] = {}
+    for ep in episodes:
+        states = env.state_indices(ep["obs"])  # (L + 1,)
+        visits += np.bincount(states, minlength=n)
+        by_length.setdefault(len(states) - 1, []).append(states)
+    transitions = 0
+    for L, group in by_length.items():
+        S = np.stack(group)  # (episodes, L + 1)
+        transitions += S.shape[0] * L
+        for t in range(L):
+            k = np.arange(1, L - t + 1)  # offsets 1..M, M = L - t
+            p = discount ** (k - 1.0)
+            p /= p.sum()
+            for offset, prob in zip(k, p, strict=True):
+                np.add.at(W, (S[:, t], S[:, t + offset]), prob)
+    if (visits == 0).any():
+        raise ValueError(f"{int((visits == 0).sum())} states never visited: no data ceiling")
+    W /= transitions  # joint law of (s, s')
+    D_u = visits / visits.sum()  # law of a uniform stored observation
+    L_hat = (np.diag(W.sum(1) + W.sum(0)) - W - W.T) / 2.0
+    scale = 1.0 / np.sqrt(D_u)
+    eigvals, y = np.linalg.eigh(scale[:, None] * L_hat * scale[None, :])  # D_u^-1/2 L D_u^-1/2
+    return eigvals[:d], scale[:, None] * y[:, :d]
+
+
 def _to_torch(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
+    # The server's arrays are read-only views of the received message: copy (a few KB) rather than
+    # hand torch a read-only buffer.
+    return {k: torch.from_numpy(np.array(v)).to(device) for k, v in batch.items()}
 
 
 def train_and_evaluate(
     sample_fn: SampleFn,
     env: GridWorld,
     d: int = 10,
-    steps: int = 8000,
-    batch_size: int = 512,
+    steps: int = 10000,
+    batch_size: int = 1024,
     hidden: tuple[int, ...] = (128, 128, 128),
-    lr: float = 2e-3,
-    lr_beta: float = 1e-2,
+    lr: float = 1e-3,
+    lr_beta: float = 1e-4,
     lr_barrier: float = 0.0,
-    barrier_init: float = 2.0,
+    barrier_init: float = 1.0,
     device: str = "cpu",
     log_every: int = 1000,
     seed: int = 0,
@@ -192,15 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/allo_check")
     p.add_argument("--d", type=int, default=10)
-    p.add_argument("--steps", type=int, default=8000)
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=10000)
+    p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--hidden", type=int, nargs="+", default=[128, 128, 128])
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--lr-beta", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-beta", type=float, default=1e-4)
     p.add_argument("--lr-barrier", type=float, default=0.0)
-    p.add_argument("--barrier-init", type=float, default=2.0)
+    p.add_argument("--barrier-init", type=float, default=1.0)
     p.add_argument("--discount", type=float, default=0.9)
-    p.add_argument("--episodes", type=int, default=2000)
+    p.add_argument("--episodes", type=int, default=8000)
     p.add_argument("--episode-steps", type=int, default=50)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
@@ -208,11 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", choices=["server", "numpy"], default="server")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    started = time.perf_counter()
 
     env = GridWorld("four_rooms", max_episode_steps=args.episode_steps)
     episodes = collect_episodes(env, args.episodes, seed=args.seed)
+    data = data_report(env, episodes, args.discount, args.d)
+    print(json.dumps(data), flush=True)
     if args.data == "numpy":
-        return report(args, env, make_numpy_sampler(episodes, args.discount, seed=args.seed))
+        return report(args, env, make_numpy_sampler(episodes, args.discount, seed=args.seed), data, started)
     with ReplayServer("127.0.0.1:0", instance=f"allocheck{os.getpid()}") as server, \
             ReplayClient(server.address) as client:
         client.create_buffer("rooms", sum(len(e["obs"]) for e in episodes),
@@ -225,10 +293,26 @@ def main(argv: list[str] | None = None) -> int:
                                               seed=args.seed),
             "states": client.sample_stream("rooms", args.batch_size, "states", seed=args.seed + 1),
         }
-        return report(args, env, lambda kind, batch_size: next(streams[kind]))
+        return report(args, env, lambda kind, batch_size: next(streams[kind]), data, started)
 
 
-def report(args: argparse.Namespace, env: GridWorld, sample_fn: SampleFn) -> int:
+def data_report(env: GridWorld, episodes: list[dict[str, np.ndarray]], discount: float, d: int) -> dict:
+    """Eigenvalue gaps of the truth (is dimension i vs eigenvector i well defined?) and the data ceiling."""
+    eigvals, true = env.laplacian_eigenvectors(d)
+    _, sampled = sampled_laplacian_eigenvectors(env, episodes, discount, d)
+    ceiling = cosine_similarities(sampled, true)
+    gaps = np.diff(eigvals)
+    return {
+        "eigenvalues": [round(float(v), 4) for v in eigvals],
+        "min_eigenvalue_gap": round(float(gaps.min()), 4),
+        "min_gap_between_dims": [int(gaps.argmin()), int(gaps.argmin()) + 1],
+        "episodes": len(episodes),
+        "data_ceiling_cosine": [round(float(c), 3) for c in ceiling],
+        "data_ceiling_avg_cosine": round(float(ceiling.mean()), 4),
+    }
+
+
+def report(args: argparse.Namespace, env: GridWorld, sample_fn: SampleFn, data: dict, started: float) -> int:
     res = train_and_evaluate(
         sample_fn,
         env,
@@ -246,17 +330,22 @@ def report(args: argparse.Namespace, env: GridWorld, sample_fn: SampleFn) -> int
     out = Path(args.out)
     cos = np.asarray(res["cosine"])
     save_heatmaps(env, res["learned"], res["true"], cos, out / "eigenvectors.png")
+    np.save(out / "learned.npy", res["learned"])  # (n_states, d) phi over all states, state-index order
     summary = {
         "cosine": [round(c, 4) for c in res["cosine"]],
         "avg_cosine": round(res["avg_cosine"], 4),
-        "seconds": round(res["seconds"], 1),
+        "data_ceiling_avg_cosine": data["data_ceiling_avg_cosine"],
+        "seconds": round(res["seconds"], 1),  # training and evaluation
+        "wall_seconds": round(time.perf_counter() - started, 1),  # + data collection, server, ceiling
         "threads": args.threads,
         "data": args.data,
         "config": vars(args),
+        "data_report": data,
         "history": res["history"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("cosine", "avg_cosine", "seconds", "threads")}))
+    keys = ("cosine", "avg_cosine", "data_ceiling_avg_cosine", "seconds", "wall_seconds", "threads")
+    print(json.dumps({k: summary[k] for k in keys}))
     return 0
 
 

@@ -4,7 +4,23 @@ with one encoder call vs separate calls.
     .venv/bin/python -m bench.bench_trainers [--quick] [--threads N]
 
 Each record: bench, case, metric, value, unit, baseline, baseline_value, speedup (= baseline / ours,
-for times).  Timing: warm-up, then the median over many repeats of a timed block of calls.
+for times).  Timing: warm-up, then the median over many repeats of a timed block of calls, the
+variants timed round-robin so background load hits them alike.
+
+Threads: ``--threads 1`` (default) because that is how the DQN learner runs torch
+(client/learner.py sets 1 thread; the actors and the server use the other core), and because on this
+shared 2-core machine 2 threads made every variant slower when tried (seed and ours alike).
+
+Q-loss cases: the same MLP 4-64-64-2, the same batch tensors reused by every variant, MSE, no
+importance weights.  Ours ("manual grad") is ``q_loss_manual_grad``, the path ``DQNTrainer`` uses by
+default: target network + n-step targets (DQN) or online-argmax targets (Double DQN), gradient written
+by hand.  What bounds it at batch 256 (timed op by op, 1 thread): the four 256x64x64 GEMMs any form
+of this loss needs (online and target forward of the hidden layer, dW and dX of its backward; Double
+DQN adds a fifth for the online pass over s_boot) run at ~85-90% of the core's fp32 peak (~25 us
+each), and the seven thin GEMMs (4-wide input, 2-wide output) cost 5-9 us each in MKL: ~155 us of
+GEMMs in a ~250 us DQN call.  The seed's two-forward form runs the same four big GEMMs (~175 us of
+GEMMs in ~450 us), so 2x at batch 256 would leave ours ~70 us for its ~25 other ops, which cost
+~3 us each in place on this machine.
 """
 
 from __future__ import annotations

@@ -109,6 +109,8 @@ class GridWorld(gym.Env):
         self.cells = np.argwhere(self.free)  # (N, 2) rows of (row, col)
         self.n_states = int(self.cells.shape[0])
         self._index = {(int(r), int(c)): i for i, (r, c) in enumerate(self.cells)}
+        self._index_grid = np.full(self.free.shape, -1, dtype=np.int64)  # (rows, cols): state index or -1
+        self._index_grid[self.cells[:, 0], self.cells[:, 1]] = np.arange(self.n_states)
         self.n_actions = 4
         # next_state[s, a] for deterministic dynamics.
         self.next_state = np.empty((self.n_states, self.n_actions), dtype=np.int64)
@@ -128,6 +130,18 @@ class GridWorld(gym.Env):
         x = cols / max(self.width - 1, 1)
         y = rows / max(self.height - 1, 1)
         return np.stack([x, y], axis=1).astype(np.float32)
+
+    def state_indices(self, obs: np.ndarray) -> np.ndarray:
+        """Observations (N, 2) (as ``all_observations`` makes them) -> state indices (N,) int64."""
+        obs = np.asarray(obs, dtype=np.float64).reshape(-1, 2)
+        cols = np.rint(obs[:, 0] * max(self.width - 1, 1)).astype(np.int64)
+        rows = np.rint(obs[:, 1] * max(self.height - 1, 1)).astype(np.int64)
+        inside = (rows >= 0) & (rows < self.height) & (cols >= 0) & (cols < self.width)
+        index = np.full(len(obs), -1, dtype=np.int64)
+        index[inside] = self._index_grid[rows[inside], cols[inside]]
+        if (index < 0).any():
+            raise ValueError(f"observation {obs[np.argmax(index < 0)]} is not a free cell of this layout")
+        return index
 
     def _obs(self) -> np.ndarray:
         return self.all_observations()[self._state]

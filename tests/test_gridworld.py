@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.allo_paper_check import collect_episodes, make_numpy_sampler
+from bench.allo_paper_check import collect_episodes, make_numpy_sampler, sampled_laplacian_eigenvectors
 from client.gridworld import GridWorld, cosine_similarities, parse_layout
 
 
@@ -100,3 +100,29 @@ def test_collect_and_sample():
     assert sample("states", 7)["obs"].shape == (7, 2)
     with pytest.raises(ValueError):
         sample("bogus", 1)
+
+
+def test_state_indices_invert_observations():
+    env = GridWorld("four_rooms")
+    obs = env.all_observations()
+    np.testing.assert_array_equal(env.state_indices(obs), np.arange(env.n_states))
+    np.testing.assert_array_equal(env.state_indices(obs[[5, 3, 5]]), [5, 3, 5])
+    with pytest.raises(ValueError, match="free cell"):
+        env.state_indices(np.array([[0.0, 0.0]], dtype=np.float32))  # the corner is a wall
+
+
+def test_sampled_laplacian_is_the_samplers_operator():
+    # A 4-cell corridor (distinct eigenvalues): with many walks the operator the samplers induce
+    # has the true eigenvectors; with few it is still a D_u-orthonormal eigenbasis of that operator.
+    env = GridWorld("######\n#    #\n######", max_episode_steps=10)
+    _, true = env.laplacian_eigenvectors(4)
+    vals, vecs = sampled_laplacian_eigenvectors(env, collect_episodes(env, 4000, seed=0), 0.9, 4)
+    assert np.all(np.diff(vals) > 0) and abs(vals[0]) < 1e-10
+    assert cosine_similarities(vecs, true).min() > 0.99
+    few = collect_episodes(GridWorld("four_rooms", max_episode_steps=50), 300, seed=0)
+    env4 = GridWorld("four_rooms", max_episode_steps=50)
+    _, v4 = sampled_laplacian_eigenvectors(env4, few, 0.9, 10)
+    visits = np.bincount(np.concatenate([env4.state_indices(ep["obs"]) for ep in few]), minlength=env4.n_states)
+    np.testing.assert_allclose(v4.T @ (v4 * (visits / visits.sum())[:, None]), np.eye(10), atol=1e-8)
+    with pytest.raises(ValueError, match="never visited"):
+        sampled_laplacian_eigenvectors(env4, few[:1], 0.9, 10)

@@ -116,3 +116,11 @@ def test_mismatched_batches_raise():
     s, s2, u1, u2 = _data()
     with pytest.raises(ValueError, match="batch sizes"):
         allo_loss(enc, s, s2[:-1], u1, u2, torch.zeros(D, D), torch.tensor(1.0))
+
+
+def test_trainer_defaults_follow_the_papers_configuration():
+    # Adam lr 1e-3, dual lr 1e-4, barrier starting at 1.0 (kept fixed: lr_barrier 0, see AlloTrainer).
+    tr = AlloTrainer(2, D, hidden=(8,))
+    assert tr.optimizer.param_groups[0]["lr"] == 1e-3
+    assert tr.lr_beta == 1e-4 and tr.lr_barrier == 0.0 and tr.barrier.item() == 1.0
+    assert torch.equal(tr.beta, torch.zeros(D, D))

@@ -95,10 +95,10 @@ def reference_loss(online, target, batch, double, loss_type, delta=1.0):
     return (w * per).mean(), td.detach()
 
 
-def _nets(seed: int = 0):
+def _nets(seed: int = 0, hidden=(64, 64)):
     torch.manual_seed(seed)
-    online = QNetwork(OBS_DIM, N_ACTIONS)
-    target = QNetwork(OBS_DIM, N_ACTIONS)  # different init: target != online
+    online = QNetwork(OBS_DIM, N_ACTIONS, hidden)
+    target = QNetwork(OBS_DIM, N_ACTIONS, hidden)  # different init: target != online
     return online, target
 
 
@@ -220,24 +220,52 @@ def test_trainer_polyak_every_step_and_learning():
 @pytest.mark.parametrize("double", [False, True])
 @pytest.mark.parametrize("loss_type", ["mse", "huber"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_manual_grad_matches_reference(double, loss_type, weighted):
-    online, target = _nets()
+@pytest.mark.parametrize("hidden", [(64, 64), (3, 5), (8,)])
+def test_manual_grad_matches_reference(double, loss_type, weighted, hidden):
+    # hidden (3, 5): layers 4->3 and 5->3 take dW = g^T x, 3->5 (fewer inputs than outputs) (x^T g)^T.
+    online, target = _nets(hidden=hidden)
     batch = make_batch(weighted=weighted)
     batch["n_step_return"] = batch["n_step_return"] * 3
-    loss, td, _ = q_loss_manual_grad(online, target, batch, double=double, loss_type=loss_type)
+    loss, td, q_taken = q_loss_manual_grad(online, target, batch, double=double, loss_type=loss_type)
     ref_online = copy.deepcopy(online)
     for p in ref_online.parameters():
         p.grad = None
     ref_loss, ref_td = reference_loss(ref_online, target, batch, double, loss_type)
     ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    # The loss is a sum in another order than the reference's mean (a few ulp of a value ~20).
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(td, ref_td, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        expected_q = online(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(q_taken, expected_q, atol=1e-6, rtol=0)
     for p, r in zip(online.parameters(), ref_online.parameters(), strict=True):
+        assert p.grad.shape == p.shape
         torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0)
+    assert not loss.requires_grad and not td.requires_grad and not q_taken.requires_grad
+    assert all(p.grad is None for p in target.parameters())
+    if loss_type == "huber":
+        assert (ref_td.abs() > 1).any() and (ref_td.abs() < 1).any()
     # Accumulates like autograd.
     q_loss_manual_grad(online, target, batch, double=double, loss_type=loss_type)
     for p, r in zip(online.parameters(), ref_online.parameters(), strict=True):
         torch.testing.assert_close(p.grad, 2 * r.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_manual_grad_flattens_observations_like_forward(double):
+    # Observations of shape (B, 2, 2) are flattened to obs_dim 4, as QNetwork.forward does.
+    online, target = _nets()
+    batch = make_batch(weighted=True)
+    shaped = dict(batch, obs=batch["obs"].view(-1, 2, 2), bootstrap_obs=batch["bootstrap_obs"].view(-1, 2, 2))
+    loss, td, _ = q_loss_manual_grad(online, target, shaped, double=double, loss_type="huber")
+    grads = [p.grad.clone() for p in online.parameters()]
+    online.zero_grad(set_to_none=True)
+    ref_loss, ref_td, _ = q_loss(online, target, batch, double=double, loss_type="huber")
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(td, ref_td, atol=1e-6, rtol=0)
+    for g, p in zip(grads, online.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=0)
 
 
 def test_manual_grad_rejects_other_networks():
@@ -256,6 +284,7 @@ def test_trainer_manual_and_autograd_paths_agree(double):
             DQNTrainer(OBS_DIM, N_ACTIONS, lr=1e-3, double=double, target_update_every=2, manual_grad=manual)
         )
     assert trainers[0].manual_grad and not trainers[1].manual_grad
+    assert DQNTrainer(OBS_DIM, N_ACTIONS).manual_grad  # the default for QNetwork is the fast path
     for _ in range(5):
         outs = [tr.step(batch) for tr in trainers]
         torch.testing.assert_close(outs[0]["loss"], outs[1]["loss"], atol=1e-6, rtol=1e-6)

@@ -31,7 +31,7 @@ __all__ = ["DQNTrainer", "QNetwork", "q_loss", "q_loss_manual_grad", "update_tar
 class QNetwork(nn.Module):
     """MLP obs (B, obs_dim) -> Q (B, n_actions); default obs_dim -> 64 -> 64 -> n_actions.
 
-    ``forward`` runs ``addmm``/``relu`` directly on a cached tuple of the layers' (weight, bias):
+    ``forward`` runs ``F.linear``/``relu`` directly on a cached tuple of the layers' (weight, bias):
     the same math as an ``nn.Sequential``, without the per-submodule ``__call__`` and attribute
     lookups that dominate at batch 32.  The cache holds the Parameter objects themselves and is
     refreshed after ``.to()``/``.cuda()``/``.double()`` (``_apply``).
@@ -56,13 +56,10 @@ class QNetwork(nn.Module):
 
     def forward(self, obs: Tensor) -> Tensor:
         wb = self.weights_and_biases
-        x = obs if obs.dim() == 2 else obs.reshape(obs.shape[0], -1)  # (B, obs_dim)
-        if x.dtype != wb[0][0].dtype:
-            x = x.to(wb[0][0].dtype)
+        x = _flat(obs, wb[0][0].dtype)  # (B, obs_dim)
         for w, b in wb[:-1]:
-            x = torch.relu(torch.addmm(b, x, w.t()))  # (B, hidden)
-        w, b = wb[-1]
-        return torch.addmm(b, x, w.t())  # (B, n_actions)
+            x = torch.relu(F.linear(x, w, b))  # (B, hidden)
+        return F.linear(x, *wb[-1])  # (B, n_actions)
 
 
 def q_loss(
@@ -118,7 +115,7 @@ def q_loss(
 @torch.no_grad()
 def q_loss_manual_grad(
     online: QNetwork,
-    target: nn.Module,
+    target: QNetwork,
     batch: Mapping[str, Tensor],
     double: bool = False,
     loss_type: str = "mse",
@@ -127,68 +124,82 @@ def q_loss_manual_grad(
     """Same loss and outputs as ``q_loss``, with the gradient derived by hand (CPU fast path).
 
     Writes dLoss/dparam into ``online``'s ``.grad`` (accumulating like autograd) and returns the
-    loss without a graph.  No autograd graph is recorded, which at CartPole sizes is where most of
-    the time goes (bench/bench_trainers.py).  Only for ``QNetwork`` (Linear/ReLU stack).
-    Backward, per layer l (y_l = x_l W_l^T + b_l, x_{l+1} = relu(y_l)):
+    loss without a graph.  At CartPole sizes a step is a few dozen tiny ops, so recording and
+    replaying an autograd graph is most of the cost (bench/bench_trainers.py); here every op is one
+    the math needs.  Only for ``QNetwork`` (Linear/ReLU stack).  Backward, per layer l
+    (y_l = x_l W_l^T + b_l, x_{l+1} = relu(y_l), g_l = dLoss/dy_l):
     dW_l = g_l^T x_l, db_l = sum_i g_l, g_{l-1} = (g_l W_l) * [x_l > 0].
     """
     if loss_type not in ("mse", "huber"):
         raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
     if not (isinstance(online, QNetwork) and isinstance(target, QNetwork)):
         raise TypeError(f"q_loss_manual_grad needs QNetworks, got {type(online).__name__} and {type(target).__name__}")
-    obs, boot_obs = batch["obs"], batch["bootstrap_obs"]  # (B, *S) each
-    action = batch["action"].long().unsqueeze(1)  # (B, 1)
+    layers = online.weights_and_biases  # ((W (out, in), b (out,)), ...)
+    obs = _flat(batch["obs"], layers[0][0].dtype)  # (B, obs_dim)
+    boot_obs = batch["bootstrap_obs"]  # (B, *S)
+    action = batch["action"]
+    action = (action if action.dtype == torch.int64 else action.long()).view(-1, 1)  # (B, 1)
     B = obs.shape[0]
 
-    # Forward, keeping each layer's input.  Double DQN: one pass over [s; s_boot].
-    wb = online.weights_and_biases
-    x = torch.cat([obs, boot_obs]) if double else obs
-    if x.dim() != 2 or x.dtype != wb[0][0].dtype:
-        x = x.reshape(x.shape[0], -1).to(wb[0][0].dtype)  # (B or 2B, obs_dim)
-    inputs = []
-    for w, b in wb[:-1]:
-        inputs.append(x)
-        x = torch.addmm(b, x, w.t()).relu_()  # (B or 2B, hidden)
-    inputs.append(x)
-    x = torch.addmm(wb[-1][1], x, wb[-1][0].t())  # (B or 2B, A)
-    q_online = x[:B] if double else x  # (B, A)
-    q_taken = q_online.gather(1, action).squeeze(1)  # (B,)
+    # Online forward, keeping each layer's input (s rows) for the backward.  Double DQN: one pass
+    # over [s; s_boot] (the s_boot half only picks the bootstrap action).
+    x = torch.cat([obs, _flat(boot_obs, obs.dtype)]) if double else obs  # (B or 2B, obs_dim)
+    layer_inputs = [obs]  # (B, in) per layer
+    for w, b in layers[:-1]:
+        x = F.linear(x, w, b).relu_()  # (B or 2B, hidden)
+        layer_inputs.append(x[:B] if double else x)
+    q = F.linear(x, *layers[-1])  # (B or 2B, A)
+    q_taken = q.gather(1, action).view(B)  # (B,) Q(s, a); the (B, 1) index reads the s rows only
 
-    h = boot_obs if boot_obs.dim() == 2 else boot_obs.reshape(B, -1)  # target net forward, in place
-    for w, b in target.weights_and_biases[:-1]:
-        h = torch.addmm(b, h.to(w.dtype), w.t()).relu_()
-    q_boot = torch.addmm(target.weights_and_biases[-1][1], h, target.weights_and_biases[-1][0].t())  # (B, A)
+    # n-step target from the target network (no gradient by construction).
+    q_next = target.forward(boot_obs)  # (B, A)
     if double:
-        boot_value = q_boot.gather(1, x[B:].argmax(1, keepdim=True)).squeeze(1)  # (B,)
+        boot_value = q_next.gather(1, q[B:].argmax(1, keepdim=True)).view(B)  # (B,) Q_target(s', argmax Q_online)
     else:
-        boot_value = q_boot.amax(1)  # (B,)
-    y = torch.addcmul(batch["n_step_return"], batch["bootstrap_discount"], boot_value)  # (B,)
+        boot_value = q_next.amax(1)  # (B,)
+    y = torch.addcmul(batch["n_step_return"], batch["bootstrap_discount"], boot_value)  # (B,) R + disc * V
     td = q_taken - y  # (B,)
 
-    # Loss and dLoss/dQ(s, a) (the 1/B of the mean folded in).
-    if loss_type == "mse":
-        per_sample, dloss = td.square(), td * (2.0 / B)  # (B,) each
-    else:
-        per_sample = F.huber_loss(q_taken, y, reduction="none", delta=huber_delta)  # (B,)
-        dloss = td.clamp(-huber_delta, huber_delta).mul_(1.0 / B)  # (B,)
-    weight = batch.get("weight")
-    if weight is not None:
-        per_sample, dloss = per_sample * weight, dloss * weight
-    loss = per_sample.mean()
-    grad_out = torch.zeros_like(q_online).scatter_(1, action, dloss.unsqueeze(1))  # (B, A)
+    # Loss = mean_i w_i l(td_i) and dloss = dLoss/dQ(s_i, a_i) = w_i l'(td_i) / B.
+    weight = batch.get("weight")  # (B,) or None
+    if loss_type == "mse":  # l = td^2, l' = 2 td
+        dloss = td * (2.0 / B) if weight is None else td * weight * (2.0 / B)  # (B,)
+        loss = torch.dot(dloss, td) * 0.5  # () = mean_i w_i td_i^2
+    else:  # Huber: l' = clamp(td, -delta, delta)
+        if weight is None:
+            loss = F.huber_loss(q_taken, y, delta=huber_delta)  # ()
+            dloss = td.clamp(-huber_delta, huber_delta).mul_(1.0 / B)  # (B,)
+        else:
+            loss = torch.dot(F.huber_loss(q_taken, y, reduction="none", delta=huber_delta), weight) / B  # ()
+            dloss = td.clamp(-huber_delta, huber_delta).mul_(weight).mul_(1.0 / B)  # (B,)
+    g = torch.zeros_like(q_next).scatter_(1, action, dloss.view(B, 1))  # (B, A) dLoss/dq, taken action only
 
-    # Backward through the first B rows only (the bootstrap half carries no gradient).
-    for i in range(len(wb) - 1, -1, -1):
-        (w, b), x_in = wb[i], (inputs[i][:B] if double else inputs[i])
-        for p, g in ((w, grad_out.t() @ x_in), (b, grad_out.sum(0))):
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+    # Backward through the s rows only (the s_boot half carries no gradient).
+    for i in range(len(layers) - 1, -1, -1):
+        (w, b), x_in = layers[i], layer_inputs[i]  # x_in (B, in)
+        # dW = g^T x (out, in).  MKL is ~4x slower at b256 for g^T x when x has few columns
+        # (obs_dim 4), so narrow inputs take the transpose of x^T g (same numbers).
+        dw = torch.mm(x_in.t(), g).t() if w.shape[1] < w.shape[0] else torch.mm(g.t(), x_in)
+        _accumulate_grad(w, dw)
+        _accumulate_grad(b, g.sum(0))  # (out,)
         if i > 0:
             # ReLU backward: zero where the layer input (a ReLU output) is 0 (autograd's own op).
-            grad_out = torch.ops.aten.threshold_backward(grad_out @ w, x_in, 0.0)
+            g = torch.ops.aten.threshold_backward(torch.mm(g, w), x_in, 0.0)  # (B, in)
     return loss, td, q_taken
+
+
+def _flat(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, *S) -> (B, obs_dim) in the network's dtype (no copy when already so)."""
+    if x.dim() != 2:
+        x = x.reshape(x.shape[0], -1)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _accumulate_grad(p: Tensor, grad: Tensor) -> None:
+    if p.grad is None:
+        p.grad = grad
+    else:
+        p.grad.add_(grad)
 
 
 @torch.no_grad()
@@ -244,8 +255,9 @@ class DQNTrainer:
         self.optimizer = torch.optim.Adam(self.online.parameters(), lr=lr)
         self.double, self.loss_type, self.huber_delta = double, loss_type, huber_delta
         self.target_update_every, self.tau, self.max_grad_norm = target_update_every, tau, max_grad_norm
-        # Hand-derived backward for QNetwork: measured ~2x faster than autograd on CPU at CartPole
-        # sizes (bench/bench_trainers.py), same numbers (tests/test_trainers_dqn.py).
+        # Hand-derived backward for QNetwork (the default): at CartPole sizes on CPU, 1 thread, it
+        # measured 1.6-2.0x faster than this module's own autograd ``q_loss`` and 1.5-2.4x faster
+        # than the seed's loss forms (bench/bench_trainers.py), same numbers (tests/test_trainers_dqn.py).
         self.manual_grad = isinstance(self.online, QNetwork) if manual_grad is None else manual_grad
         self.steps = 0
 
