@@ -140,7 +140,7 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
     rows_per_chunk = max(1, chunk_bytes // max(1, buffer.row_bytes))
     for attempt in range(1, SNAPSHOT_ATTEMPTS + 1):
         whole = attempt == SNAPSHOT_ATTEMPTS
-        with buffer.lock:
+        with buffer.live():
             small = {name: array.copy() for name, array in arrays.items() if name not in field_names}
             state = buffer.python_state()
             tail, head = int(arrays["state"][TAIL_POS]), int(arrays["state"][HEAD])
@@ -154,7 +154,7 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
         try:
             for row_lo in range(0, capacity, rows_per_chunk):
                 row_hi = min(capacity, row_lo + rows_per_chunk)
-                with buffer.lock:
+                with buffer.live():
                     chunk = {name: arrays[name][row_lo:row_hi].copy() for name in field_names}
                     tail_now = int(arrays["state"][TAIL_POS])
                 # Live positions of the snapshot are [tail, head); those below tail_now may have been overwritten.

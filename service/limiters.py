@@ -129,7 +129,7 @@ class RateLimiter:
         start = time.monotonic()
         self._waiting(side, 1)
         try:
-            ok = ring.inserted.wait_for(ready, timeout=timeout)
+            ok = ring.inserted.wait_for(lambda: ring.closed or ready(), timeout=timeout)  # closed: caller raises
         finally:
             self._waiting(side, -1)  # wait_for returns (or raises) with ring.lock held again
         waited = time.monotonic() - start

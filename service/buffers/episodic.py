@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +48,7 @@ from service.buffers.ring import (
     shm_name,
 )
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from service.limiters import RateLimiter
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers.kernels import REWARD_DTYPES
@@ -194,7 +195,8 @@ class EpisodicBuffer(EpisodicRing):
         EpisodicRing.__init__(self, storage, sampler, remover)
         self.limiter = limiter
         self.row_bytes = sum(f.row_bytes for f in self.fields)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: describe() reads info() and component state under one hold
+        self.closed = False  # set under the lock by close(); every use of the arrays checks it (live())
         self.inserted = threading.Condition(self.lock)  # wakes samplers waiting for data
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
         self.counters: Counter[str] = Counter()
@@ -339,18 +341,19 @@ class EpisodicBuffer(EpisodicRing):
         return shared_sampling(self.storage.meta["components"])
 
     def info(self) -> dict:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "capacity_steps": self.capacity,
-            "bytes": self.storage.nbytes,
-            "shm_name": self.storage.header_name,
-            "stored_steps": self.stored_steps,
-            "sampleable_steps": self.sampleable_steps,
-            "episodes": self.episodes,
-            "open_episodes": self.open_episodes,
-            "counters": dict(self.counters),
-        }
+        with self.live():
+            return {
+                "name": self.name,
+                "kind": self.kind,
+                "capacity_steps": self.capacity,
+                "bytes": self.storage.nbytes,
+                "shm_name": self.storage.header_name,
+                "stored_steps": self.stored_steps,
+                "sampleable_steps": self.sampleable_steps,
+                "episodes": self.episodes,
+                "open_episodes": self.open_episodes,
+                "counters": dict(self.counters),
+            }
 
     # ------------------------------------------------------------------ insert
     def insert(self, columns: Mapping[str, np.ndarray], spans: Spans, timeout: float | None = None) -> int:
@@ -371,10 +374,11 @@ class EpisodicBuffer(EpisodicRing):
         offsets = span_offsets(spans)
         self._check_rewards(columns)
         completed = int(np.count_nonzero(spans.ends))
-        with self.lock:
+        with self.live():
             keep = self.dedup.screen(spans, offsets, self._landed)
             if keep.any() and self.limiter is not None:
                 self.limiter.await_insert(self, timeout)
+                self.check_live()
                 keep = self.dedup.screen(spans, offsets, self._landed)  # the wait released the lock
             duplicates = len(keep) - int(np.count_nonzero(keep))
             if duplicates:
@@ -735,13 +739,14 @@ class EpisodicBuffer(EpisodicRing):
         With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back) is waited on
         (a condition, not a spin) for that long; without, it fails at once.
         """
-        with self.lock:
+        with self.live():
             if self.limiter is not None:
                 self.limiter.await_sample(self, batch_size, wait_seconds)
             elif wait_seconds is not None and not self.inserted.wait_for(
-                lambda: self.sampleable_steps > 0, timeout=wait_seconds
+                lambda: self.closed or self.sampleable_steps > 0, timeout=wait_seconds
             ):
                 raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
+            self.check_live()  # the waits released the lock
             draw, batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
             self.counters["sampled_batches"] += 1
             self.counters["sampled_items"] += batch_size
@@ -759,11 +764,30 @@ class EpisodicBuffer(EpisodicRing):
             raise FailedPrecondition(
                 f"update_priorities: buffer {self.name!r} uses the {self.sampler.name} sampler, not prioritized"
             )
-        with self.lock:
+        with self.live():
             return self.sampler.update_priorities(self, keys, priorities)
 
     # ------------------------------------------------------------------ lifetime
+    @contextmanager
+    def live(self) -> Iterator[None]:
+        """Holds the lock of a buffer that is not closed: a call racing a delete gets NOT_FOUND, never
+        a read of unmapped memory. Code that waits on `inserted` inside calls `check_live()` after."""
+        with self.lock:
+            self.check_live()
+            yield
+
+    def check_live(self) -> None:
+        if self.closed:
+            raise NotFound(f"buffer {self.name!r} was deleted")
+
     def close(self, unlink: bool = True) -> None:
-        self.storage.close()
-        if unlink:
-            self.storage.unlink()
+        """Waits for the call holding the lock (an insert, a gather), wakes waiting calls (they raise
+        NOT_FOUND) and unmaps the arrays. Readers in other processes keep their own mappings."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.inserted.notify_all()
+            self.storage.close()
+            if unlink:
+                self.storage.unlink()

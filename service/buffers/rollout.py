@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from service.errors import FailedPrecondition, InvalidArgument
+from service.errors import FailedPrecondition, InvalidArgument, NotFound
 from service.gae import GaeWorkspace, compute_gae
 from service.schema import MAX_FIELDS, check_field_name, check_shape
 from service.storage.shared_arrays import ArraySpec, SharedArrays
@@ -151,6 +152,7 @@ class RolloutBuffer:
         self._filled = shared.arrays[_FILLED]  # (T, N) bool
         self._workspace = GaeWorkspace(config.num_steps, config.num_envs)
         self._lock = threading.Lock()
+        self.closed = False  # set under the lock by close(); every use of the arrays checks it (live())
         self._version = policy_version
         self._missing = config.num_steps * config.num_envs
         self._gae_done = False
@@ -193,7 +195,7 @@ class RolloutBuffer:
 
     def missing_ranges(self) -> list[dict[str, Any]]:
         """Which (step, env) cells are still missing for the current version (see `missing_ranges`)."""
-        with self._lock:
+        with self.live():
             return missing_ranges(self._filled)
 
     def push(
@@ -210,7 +212,7 @@ class RolloutBuffer:
         `bootstrap_value` (envs,) float32 is V(s_T) and is required exactly when the part reaches the
         last step. Returns {"missing_steps", "rollout_complete"} after the write.
         """
-        with self._lock:
+        with self.live():
             try:
                 steps, envs = self._validate_push(
                     policy_version, env_start, step_start, columns, bootstrap_value
@@ -307,7 +309,7 @@ class RolloutBuffer:
 
     def finish_rollout(self, next_version: int) -> None:
         """Starts the next rollout under `next_version` (> current); the arrays are reused as they are."""
-        with self._lock:
+        with self.live():
             if next_version <= self._version:
                 raise FailedPrecondition(
                     f"next_version: expected a version > {self._version}, got {next_version}"
@@ -324,7 +326,7 @@ class RolloutBuffer:
         Lazily, from the first minibatch request rather than from the push that completes the
         rollout: that push is on an actor's critical path, while the learner is waiting either way.
         """
-        with self._lock:
+        with self.live():
             self._require_complete()
             if self._gae_done:
                 return
@@ -378,7 +380,7 @@ class RolloutBuffer:
             order = rng.permutation(total)
             for start in range(0, stop, size):
                 index = order[start : start + size]  # (M,)
-                with self._lock:
+                with self.live():
                     if self._version != version:
                         raise FailedPrecondition(
                             f"policy_version: minibatches were for {version}, the buffer moved on to"
@@ -392,7 +394,7 @@ class RolloutBuffer:
 
     def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Copies of every shared array and the state kept outside them, taken together under the lock."""
-        with self._lock:
+        with self.live():
             arrays = {name: array.copy() for name, array in self.shared.arrays.items()}
             state = {"policy_version": self._version, "missing": self._missing, "gae_done": self._gae_done,
                      "counters": dict(self.counters)}
@@ -400,13 +402,13 @@ class RolloutBuffer:
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """The counterpart of `snapshot` for a buffer created at the snapshot's policy version."""
-        with self._lock:
+        with self.live():
             self._missing = int(state["missing"])
             self._gae_done = bool(state["gae_done"])
             self.counters.update(state["counters"])
 
     def info(self) -> dict[str, Any]:
-        with self._lock:
+        with self.live():
             return {
                 "kind": "rollout",
                 "shm_name": self.shared.header_name,
@@ -420,11 +422,25 @@ class RolloutBuffer:
                 "counters": dict(self.counters),
             }
 
+    @contextmanager
+    def live(self) -> Iterator[None]:
+        """Holds the lock of a buffer that is not closed: a call racing a delete gets NOT_FOUND, never
+        a read of unmapped memory."""
+        with self._lock:
+            if self.closed:
+                raise NotFound(f"buffer {self.config.name!r} was deleted")
+            yield
+
     def close(self, unlink: bool = True) -> None:
-        self.columns.clear()
-        self.shared.close()
-        if unlink:
-            self.shared.unlink()
+        """Waits for the call holding the lock (a push, a minibatch gather) and unmaps the arrays."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.columns.clear()
+            self.shared.close()
+            if unlink:
+                self.shared.unlink()
 
     def unlink(self) -> None:
         self.shared.unlink()

@@ -134,12 +134,15 @@ def components_counters(buffer: EpisodicBuffer) -> dict[str, float]:
 
 
 def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
-    info = buffer.info()
+    with buffer.live():  # components read shared memory too (max priority): not while a delete unmaps it
+        info = buffer.info()
+        components = components_to_proto(buffer)
+        counters = components_counters(buffer)
     config = pb.EpisodicConfig(
         fields=fields_to_proto(buffer.fields),
         capacity_steps=buffer.capacity,
         reward_field=buffer.reward_field or "",
-        **components_to_proto(buffer),
+        **components,
     )
     return pb.BufferInfo(
         name=info["name"],
@@ -152,5 +155,5 @@ def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
         sampleable_steps=info["sampleable_steps"],
         episodes=info["episodes"],
         counters={k: float(v) for k, v in info["counters"].items()} | {"open_episodes": info["open_episodes"]}
-        | components_counters(buffer),
+        | counters,
     )

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from service.buffers.episodic import EpisodicBuffer
+from service.errors import NotFound
 from service.grpc_server.auth import token_matches
 from service.grpc_server.convert import components_counters
 from service.registry import BufferRegistry
@@ -97,15 +98,19 @@ refresh(); setInterval(refresh, 1000);
 def buffer_stats(registry: BufferRegistry) -> list[dict]:
     stats = []
     for name, buffer in registry.all():
-        if isinstance(buffer, EpisodicBuffer):
-            capacity, stored = buffer.capacity, buffer.stored_steps
-            counters, episodes = {**buffer.counters, **components_counters(buffer)}, buffer.episodes
-            sampleable, rate_limited = buffer.sampleable_steps, buffer.limiter is not None
-        else:
-            info = buffer.info()
-            capacity = info["num_steps"] * info["num_envs"]
-            stored, counters, episodes = capacity - info["missing_steps"], info["counters"], 0
-            sampleable, rate_limited = None, False
+        try:
+            if isinstance(buffer, EpisodicBuffer):
+                with buffer.live():
+                    capacity, stored = buffer.capacity, buffer.stored_steps
+                    counters, episodes = {**buffer.counters, **components_counters(buffer)}, buffer.episodes
+                    sampleable, rate_limited = buffer.sampleable_steps, buffer.limiter is not None
+            else:
+                info = buffer.info()
+                capacity = info["num_steps"] * info["num_envs"]
+                stored, counters, episodes = capacity - info["missing_steps"], info["counters"], 0
+                sampleable, rate_limited = None, False
+        except NotFound:
+            continue  # deleted while the stats were being read
         stats.append({
             "name": name,
             "kind": buffer.kind if isinstance(buffer, EpisodicBuffer) else "rollout",
