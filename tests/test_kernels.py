@@ -82,3 +82,13 @@ def test_uniform_draw_tops_up_when_a_round_falls_short() -> None:
         assert np.all(draw.positions % 4 != 3) and np.all(draw.positions < draw.bounds)
     finally:
         buffer.close()
+
+
+def test_transition_targets_stay_in_their_tables_for_a_far_position_on_a_hole() -> None:
+    positions = np.array([10**9 + 3], np.int64)  # bound - position is about -1e9
+    target_rows, _, targets = kernels.transition_targets(
+        positions, positions % CAPACITY, np.array([kernels.HOLE], np.int64), np.ones(1, bool), 3,
+        0.9 ** np.arange(4), CAPACITY, np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64),
+        np.zeros(7, np.int64), 7)
+    assert np.all((target_rows >= 0) & (target_rows < CAPACITY))
+    assert np.all(np.isfinite(targets))

@@ -123,7 +123,9 @@ def transition_targets(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarr
     has_reward = reward.size > 0
     for i in range(count):
         position, row = positions[i], rows[i]
-        n_eff = min(n_step, bounds[i] - position)
+        # A position at or past its bound is no step (a torn or hole bound a reader will redraw); 0 keeps
+        # the reads below on the ring and in `powers`.
+        n_eff = max(min(n_step, bounds[i] - position), 0)
         next_rows[i] = _wrap(row + 1, capacity)
         bootstrap_rows[i] = _wrap(row + n_eff, capacity)
         # Only a window that reaches a closed episode's final row can see its termination.
