@@ -61,6 +61,7 @@ import torch
 
 from client import ReplayClient
 from client.gridworld import GridWorld, cosine_similarities
+from client.loader import to_tensors
 from client.trainers.allo import AlloTrainer
 from service.grpc_server.server import ReplayServer
 
@@ -169,12 +170,6 @@ def sampled_laplacian_eigenvectors(
     return eigvals[:d], scale[:, None] * y[:, :d]
 
 
-def _to_torch(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    # The server's arrays are read-only views of the received message: copy (a few KB) rather than
-    # hand torch a read-only buffer.
-    return {k: torch.from_numpy(np.array(v)).to(device) for k, v in batch.items()}
-
-
 def train_and_evaluate(
     sample_fn: SampleFn,
     env: GridWorld,
@@ -200,9 +195,9 @@ def train_and_evaluate(
     history = []
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        pairs = _to_torch(sample_fn("geometric", batch_size), dev)
-        u1 = _to_torch(sample_fn("states", batch_size), dev)
-        u2 = _to_torch(sample_fn("states", batch_size), dev)
+        pairs = to_tensors(sample_fn("geometric", batch_size), dev)
+        u1 = to_tensors(sample_fn("states", batch_size), dev)
+        u2 = to_tensors(sample_fn("states", batch_size), dev)
         metrics = trainer.step(pairs, u1, u2)
         if step % log_every == 0 or step == steps:
             cos = cosine_similarities(trainer.encode(all_obs).cpu().numpy(), true_vecs)

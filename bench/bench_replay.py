@@ -395,10 +395,7 @@ def run(quick: bool = False) -> list[dict]:
     records = []
     for profile in PROFILES:
         records += bench_in_process(profile, quick)
-    tcp_gbps = loopback_tcp_gbps(512 if quick else 2048)
-    records.append(record("loopback TCP, 4 MiB writes, one connection", "tcp_MB_per_s", tcp_gbps * 1e3, "MB/s"))
-    records += bench_grpc(quick, tcp_gbps * 1e3)
-    return records
+    return records + run_grpc(quick)
 
 
 def run_grpc(quick: bool = False, profiles: Collection[str] | None = None) -> list[dict]:
