@@ -269,7 +269,7 @@ def _chi_square_critical(dof: int, z: float = 3.09) -> float:
     return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
 
 
-@pytest.mark.parametrize("discount", [0.2, 0.9, 0.99])
+@pytest.mark.parametrize("discount", [0.2, 0.9, 0.99, 1.0])
 def test_geometric_offsets_follow_truncated_geometric_law(discount: float) -> None:
     """Through the buffer: for each sample, M = steps from its start to the episode's final observation;
     offsets must follow P(d) = g^(d-1) (1-g) / (1-g^M) on 1..M. Randomized PIT values are U(0,1) exactly."""
@@ -288,7 +288,10 @@ def test_geometric_offsets_follow_truncated_geometric_law(discount: float) -> No
             d = batch["offset"]
             assert (d >= 1).all() and (d <= horizon).all()
             np.testing.assert_array_equal(batch["future_t"], batch["t"] + d)
-            cdf = lambda k, m: (1 - discount**k) / (1 - discount**m)  # noqa: E731
+            if discount == 1.0:  # uniform on 1..M
+                cdf = lambda k, m: k / m  # noqa: E731
+            else:
+                cdf = lambda k, m: (1 - discount**k) / (1 - discount**m)  # noqa: E731
             pit.append(cdf(d - 1, horizon) + rng.random(len(d)) * (cdf(d, horizon) - cdf(d - 1, horizon)))
         pit = np.concatenate(pit)
         counts = np.histogram(pit, bins=20, range=(0, 1))[0]

@@ -8,6 +8,7 @@ The kernels do not bounds-check, so every row they compute must be wrapped onto 
 import os
 
 import numpy as np
+import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.samplers import kernels
@@ -20,7 +21,7 @@ def test_draw_uniform_rows_stay_on_the_ring_when_the_range_exceeds_it() -> None:
     row_end = np.full(CAPACITY, 10**9, np.int64)  # every row a step of a far-away episode
     tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0)
-    positions, rows, _, _ = kernels.draw_uniform(np.linspace(0, 0.999, 50), 5, 5 + 4 * CAPACITY, 50,
+    (positions, rows, _), _ = kernels.draw_uniform(np.linspace(0, 0.999, 50), 5, 5 + 4 * CAPACITY, 50,
                                                  *tables)
     assert len(positions) == 50
     np.testing.assert_array_equal(rows, positions % CAPACITY)
@@ -43,6 +44,20 @@ def test_geometric_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
         _, future_rows = kernels.geometric_offsets(np.full(4, 0.999), discount, positions, positions % CAPACITY,
                                                    bounds, CAPACITY)
         assert np.all((future_rows >= 0) & (future_rows < CAPACITY)), discount
+
+
+@pytest.mark.parametrize("discount", [1e-300, 0.5, 1 - 1e-16, 1.0])
+def test_geometric_offsets_stay_in_the_episode_for_extreme_draws(discount: float) -> None:
+    """Exponential draws from 0 to far past any the generator makes (some overflow int64 once divided by
+    -ln(discount)): every offset in 1..M."""
+    count = 6
+    positions = np.arange(count, dtype=np.int64) * 10
+    bounds = positions + np.array([1, 2, 3, 7, 1000, 10**9])  # M per sample
+    exponentials = np.array([0.0, 1e-300, 0.7, 40.0, 745.0, 1e30])  # -ln of the smallest double: 745
+    offsets, future_rows = kernels.geometric_offsets(exponentials, discount, positions, positions % CAPACITY,
+                                                     bounds, CAPACITY)
+    assert np.all((offsets >= 1) & (offsets <= bounds - positions)), offsets
+    np.testing.assert_array_equal(future_rows, (positions + offsets) % CAPACITY)
 
 
 def test_bound_lookup_wraps_negative_and_huge_keys() -> None:

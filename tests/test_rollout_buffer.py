@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.errors import FailedPrecondition, InvalidArgument
+from service.errors import FailedPrecondition, InvalidArgument, NotFound
 from service.gae import GaeWorkspace, compute_gae
 
 T, N, OBS = 8, 6, 3
@@ -92,6 +92,18 @@ def test_push_lands_in_place_and_gae_matches(make_buffer):
                 bootstrap, 0.9, 0.8, adv, ret, GaeWorkspace(T, N))
     np.testing.assert_array_equal(buffer.advantage, adv)
     np.testing.assert_array_equal(buffer.returns, ret)
+
+
+def test_calls_on_a_deleted_buffer_get_not_found(make_buffer):
+    buffer = make_buffer()
+    full, _ = fill(buffer, np.random.default_rng(0))
+    buffer.close()
+    with pytest.raises(NotFound, match="was deleted"):
+        buffer.push(0, 0, 0, {k: v[:1, :1] for k, v in full.items()}, None)
+    with pytest.raises(NotFound, match="was deleted"):
+        next(buffer.minibatches(4))
+    with pytest.raises(NotFound, match="was deleted"):
+        buffer.finish_rollout(1)
 
 
 def test_missing_cells_reported(make_buffer):

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from service.buffers.lifetime import Lifetime
 from service.buffers.ring import (
     ALIVE,
     EPISODES,
@@ -48,7 +48,7 @@ from service.buffers.ring import (
     shm_name,
 )
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from service.limiters import RateLimiter
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers.kernels import REWARD_DTYPES
@@ -196,7 +196,7 @@ class EpisodicBuffer(EpisodicRing):
         self.limiter = limiter
         self.row_bytes = sum(f.row_bytes for f in self.fields)
         self.lock = threading.RLock()  # re-entrant: describe() reads info() and component state under one hold
-        self.closed = False  # set under the lock by close(); every use of the arrays checks it (live())
+        self.lifetime = Lifetime(self.lock, self.name)  # every use of the arrays enters it (live())
         self.inserted = threading.Condition(self.lock)  # wakes samplers waiting for data
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
         self.counters: Counter[str] = Counter()
@@ -768,26 +768,26 @@ class EpisodicBuffer(EpisodicRing):
             return self.sampler.update_priorities(self, keys, priorities)
 
     # ------------------------------------------------------------------ lifetime
-    @contextmanager
-    def live(self) -> Iterator[None]:
-        """Holds the lock of a buffer that is not closed: a call racing a delete gets NOT_FOUND, never
-        a read of unmapped memory. Code that waits on `inserted` inside calls `check_live()` after."""
-        with self.lock:
-            self.check_live()
-            yield
+    def live(self) -> Lifetime:
+        """`with buffer.live():` holds the lock of a buffer that is not deleted (service/buffers/lifetime.py).
+        Code that waits on `inserted` inside calls `check_live()` after."""
+        return self.lifetime
+
+    @property
+    def closed(self) -> bool:
+        return self.lifetime.closed
 
     def check_live(self) -> None:
-        if self.closed:
-            raise NotFound(f"buffer {self.name!r} was deleted")
+        self.lifetime.check()
 
     def close(self, unlink: bool = True) -> None:
         """Waits for the call holding the lock (an insert, a gather), wakes waiting calls (they raise
         NOT_FOUND) and unmaps the arrays. Readers in other processes keep their own mappings."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
+
+        def release() -> None:
             self.inserted.notify_all()
             self.storage.close()
             if unlink:
                 self.storage.unlink()
+
+        self.lifetime.end(release)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from service.errors import FailedPrecondition, InvalidArgument, NotFound
+from service.buffers.lifetime import Lifetime
+from service.errors import FailedPrecondition, InvalidArgument
 from service.gae import GaeWorkspace, compute_gae
 from service.schema import MAX_FIELDS, check_field_name, check_shape
 from service.storage.shared_arrays import ArraySpec, SharedArrays
@@ -152,7 +152,7 @@ class RolloutBuffer:
         self._filled = shared.arrays[_FILLED]  # (T, N) bool
         self._workspace = GaeWorkspace(config.num_steps, config.num_envs)
         self._lock = threading.Lock()
-        self.closed = False  # set under the lock by close(); every use of the arrays checks it (live())
+        self.lifetime = Lifetime(self._lock, shared.header_name)  # every use of the arrays enters it (live())
         self._version = policy_version
         self._missing = config.num_steps * config.num_envs
         self._gae_done = False
@@ -422,25 +422,24 @@ class RolloutBuffer:
                 "counters": dict(self.counters),
             }
 
-    @contextmanager
-    def live(self) -> Iterator[None]:
-        """Holds the lock of a buffer that is not closed: a call racing a delete gets NOT_FOUND, never
-        a read of unmapped memory."""
-        with self._lock:
-            if self.closed:
-                raise NotFound(f"buffer {self.config.name!r} was deleted")
-            yield
+    def live(self) -> Lifetime:
+        """`with buffer.live():` holds the lock of a buffer that is not deleted (service/buffers/lifetime.py)."""
+        return self.lifetime
+
+    @property
+    def closed(self) -> bool:
+        return self.lifetime.closed
 
     def close(self, unlink: bool = True) -> None:
         """Waits for the call holding the lock (a push, a minibatch gather) and unmaps the arrays."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
+
+        def release() -> None:
             self.columns.clear()
             self.shared.close()
             if unlink:
                 self.shared.unlink()
+
+        self.lifetime.end(release)
 
     def unlink(self) -> None:
         self.shared.unlink()

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 class GeometricMode:
     """Observation at t, observation at t + d, and the offset d: P(d) proportional to discount^(d-1) for
-    d in 1..M, M = steps to the episode's bound (drawn by inverse CDF in kernels.geometric_offsets)."""
+    d in 1..M, M = steps to the episode's bound (drawn in kernels.geometric_offsets)."""
 
     def __init__(self, discount: float) -> None:
         if not 0.0 <= discount <= 1.0:
@@ -24,8 +24,8 @@ class GeometricMode:
         self.discount = float(discount)
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        offsets, future_rows = kernels.geometric_offsets(rng.random(len(draw.positions)), self.discount,
-                                                         draw.positions, draw.rows, draw.bounds,
+        offsets, future_rows = kernels.geometric_offsets(rng.standard_exponential(len(draw.positions)),
+                                                         self.discount, draw.positions, draw.rows, draw.bounds,
                                                          ring.capacity)
         batch = {f.name: ring.columns[f.name].take(draw.rows, axis=0) for f in ring.observation_fields}
         batch.update(

@@ -51,16 +51,19 @@ class UniformSampler:
         # observations and holes are dropped. One oversampled round almost always yields enough; a
         # second round tops up.
         candidates_per_step = 1.0625 * (high - low) / max(sampleable, 1)  # <= 17: dense enough
-        parts = []
+        located_parts, closed_parts = [], []
         needed = batch_size
         for _ in range(_MAX_ROUNDS):
-            part = kernels.draw_uniform(rng.random(int(needed * candidates_per_step) + 8), low, high, needed,
-                                        *ring.bound_tables)
-            needed -= len(part[0])
+            located, closed = kernels.draw_uniform(rng.random(int(needed * candidates_per_step) + 8), low, high,
+                                                   needed, *ring.bound_tables)  # (3, k): positions, rows, bounds
+            needed -= closed.size
+            if located_parts or needed:
+                located_parts.append(located)
+                closed_parts.append(closed)
             if not needed:
-                return Draw(*part) if not parts else Draw(*(np.concatenate(column)
-                                                            for column in zip(*parts, part, strict=True)))
-            parts.append(part)
+                if located_parts:
+                    located, closed = np.concatenate(located_parts, axis=1), np.concatenate(closed_parts)
+                return Draw(located[0], located[1], located[2], closed)
         raise FailedPrecondition(
             f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
             f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"

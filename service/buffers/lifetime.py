@@ -1,0 +1,44 @@
+"""A buffer's lock and its deleted flag: every use of a buffer's shared memory holds the lock of a live buffer.
+
+A call racing a delete gets NOT_FOUND, never a read of unmapped memory. `with lifetime:` is entered on
+every sample, so it is a small class rather than a generator context manager (0.3 µs instead of 1.2 µs).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from service.errors import NotFound
+
+
+class Lifetime:
+    __slots__ = ("closed", "lock", "name")
+
+    def __init__(self, lock: threading.Lock | threading.RLock, name: str) -> None:
+        self.lock = lock
+        self.name = name
+        self.closed = False  # set under the lock by end()
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        if self.closed:
+            self.lock.release()
+            raise NotFound(f"buffer {self.name!r} was deleted")
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
+
+    def check(self) -> None:
+        """For code that waited on a condition of the lock inside `with`: the wait released it."""
+        if self.closed:
+            raise NotFound(f"buffer {self.name!r} was deleted")
+
+    def end(self, release: Callable[[], None]) -> None:
+        """Waits for the call holding the lock, marks the buffer deleted and runs `release` (unmapping its
+        memory) once; later calls do nothing."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            release()
