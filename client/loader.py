@@ -8,6 +8,7 @@ keeps up. Batches come out in the order the server sent them, each exactly once.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import warnings
@@ -63,8 +64,14 @@ class Loader:
                 if self._stop.is_set():
                     return
             self._queue.put(_DONE)
-        except BaseException as exc:  # handed to the consumer, raised there
-            self._queue.put(exc)
+        except BaseException as exc:  # handed to the consumer, raised there (unless it closed the loader)
+            if not self._stop.is_set():
+                self._queue.put(exc)
+        finally:
+            # Here the source is not running, so even a generator may be closed (cancelling a server stream).
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
@@ -80,9 +87,15 @@ class Loader:
             yield item
 
     def close(self) -> None:
-        """Stops the background thread and closes the source (cancelling a server stream)."""
+        """Stops the background thread, which closes the source after the batch it is reading.
+
+        A source whose close() is thread-safe (a ReplayClient stream) is also closed from here at once,
+        which cancels a call the thread may be waiting on. A generator cannot be closed while the
+        thread runs it ("generator already executing"), so it is left to the thread.
+        """
         self._stop.set()
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
+        if not inspect.isgenerator(self._source):
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
         self._thread.join(timeout=5)

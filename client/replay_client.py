@@ -12,13 +12,14 @@ import os
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from client.batch_stream import BatchStream
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.wire import codec
 from service.wire import replay_pb2 as pb
@@ -406,18 +407,13 @@ class ReplayClient:
 
     def rollout_minibatches(self, buffer: str, minibatch_size: int, epochs: int = 1, normalize_advantages: bool = True,
                             drop_last: bool = False, seed: int | None = None,
-                            timeout: float | None = None) -> Iterator[dict[str, np.ndarray]]:
+                            timeout: float | None = None) -> BatchStream:
         """Shuffled minibatches (with `advantage` and `return`) of the complete rollout, `epochs` times."""
         request = pb.RolloutMinibatchesRequest(buffer=buffer, minibatch_size=minibatch_size, epochs=epochs,
                                                normalize_advantages=normalize_advantages, drop_last=drop_last)
         if seed is not None:
             request.seed = seed
-        call = self._rollout_minibatches(request, timeout=timeout or self.timeout)
-        try:
-            for payload in call:
-                yield codec.decode(payload)
-        finally:
-            call.cancel()
+        return BatchStream(self._rollout_minibatches(request, timeout=timeout or self.timeout))
 
     def finish_rollout(self, buffer: str, next_version: int) -> dict[str, Any]:
         """Starts the next rollout under `next_version`; pushes for older versions are rejected from now on."""
@@ -515,18 +511,13 @@ class ReplayClient:
         return response.applied, response.ignored_stale
 
     def sample_stream(self, buffer: str, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
-                      timeout: float | None = None, **options: Any) -> Iterator[dict[str, np.ndarray]]:
+                      timeout: float | None = None, **options: Any) -> BatchStream:
         """Batches from one server stream; HTTP/2 flow control keeps several in flight (and the server samples
         the next batch while it sends one). Each batch is decoded without a copy: numpy views of the message.
 
-        `num_batches=0` streams until the iterator is closed (which cancels the call).
+        `num_batches=0` streams until the stream is closed (which cancels the call; any thread may close it).
         """
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
-        call = self._sampling(buffer).stream(request, timeout=timeout)
-        try:
-            for payload in call:
-                yield codec.decode(payload)
-        finally:
-            call.cancel()
+        return BatchStream(self._sampling(buffer).stream(request, timeout=timeout))

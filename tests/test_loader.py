@@ -1,3 +1,5 @@
+import threading
+
 import numpy as np
 import torch
 
@@ -40,3 +42,37 @@ def test_loader_raises_source_errors_in_the_consumer() -> None:
         assert "stream broke" in str(exc)
     else:
         raise AssertionError("the source's error was swallowed")
+
+
+def test_close_while_the_thread_runs_a_generator_source() -> None:
+    """The loader's thread is inside the generator when close() is called: the generator must be closed by
+    that thread after its batch ("generator already executing" otherwise), and close() must not raise."""
+    loader_ref: list[Loader] = []
+    entered, finalized = threading.Event(), threading.Event()
+
+    def source():
+        try:
+            yield {"i": np.zeros(1)}
+            entered.set()
+            assert loader_ref[0]._stop.wait(timeout=10)  # still executing when close() sets the flag
+            yield {"i": np.ones(1)}
+        finally:
+            finalized.set()
+
+    loader = Loader(source(), prefetch=1)
+    loader_ref.append(loader)
+    next(iter(loader))
+    assert entered.wait(timeout=10)
+    loader.close()
+    assert finalized.is_set() and not loader._thread.is_alive()
+
+
+def test_close_cancels_a_server_stream_the_thread_waits_on(client: ReplayClient) -> None:
+    """An empty buffer and wait=True: the thread blocks in the stream until close() cancels the call."""
+    client.create_buffer("empty", 100, {"obs": ("float32", (2,)), "action": ("int64", ())})
+    stream = client.sample_stream("empty", 8, wait=True, timeout=60)
+    loader = Loader(stream)
+    loader.close()
+    assert not loader._thread.is_alive()
+    assert list(stream) == []  # a closed stream ends instead of raising CANCELLED
+    assert list(loader) == []  # the cancellation is not raised to the consumer: the loader just ends

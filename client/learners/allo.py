@@ -18,7 +18,7 @@ import torch
 
 from client.actors.allo import BUFFER, LAYOUT
 from client.gridworld import GridWorld, cosine_similarities
-from client.learners.common import CurvePlot, Progress, finish_learner, start_learner, wait_for_steps
+from client.learners.common import CurvePlot, Progress, env_steps, finish_learner, start_learner, wait_for_steps
 from client.loader import Loader
 from client.trainers.allo import AlloTrainer
 
@@ -69,8 +69,7 @@ def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = l
     def score() -> None:
         nonlocal cosine, solved
         cosine = cosine_similarities(trainer.encode(states).cpu().numpy(), true)
-        env_steps = int(client.describe(config.buffer)["counters"].get("inserted_rows", 0))
-        tracker.record(round(float(cosine.mean()), 4), env_steps)
+        tracker.record(round(float(cosine.mean()), 4), env_steps(client.describe(config.buffer)))
         solved = cosine.mean() >= config.target_cosine
 
     try:

@@ -130,12 +130,21 @@ def start_learner(config: Any, score_key: str, report: Callable[[Progress], None
     return tracker, client
 
 
+def env_steps(buffer_info: dict) -> int:
+    """Environment steps an episodic buffer was given: its inserted rows less each ended episode's final
+    observation (an open episode's first row still counts: off by at most the number of actors' envs)."""
+    counters = buffer_info["counters"]
+    return int(counters.get("inserted_rows", 0) - counters.get("inserted_episodes", 0))
+
+
 def finish_learner(config: Any, client: ReplayClient, tracker: Tracker, plot: CurvePlot, results: dict) -> dict:
     """The summary (timing, counts, `results`, the buffer's final state, config, curve), written into
     `config.run_dir` with the learning curve; closes the client."""
     progress = tracker.progress
-    summary = {"seconds": tracker.seconds(), "learner_steps": progress.learner_steps, "env_steps": progress.env_steps,
-               **results, "buffer": client.describe(config.buffer), "config": asdict(config), "curve": progress.curve}
+    buffer = client.describe(config.buffer)
+    # Counted now, not at the last evaluation: a learner stopped before its first one still reports them.
+    summary = {"seconds": tracker.seconds(), "learner_steps": progress.learner_steps, "env_steps": env_steps(buffer),
+               **results, "buffer": buffer, "config": asdict(config), "curve": progress.curve}
     write_run(Path(config.run_dir), summary, plot)
     client.close()
     return summary

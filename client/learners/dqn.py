@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from client.learners.common import CurvePlot, Progress, evaluate_greedy, finish_learner, start_learner, wait_for_steps
+from client.learners.common import (
+    CurvePlot,
+    Progress,
+    env_steps,
+    evaluate_greedy,
+    finish_learner,
+    start_learner,
+    wait_for_steps,
+)
 from client.loader import Loader
 from client.local_reader import LocalReader
 from client.params import module_to_bytes
@@ -66,10 +74,10 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
                 version += 1
                 client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
             if progress.learner_steps % config.eval_every == 0:
-                env_steps = int(client.describe(config.buffer)["counters"].get("inserted_rows", 0))
+                steps_so_far = env_steps(client.describe(config.buffer))
                 score = evaluate_greedy(lambda obs: trainer.online(obs).argmax(1), config.env_id,
                                         config.eval_episodes, config.seed)
-                tracker.record(score, env_steps)
+                tracker.record(score, steps_so_far)
                 solved = score >= config.target_return
             if solved or tracker.out_of_time():
                 break
