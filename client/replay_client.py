@@ -315,7 +315,7 @@ class ReplayClient:
         capacity_steps: int,
         schema: Schema,
         observation_fields: Sequence[str] = ("obs",),
-        reward_field: str = "reward",
+        reward_field: str | None = None,
         sampler: str = "uniform",
         alpha: float = 0.6,
         remover: str = "fifo",
@@ -324,6 +324,7 @@ class ReplayClient:
     ) -> dict[str, Any]:
         """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape).
 
+        reward_field: the per-step reward for n-step returns (None: the field named "reward", if any).
         sampler: "uniform" or "prioritized" (P(i) ~ p_i^alpha). remover: "fifo" or "max_times_sampled"
         (a step is retired after `max_times_sampled` draws). rate_limiter: dict of min_size_to_sample,
         samples_per_insert, error_buffer (Reverb's SampleToInsertRatio).
@@ -335,7 +336,7 @@ class ReplayClient:
             pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape), observation=n in observation_fields)
             for n, (dtype, shape) in schema.items()
         ]
-        config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field,
+        config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field or "",
                                    **self._components(sampler, alpha, remover, max_times_sampled, rate_limiter))
         info = self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config), timeout=self.timeout)
         self._observation_fields[name] = tuple(observation_fields)

@@ -14,6 +14,7 @@ from pathlib import Path
 from service.errors import ReplayError
 from service.grpc_server.auth import check_bind
 from service.grpc_server.server import ReplayServer
+from service.schema import check_instance_name
 from service.storage.shared_arrays import remove_segment, segments
 
 
@@ -29,6 +30,14 @@ def tune_allocator() -> None:
     libc.mallopt(m_mmap_threshold, 32 * 2**20)
     libc.mallopt(m_trim_threshold, 256 * 2**20)
     libc.mallopt(m_arena_max, 2)
+
+
+def instance_name(text: str) -> str:
+    """argparse type: an instance name the segment prefixes cannot confuse with another's."""
+    try:
+        return check_instance_name(text)
+    except ReplayError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def report_stale_segments(instance: str | None, remove: bool) -> None:
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                               help="bind address (default 127.0.0.1; 0.0.0.0 accepts remote actors and needs "
                                    "--token or --insecure-bind-all)")
     serve_parser.add_argument("--port", type=int, default=50051)
-    serve_parser.add_argument("--instance", default=None,
+    serve_parser.add_argument("--instance", default=None, type=instance_name,
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
     serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
@@ -135,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("actor", help="run an actor (python -m client.actor --help)", add_help=False)
     commands.add_parser("learn", help="run a learner (python -m client.learner --help)", add_help=False)
     segments_parser = commands.add_parser("segments", help="list (and remove) replayd shared-memory segments")
-    segments_parser.add_argument("--instance", default=None, help="only this server instance's segments")
+    segments_parser.add_argument("--instance", default=None, type=instance_name,
+                                 help="only this server instance's segments")
     segments_parser.add_argument("--remove", action="store_true", help="unlink them (only for dead servers!)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "segments":

@@ -164,3 +164,21 @@ def test_trailing_bytes_after_the_stream_are_not_remembered() -> None:
     for _ in range(2):
         np.testing.assert_array_equal(codec.decode(payload)["x"], columns["x"])
     assert not any(layout.size == len(payload) for layout in codec._layouts.values())
+
+
+@pytest.mark.parametrize("dtype", [",", "i4 (2,)", "not-a-dtype", 3.5])
+def test_strings_numpy_cannot_parse_as_dtypes_are_codec_errors(dtype: object) -> None:
+    with pytest.raises(codec.CodecError, match=r"'f': .* is not a numpy dtype"):
+        codec.check_dtype("f", dtype)
+
+
+@pytest.mark.parametrize("aliases", [b'{"y": ["x"]}', b'{"y": 3}', b'{"y": "nope"}', b"[1, 2]"])
+def test_malformed_alias_metadata_is_a_codec_error(aliases: bytes) -> None:
+    reader = pa.ipc.open_stream(codec.encode({"x": np.zeros(3)}))
+    batch = reader.read_next_batch()
+    schema = batch.schema.with_metadata({**(batch.schema.metadata or {}), b"aliases": aliases})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.record_batch(batch.columns, schema=schema))
+    with pytest.raises(codec.CodecError, match="bad alias metadata"):
+        codec.decode(sink.getvalue().to_pybytes())

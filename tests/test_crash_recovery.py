@@ -234,3 +234,37 @@ def test_inconsistent_segments_fall_back_to_the_latest_checkpoint(tmp_path) -> N
     finally:
         for name in segments(f"rpd_{instance}_"):
             os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize(("method", "after"), [("_write_rows", False), ("_write_rows", True),
+                                              ("_rows_written", False)])
+def test_writer_killed_while_the_head_episode_grows_in_place(method: str, after: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The open episode at the head grows its room without moving; a crash there must not leave its last
+    row past the head (recovery refused the whole buffer)."""
+    buffer = EpisodicBuffer("grow", TEST_INSTANCE, FIELDS, 200)
+    header = buffer.storage.header_name
+    try:
+        buffer.insert(*whole(1, 20))
+        buffer.insert(*chunk(100, 5, True, False))  # the head extent, with a small room
+        crash_inside(buffer, method, monkeypatch, after)
+        with pytest.raises(Crash):
+            buffer.insert(*chunk(100, 30, False, False, 5))  # outgrows the room in place
+        monkeypatch.undo()
+        buffer.storage.close()
+
+        recovered = EpisodicBuffer.recover(header)
+        try:
+            ring_episodes = live_episodes(recovered)
+            assert set(ring_episodes) == {1, 100} and ring_episodes[100][2]
+            assert_untorn(recovered, {1: ring_episodes[1]})
+            start, last, _ = ring_episodes[100]
+            assert last - start + 1 in (5, 35)  # the chunk landed whole or not at all
+            np.testing.assert_array_equal(recovered.columns["obs"][np.arange(start, last + 1) % 200][:, 0], 100)
+            recovered.insert(*chunk(100, 3, False, True, last - start + 1))
+            assert recovered.sample(16, TransitionsMode(1, 0.9), np.random.default_rng(0))["obs"].shape == (16, 2)
+        finally:
+            recovered.close()
+    finally:
+        for name in segments(f"rpd_{TEST_INSTANCE}_grow"):
+            os.unlink(f"/dev/shm/{name}")

@@ -224,6 +224,21 @@ def snapshot(buffer: EpisodicBuffer) -> dict[str, bytes]:
     return {name: array.tobytes() for name, array in buffer.storage.arrays.items()}
 
 
+def test_reward_field_names_a_field_or_defaults_to_reward() -> None:
+    instance = f"test{os.getpid()}"
+    with pytest.raises(InvalidArgument, match="reward_field 'rewrd' is not a field of the schema"):
+        EpisodicBuffer("typo", instance, FIELDS, 16, reward_field="rewrd")
+    with pytest.raises(InvalidArgument, match="reward field 'action' must be a scalar float32 or float64"):
+        EpisodicBuffer("ints", instance, FIELDS, 16, reward_field="action")
+    without_reward = [f for f in FIELDS if f.name != "reward"]
+    for fields, expected in ((FIELDS, "reward"), (without_reward, None)):
+        buffer = EpisodicBuffer("auto", instance, fields, 16)
+        try:
+            assert buffer.reward_field == expected
+        finally:
+            buffer.close()
+
+
 def test_rejected_inserts_leave_buffer_byte_identical() -> None:
     rng = np.random.default_rng(2)
     buffer = new_buffer(64)
@@ -243,6 +258,10 @@ def test_rejected_inserts_leave_buffer_byte_identical() -> None:
              InvalidArgument, "'reward' is missing"),
             (make_rows(rng, 0, 70), Spans.whole_episodes(np.array([69]), [3], [True]),
              InvalidArgument, "more than capacity_steps=64"),
+            # an opening chunk longer than the ring would overwrite its own first rows
+            (make_rows(rng, 0, 70), Spans(np.array([5], np.uint64), np.array([70]), np.array([True]),
+                                          np.array([False]), np.array([False])),
+             InvalidArgument, "chunk of episode 5 has 70 rows, more than capacity_steps=64"),
             (good, Spans.whole_episodes(np.array([9]), [3], [True]), InvalidArgument, "span_rows sum to 10"),
             # a valid whole episode followed by a chunk of an episode that is not open: nothing may land
             (make_rows(rng, 0, 12), Spans(np.array([4, 99], np.uint64), np.array([11, 1]), np.array([True, False]),

@@ -6,6 +6,8 @@ The kernels do not bounds-check, so every row they compute must be wrapped onto 
 """
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -107,3 +109,46 @@ def test_transition_targets_stay_in_their_tables_for_a_far_position_on_a_hole() 
         np.zeros(7, np.int64), 7)
     assert np.all((target_rows >= 0) & (target_rows < CAPACITY))
     assert np.all(np.isfinite(targets))
+
+
+_NO_COMPILE_AT_SAMPLE = """
+import os
+import numpy as np
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.ring import EpisodicRing
+from service.samplers import kernels
+from service.samplers.geometric import GeometricMode
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.states import StatesMode
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+
+compiled = {name: len(k.signatures) for name, k in vars(kernels).items() if hasattr(k, "signatures")}
+modes = [TransitionsMode(1, 0.9), TransitionsMode(3, 0.9), GeometricMode(0.9), StatesMode()]
+for reward_dtype in ("float32", "float64"):
+    for sampler in (None, PrioritizedSampler(0.6)):
+        fields = [Field("obs", "float32", (2,), observation=True), Field("reward", reward_dtype)]
+        writer = EpisodicBuffer("w", f"kc{os.getpid()}", fields, 64, sampler=sampler)
+        try:
+            writer.insert({"obs": np.zeros((11, 2), np.float32), "reward": np.zeros(11, reward_dtype)},
+                          Spans.whole_episodes(np.array([10]), np.array([1]), np.array([True])))
+            reader = EpisodicRing.attach(writer.storage.header_name)
+            try:
+                for mode in modes:
+                    writer.sample(8, mode, include_keys=True)
+                    reader.sample_shared(8, mode, np.random.default_rng(0), include_keys=True)
+            finally:
+                reader.close()
+        finally:
+            writer.close()
+grown = {name: (count, len(getattr(kernels, name).signatures)) for name, count in compiled.items()
+         if len(getattr(kernels, name).signatures) != count}
+print("compiled at sample time:", grown)
+"""
+
+
+def test_samples_by_writers_and_readers_use_only_kernels_compiled_at_import() -> None:
+    """A kernel specialization first met at sample time is compiled there (a stall of seconds)."""
+    result = subprocess.run([sys.executable, "-c", _NO_COMPILE_AT_SAMPLE], capture_output=True, text=True,
+                            timeout=300, check=True)
+    assert result.stdout.strip() == "compiled at sample time: {}", result.stdout + result.stderr

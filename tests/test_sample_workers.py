@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -65,3 +66,16 @@ def test_a_killed_worker_is_restarted_on_its_port(worker_server: ReplayServer) -
             time.sleep(0.05)
         for _ in range(4):  # both endpoints answer again (the client retries while the port rebinds)
             assert client.sample("b", 16)["obs"].shape == (16, 4)
+
+
+def test_workers_answer_malformed_requests_with_invalid_argument(worker_server: ReplayServer) -> None:
+    for port in worker_server.sample_workers.ports:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for method in ("Sample", "SampleStream"):
+                call = (channel.unary_unary if method == "Sample" else channel.unary_stream)(
+                    f"/replayd.v1.Replay/{method}")  # raw bytes: no serializers
+                with pytest.raises(grpc.RpcError) as info:
+                    response = call(b"\x0a\xff\xff\xff\xff\x0f", timeout=20)
+                    list(response) if method == "SampleStream" else response
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value)
+                assert "malformed request" in info.value.details()

@@ -1,4 +1,5 @@
 import os
+from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
@@ -30,3 +31,17 @@ def test_create_attach_unlink() -> None:
         owner.unlink()
     assert not segment_exists(name)
     assert not segment_exists(name + ".data")
+
+
+@pytest.mark.parametrize("content", [b"[]", b"42", b'"text"', b"{}"])
+def test_attach_refuses_a_segment_without_a_replayd_header(content: bytes) -> None:
+    """Recovery attaches every rpd_<instance>_ segment it finds: a foreign one must fail as ValueError."""
+    name = f"rpd_test{os.getpid()}_foreign"
+    segment = shared_memory.SharedMemory(name=name, create=True, size=64)
+    try:
+        segment.buf[:len(content)] = content
+        with pytest.raises(ValueError, match="foreign"):
+            SharedArrays.attach(name)
+    finally:
+        segment.close()
+        segment.unlink()

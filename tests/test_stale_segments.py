@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 
 from client import ReplayClient
+from service.buffers.episodic import EpisodicBuffer
+from service.errors import InvalidArgument
+from service.grpc_server.server import ReplayServer
+from service.schema import Field
 from service.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE
 
@@ -71,3 +75,14 @@ def test_stale_segments_are_reported_and_removed() -> None:
     finally:
         for name in segments(f"rpd_{instance}_"):
             os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("instance", ["a_b", "x y", "rpd/../x", "a" * 33])
+def test_instance_names_cannot_overlap_another_instances_segment_prefix(instance: str) -> None:
+    """rpd_<instance>_<buffer>: with an underscore, instance "a_b" would own instance "a"'s buffer "b_c"
+    (recovery and --remove-stale act on every segment of the prefix)."""
+    with pytest.raises(InvalidArgument, match="instance name"):
+        ReplayServer("127.0.0.1:0", instance=instance)
+    with pytest.raises(InvalidArgument, match="instance name"):
+        EpisodicBuffer("b_c", instance, [Field("obs", "float32", (2,), observation=True)], 8)
+    assert not segments(f"rpd_{instance}")

@@ -119,7 +119,7 @@ class EpisodicBuffer(EpisodicRing):
         instance: str,
         fields: tuple[Field, ...] | list[Field],
         capacity_steps: int,
-        reward_field: str = "reward",
+        reward_field: str | None = None,
         sampler: UniformSampler | PrioritizedSampler | None = None,
         remover: FifoRemover | MaxTimesSampledRemover | None = None,
         limiter: RateLimiter | None = None,
@@ -136,12 +136,17 @@ class EpisodicBuffer(EpisodicRing):
         if not self.observation_fields:
             raise InvalidArgument("schema: at least one field must be an observation field (one row per state)")
         by_name = {f.name: f for f in self.fields}
-        self.reward_field = reward_field if reward_field in by_name else None
+        if reward_field is None:  # the field named "reward", when the schema has one
+            self.reward_field = "reward" if "reward" in by_name else None
+        elif reward_field in by_name:
+            self.reward_field = reward_field
+        else:
+            raise InvalidArgument(f"reward_field {reward_field!r} is not a field of the schema {sorted(by_name)}")
         if self.reward_field is not None:
-            reward = by_name[reward_field]
+            reward = by_name[self.reward_field]
             if reward.observation or reward.shape != () or reward.dtype not in REWARD_DTYPES:
                 raise InvalidArgument(
-                    f"reward field {reward_field!r} must be a scalar float32 or float64 per-step field, got "
+                    f"reward field {self.reward_field!r} must be a scalar float32 or float64 per-step field, got "
                     f"{reward.dtype}{list(reward.shape)} observation={reward.observation}"
                 )
         self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
@@ -240,7 +245,7 @@ class EpisodicBuffer(EpisodicRing):
     def from_config(cls, name: str, instance: str, config: dict, max_bytes: int | None = None) -> EpisodicBuffer:
         sampler, remover, limiter = cls.components_from_config(config)
         fields = tuple(Field(f, dtype, tuple(shape), observation) for f, dtype, shape, observation in config["fields"])
-        return cls(name, instance, fields, int(config["capacity_steps"]), reward_field=config["reward_field"] or "",
+        return cls(name, instance, fields, int(config["capacity_steps"]), reward_field=config["reward_field"],
                    sampler=sampler, remover=remover, limiter=limiter, max_bytes=max_bytes,
                    dedup_window=int(config["dedup_window"]))
 
@@ -455,11 +460,12 @@ class EpisodicBuffer(EpisodicRing):
                 f"insert: span {bad} is a whole episode of {int(spans.rows[bad])} row; an episode needs at least "
                 "2 rows (its first and final observation)"
             )
-        long = whole & (spans.rows > self.capacity)
+        long = spans.rows > self.capacity  # a chunk too: the ring cannot hold it whole at once
         if long.any():
             bad = int(np.argmax(long))
+            what = "episode" if whole[bad] else "chunk of episode"
             raise InvalidArgument(
-                f"insert: episode {int(spans.episode_ids[bad])} has {int(spans.rows[bad])} rows, more than "
+                f"insert: {what} {int(spans.episode_ids[bad])} has {int(spans.rows[bad])} rows, more than "
                 f"capacity_steps={self.capacity}"
             )
 
@@ -566,6 +572,9 @@ class EpisodicBuffer(EpisodicRing):
         elif op.kind == "append":
             if op.head_after > op.head_before:  # the head extent grew its room: make space for it
                 self._evict_before(op.head_after - self.capacity)
+                # Cover the grown room now, while it holds only holes (as the unused part of a room does):
+                # the extent's last row then never lies past the head, whenever the writer dies.
+                self.state[HEAD] = op.head_after
             slot = op.extent.seq % self.extent_slots
             old_last = int(self.extent_last[slot])
             self._write_extent_rows(op, columns, at=old_last + 1, mark_from=old_last + 1,

@@ -22,7 +22,7 @@ from service.samplers.draw import Draw
 from service.samplers.modes import BatchMode
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.uniform import UniformSampler
-from service.schema import Field
+from service.schema import Field, check_instance_name
 from service.storage.shared_arrays import SharedArrays
 
 OPEN, HOLE = kernels.OPEN, kernels.HOLE  # row_end of a row whose episode is open / that holds no episode
@@ -39,7 +39,7 @@ MAX_TORN_DRAWS = 100
 
 
 def shm_name(instance: str, buffer: str) -> str:
-    return f"rpd_{instance}_{buffer}"
+    return f"rpd_{check_instance_name(instance)}_{buffer}"
 
 
 def shared_sampling(components: dict) -> bool:

@@ -29,6 +29,7 @@ from service.grpc_server.options import channel_options
 from service.grpc_server.servicer import (
     SAMPLE_AHEAD,
     check_sample_request,
+    lenient,
     rpc,
     sample_message,
     stream_rpc,
@@ -115,9 +116,9 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
     handlers = {
         # Both return serialized SampleResponse messages (servicer.sample_message).
         "Sample": grpc.unary_unary_rpc_method_handler(
-            servicer.Sample, request_deserializer=pb.SampleRequest.FromString),
+            servicer.Sample, request_deserializer=lenient(pb.SampleRequest.FromString)),
         "SampleStream": grpc.unary_stream_rpc_method_handler(
-            servicer.SampleStream, request_deserializer=pb.SampleStreamRequest.FromString),
+            servicer.SampleStream, request_deserializer=lenient(pb.SampleStreamRequest.FromString)),
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="replayd-sampler"),
                          options=channel_options(max_message_bytes),

@@ -18,6 +18,7 @@ from service.grpc_server.sample_workers import SampleWorkers
 from service.grpc_server.servicer import ReplayServicer, lenient
 from service.recovery import recover_instance
 from service.registry import BufferRegistry
+from service.schema import check_instance_name
 from service.wire import replay_pb2 as pb
 from service.wire.frames import InsertFrame
 
@@ -97,7 +98,7 @@ class ReplayServer:
         self.max_buffer_bytes = max_buffer_bytes
         self._stop_checkpoints = threading.Event()
         self._checkpoint_thread: threading.Thread | None = None
-        self.instance = instance or secrets.token_hex(4)
+        self.instance = check_instance_name(instance or secrets.token_hex(4))
         self.registry = BufferRegistry(self.instance)
         self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
         self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,

@@ -358,7 +358,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             self.registry.instance,
             convert.fields_from_proto(config.fields),
             config.capacity_steps,
-            reward_field=config.reward_field or "reward",
+            reward_field=config.reward_field or None,
             sampler=sampler,
             remover=remover,
             limiter=limiter,

@@ -189,9 +189,10 @@ def geometric_offsets(exponentials: np.ndarray, discount: float, positions: np.n
 def _compile_ahead() -> None:
     """Runs every kernel once on tiny arrays, writable and read-only (a reader's shared memory)."""
     def tables(readonly: bool) -> tuple:
-        row_end, row_seq, extent_last, counts = (np.zeros(4, np.int64) for _ in range(4))
-        for array in (row_end, row_seq, extent_last, counts):
+        row_end, row_seq, extent_last = (np.zeros(4, np.int64) for _ in range(3))
+        for array in (row_end, row_seq, extent_last):
             array.flags.writeable = not readonly
+        counts = np.zeros(4, np.int64)  # a remover's own counts, or an empty array: writable in readers too
         return 4, row_end, row_seq, extent_last, 3, counts, 1
 
     positions = np.zeros(2, np.int64)
@@ -203,11 +204,13 @@ def _compile_ahead() -> None:
         for keys in (positions, read_only_positions):
             episode_bounds(keys, capacity, row_end, row_seq, extent_last, slots, counts, max_times)
         draw_uniform(np.zeros(2), 0, 2, 2, capacity, row_end, row_seq, extent_last, slots, counts, max_times)
+        extent_flags = np.zeros(4, np.uint8)  # the ring's extent.flags column
+        extent_flags.flags.writeable = not readonly
         for dtype in REWARD_DTYPES:
             reward = np.zeros(4, dtype)
             reward.flags.writeable = not readonly
             transition_targets(positions, positions, positions + 1, closed, 1, np.ones(2), capacity, reward,
-                               row_seq, extent_last, slots)
+                               row_seq, extent_flags, slots)
         geometric_offsets(np.zeros(2), 0.5, positions, positions, positions + 1, capacity)
     drawn_whole(positions, positions + 1, 0)
 

@@ -22,6 +22,10 @@ from service.samplers.draw import Draw
 from service.samplers.sum_tree import SumTree
 from service.storage.shared_arrays import ArraySpec
 
+# Largest leaf (priority ** alpha) accepted: a sum over any ring stays far below float64's limit, where
+# one inf leaf would make every probability nan for good (new steps get the max priority).
+MAX_LEAF = 1e150
+
 if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
 
@@ -62,7 +66,8 @@ class PrioritizedSampler:
 
     def _leaf_values(self, priorities: np.ndarray) -> np.ndarray:
         # Priority 0 means "never sample", also for alpha = 0 where 0**0 would be 1.
-        return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)
+        with np.errstate(over="ignore"):  # an overflow to inf is rejected by update_priorities
+            return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)
 
     # ---------------------------------------------------------------- buffer hooks (under ring.lock)
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
@@ -115,12 +120,19 @@ class PrioritizedSampler:
             raise InvalidArgument(
                 f"update_priorities: priorities[{index}] = {priorities[index]!r}; priorities must be finite and >= 0"
             )
+        leaves = self._leaf_values(priorities)
+        if np.any(leaves > MAX_LEAF):
+            index = int(np.argmax(leaves > MAX_LEAF))
+            raise InvalidArgument(
+                f"update_priorities: priorities[{index}] = {priorities[index]!r} gives priority ** alpha = "
+                f"{leaves[index]:.3g} (alpha {self.alpha}); expected at most {MAX_LEAF:.0e}"
+            )
         rows, bounds, _ = ring.episode_bounds(keys)
         live = (keys >= ring.tail_position()) & (keys < ring.head) & (keys < bounds)
         applied = int(np.count_nonzero(live))
         if applied:
             self._max_priority[0] = max(float(self._max_priority[0]), float(priorities[live].max()))
-            self.tree.update(rows[live], self._leaf_values(priorities[live]))
+            self.tree.update(rows[live], leaves[live])
         return applied, keys.size - applied
 
     def config(self) -> dict[str, float]:

@@ -180,6 +180,8 @@ class SharedArrays:
         header = _untracked(shared_memory.SharedMemory(name=header_name, create=False))
         try:
             layout = json.loads(bytes(header.buf).rstrip(b"\0"))
+            if not isinstance(layout, dict):
+                raise ValueError(f"segment {header_name!r} does not hold a replayd header (a JSON object)")
             if layout.get("magic") != MAGIC or layout.get("layout_version") != LAYOUT_VERSION:
                 raise ValueError(
                     f"segment {header_name!r} has layout {layout.get('magic')}/{layout.get('layout_version')},"

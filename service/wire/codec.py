@@ -55,7 +55,7 @@ class CodecError(ValueError):
 def check_dtype(name: str, dtype: np.dtype | str) -> np.dtype:
     try:
         dtype = np.dtype(dtype)
-    except TypeError as exc:
+    except (TypeError, ValueError, SyntaxError) as exc:  # numpy parses strings like "," and "i4 (2,)" too
         raise CodecError(f"field {name!r}: {dtype!r} is not a numpy dtype") from exc
     if dtype.name not in ALLOWED_DTYPES:
         raise CodecError(f"field {name!r}: dtype {dtype.name} is not supported (use one of {sorted(ALLOWED_DTYPES)})")
@@ -271,7 +271,7 @@ def _decode_plan(schema_message: bytes, schema: pa.Schema) -> _Plan:
             aliases = tuple(json.loads(schema.metadata[_ALIASES_KEY]).items())
         except (ValueError, AttributeError, RecursionError) as exc:
             raise CodecError(f"bad alias metadata: {exc}") from exc
-        if any(not isinstance(a, str) or target not in names for a, target in aliases):
+        if any(not isinstance(a, str) or not isinstance(target, str) or target not in names for a, target in aliases):
             raise CodecError(f"bad alias metadata: {aliases} must name fields of the batch")
     return _remember(_decode_plans, schema_message, _Plan(schema, schema_message, tuple(columns), aliases))
 
