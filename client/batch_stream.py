@@ -6,7 +6,7 @@ A generator over the call could only be closed by the thread running it: a Loade
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -22,8 +22,9 @@ class BatchStream:
     without close() is cancelled when gRPC collects the call.
     """
 
-    def __init__(self, call: Any) -> None:  # a grpc call that is also an iterator of payloads
-        self._call = call
+    def __init__(self, call: Any, on_unavailable: Callable[[], None] | None = None) -> None:
+        self._call = call  # a grpc call that is also an iterator of payloads
+        self._on_unavailable = on_unavailable  # e.g. the client forgetting a sample worker's address
         self._closed = False
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -35,6 +36,8 @@ class BatchStream:
         except grpc.RpcError as exc:
             if self._closed and exc.code() == grpc.StatusCode.CANCELLED:
                 raise StopIteration from None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and self._on_unavailable is not None:
+                self._on_unavailable()
             raise
         return codec.decode(payload)
 

@@ -43,6 +43,7 @@ class Loader:
         self._source = iter(source)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
+        self._finished = False  # the consumer got the end or the source's error: later iterations end at once
         self._thread = threading.Thread(target=self._fill, name="replayd-loader", daemon=True)
         self._thread.start()
 
@@ -55,30 +56,35 @@ class Loader:
                     event = torch.cuda.Event()
                     event.record()
                     tensors = (tensors, event)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(tensors, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(tensors):
                     return
-            self._queue.put(_DONE)
+            self._put(_DONE)
         except BaseException as exc:  # handed to the consumer, raised there (unless it closed the loader)
-            if not self._stop.is_set():
-                self._queue.put(exc)
+            self._put(exc)
         finally:
             # Here the source is not running, so even a generator may be closed (cancelling a server stream).
             close = getattr(self._source, "close", None)
             if close is not None:
                 close()
 
+    def _put(self, item: object) -> bool:
+        """Queues `item` unless the loader is closed first (a full queue then has no reader); False if closed."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
+        while not self._finished:
             item = self._queue.get()
             if item is _DONE:
+                self._finished = True
                 return
             if isinstance(item, BaseException):
+                self._finished = True
                 raise item
             if isinstance(item, tuple):
                 tensors, event = item
@@ -94,6 +100,7 @@ class Loader:
         thread runs it ("generator already executing"), so it is left to the thread.
         """
         self._stop.set()
+        self._finished = True
         if not inspect.isgenerator(self._source):
             close = getattr(self._source, "close", None)
             if close is not None:

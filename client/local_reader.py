@@ -7,7 +7,9 @@ server stays the single writer; a batch that raced with an eviction is drawn aga
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,11 +17,18 @@ import numpy as np
 
 from client.replay_client import ReplayClient
 from service.buffers.ring import EpisodicRing
+from service.errors import NotFound
 from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
 from service.samplers.states import StatesMode
 from service.samplers.transitions import TransitionsMode
 from service.storage.shared_arrays import segment_exists
+
+CHECK_EVERY = 0.05  # seconds between checks that the buffer still exists on the server
+
+
+def _segment_path(name: str) -> str:
+    return f"/dev/shm/{name}"  # where POSIX shared memory lives on Linux
 
 
 def batch_mode(mode: str, n_step: int = 1, gamma: float = 0.99, discount: float | None = None) -> BatchMode:
@@ -50,9 +59,28 @@ class LocalReader:
                 "container or IPC namespace?); sample it over gRPC"
             )
         self.buffer = buffer
+        self._segment = _segment_path(info["shm_name"])
+        self._inode = os.stat(self._segment).st_ino  # before attaching: a segment replaced later differs
         self.ring = EpisodicRing.attach(info["shm_name"])
         self.torn_redraws = 0
         self._rng = np.random.default_rng()
+        self._checked = time.monotonic()
+
+    def _check_current(self) -> None:
+        """Raises NotFound once the server deleted (or re-created) the buffer: the mapping outlives the
+        segment, so without this check the reader would keep sampling a frozen snapshot. Checked at most
+        every CHECK_EVERY seconds (a stat of the segment, about 1 µs)."""
+        now = time.monotonic()
+        if now - self._checked < CHECK_EVERY:
+            return
+        self._checked = now
+        try:
+            current = os.stat(self._segment).st_ino == self._inode
+        except FileNotFoundError:
+            current = False
+        if not current:
+            raise NotFound(f"buffer {self.buffer!r} was deleted or re-created on the server since this reader "
+                           "attached; attach a new LocalReader")
 
     def close(self) -> None:
         self.ring.close()
@@ -66,6 +94,7 @@ class LocalReader:
     def sample(self, batch_size: int, mode: str = "transitions", *, seed: int | None = None,
                include_keys: bool = False, importance_beta: float = 0.0, **options: Any) -> dict[str, np.ndarray]:
         """Same arguments and batch format as ReplayClient.sample (fresh arrays, not views)."""
+        self._check_current()
         rng = np.random.default_rng(seed) if seed is not None else self._rng
         batch, torn = self.ring.sample_shared(batch_size, batch_mode(mode, **options), rng, include_keys,
                                               importance_beta)
@@ -80,6 +109,7 @@ class LocalReader:
         chosen = batch_mode(mode, **options)
         sent = 0
         while num_batches == 0 or sent < num_batches:
+            self._check_current()
             batch, torn = self.ring.sample_shared(batch_size, chosen, rng, include_keys, importance_beta)
             self.torn_redraws += torn
             yield batch

@@ -106,7 +106,8 @@ def split_spans(spans: Sequence[Span], max_request_bytes: int = DEFAULT_MAX_REQU
     is sent as chunks of its episode (offsets name them, so retries stay exactly-once). A span that begins
     its episode keeps at least half its rows in the first chunk: the server reserves twice a new episode's
     first chunk, so the later chunks land in place (no move of the landed rows, no hole in the ring); that
-    first chunk may exceed the limit by up to 2x."""
+    first chunk may exceed the limit by up to 2x, never more (an episode beyond 4x the limit then grows its
+    room at the head, or moves once)."""
     if not spans:
         return []
     row_bytes = sum(c.itemsize * math.prod(c.shape[1:]) for c in spans[0].columns.values())
@@ -119,7 +120,7 @@ def split_spans(spans: Sequence[Span], max_request_bytes: int = DEFAULT_MAX_REQU
         if rows > max_rows:
             if current:
                 requests.append(current)
-            first = -(-rows // 2) if span.begins else 0
+            first = min(-(-rows // 2), 2 * max_rows) if span.begins else 0
             rest = rows - first
             count = -(-rest // max_rows)
             bounds = [0, first] if first else [0]
@@ -276,6 +277,10 @@ class ReplayClient:
             return self._server_sampling
         return calls[next(self._round_robin) % len(calls)]
 
+    def _forget_sampling(self, buffer: str) -> None:
+        """Drops where `buffer` is sampled: a restarted server's sample workers listen on new ports."""
+        self._buffer_sampling.pop(buffer, None)
+
     def close(self) -> None:
         for channel in self._worker_channels.values():
             channel.close()
@@ -361,6 +366,7 @@ class ReplayClient:
         return components
 
     def delete_buffer(self, name: str) -> None:
+        self._forget_sampling(name)
         self._stub.DeleteBuffer(pb.DeleteBufferRequest(name=name), timeout=self.timeout)
 
     def list_buffers(self) -> list[dict[str, Any]]:
@@ -409,12 +415,15 @@ class ReplayClient:
     def rollout_minibatches(self, buffer: str, minibatch_size: int, epochs: int = 1, normalize_advantages: bool = True,
                             drop_last: bool = False, seed: int | None = None,
                             timeout: float | None = None) -> BatchStream:
-        """Shuffled minibatches (with `advantage` and `return`) of the complete rollout, `epochs` times."""
+        """Shuffled minibatches (with `advantage` and `return`) of the complete rollout, `epochs` times.
+
+        `timeout` bounds the whole stream, so it is None (no deadline) unless given: an update phase may
+        take longer than any one call."""
         request = pb.RolloutMinibatchesRequest(buffer=buffer, minibatch_size=minibatch_size, epochs=epochs,
                                                normalize_advantages=normalize_advantages, drop_last=drop_last)
         if seed is not None:
             request.seed = seed
-        return BatchStream(self._rollout_minibatches(request, timeout=timeout or self.timeout))
+        return BatchStream(self._rollout_minibatches(request, timeout=timeout))
 
     def finish_rollout(self, buffer: str, next_version: int) -> dict[str, Any]:
         """Starts the next rollout under `next_version`; pushes for older versions are rejected from now on."""
@@ -501,7 +510,16 @@ class ReplayClient:
                **options: Any) -> dict[str, np.ndarray]:
         """One batch as read-only numpy arrays (views into the received bytes)."""
         request = self.sample_request(buffer, batch_size, mode, **options)
-        return codec.decode(self._idempotent(self._sampling(buffer).sample, request, timeout))
+
+        def attempt() -> bytes:
+            try:
+                return self._sampling(buffer).sample(request, timeout=timeout or self.timeout)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._forget_sampling(buffer)  # the retry asks the server where its workers are now
+                raise
+
+        return codec.decode(self._with_retries(attempt, self.RETRYABLE))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -521,4 +539,5 @@ class ReplayClient:
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
-        return BatchStream(self._sampling(buffer).stream(request, timeout=timeout))
+        return BatchStream(self._sampling(buffer).stream(request, timeout=timeout),
+                           on_unavailable=lambda: self._forget_sampling(buffer))

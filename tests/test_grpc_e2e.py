@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from client import EpisodeWriter, ReplayClient
-from client.replay_client import Span, spans_request
+from client.replay_client import Span, spans_request, split_spans
 from service import errors
 from service.grpc_server.server import ReplayServer
 from service.grpc_server.servicer import _Ahead
@@ -283,3 +283,30 @@ def test_closing_ahead_closes_the_generator_on_its_thread() -> None:
         time.sleep(0.01)
     assert log[-1] == ("closed", "replayd-ahead")
     assert sum(entry[0] == "produced" for entry in log) <= 3 and timed and min(timed) >= 0
+
+
+def test_a_long_episode_goes_out_in_requests_under_the_message_limit(server: ReplayServer) -> None:
+    """The first chunk of a long episode is at most twice max_request_bytes (it was half the episode)."""
+    with ReplayClient(server.address, max_message_bytes=256 * 1024, max_request_bytes=64 * 1024) as client:
+        client.create_buffer("long", 20_000, {"obs": ("float32", (64,)), "action": ("int64", ())})
+        rng = np.random.default_rng(0)
+        obs = rng.normal(size=(8001, 64)).astype(np.float32)  # 2 MB: 8x the message limit
+        client.insert_episode("long", terminated=True, obs=obs, action=np.arange(8000))
+        info = client.describe("long")
+        assert info["episodes"] == 1 and info["stored_steps"] == 8001
+        batch = client.sample("long", 256, include_keys=True)
+        np.testing.assert_array_equal(batch["obs"], obs[batch["action"]])
+        np.testing.assert_array_equal(batch["next_obs"], obs[batch["action"] + 1])
+
+
+def test_split_spans_bounds_every_request() -> None:
+    row_bytes = 8 * 4 + 8
+    limit = 100 * row_bytes  # 100 rows per request
+    columns = {"obs": np.zeros((1001, 8), np.float32), "action": np.zeros(1001, np.int64)}
+    requests = split_spans([Span(columns, 7, True, True, True, 0)], limit)
+    rows = [sum(len(s.columns["obs"]) for s in request) for request in requests]
+    assert sum(rows) == 1001 and rows[0] == 200 and max(rows[1:]) <= 100
+    offsets = [s.offset for request in requests for s in request]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert [s.begins for request in requests for s in request].count(True) == 1
+    assert requests[-1][-1].ends and requests[-1][-1].terminated

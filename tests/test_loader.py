@@ -1,4 +1,5 @@
 import threading
+import time
 
 import numpy as np
 import torch
@@ -76,3 +77,29 @@ def test_close_cancels_a_server_stream_the_thread_waits_on(client: ReplayClient)
     assert not loader._thread.is_alive()
     assert list(stream) == []  # a closed stream ends instead of raising CANCELLED
     assert list(loader) == []  # the cancellation is not raised to the consumer: the loader just ends
+
+
+def test_close_with_a_full_queue_and_an_ended_source_returns_at_once() -> None:
+    """The thread waits to queue the end marker (or the source's error) behind unread batches: close() must
+    stop it there, not wait out its join timeout."""
+
+    def ends_with_error():
+        yield from ({"i": np.array([i])} for i in range(2))
+        raise RuntimeError("source failed")
+
+    for source in (iter([{"i": np.array([i])} for i in range(2)]), ends_with_error()):
+        loader = Loader(source, prefetch=2)
+        deadline = time.monotonic() + 10
+        while not loader._queue.full():  # both batches queued; the thread now waits to queue the end
+            assert time.monotonic() < deadline, "the loader never filled its queue"
+            time.sleep(0.001)
+        started = time.monotonic()
+        loader.close()
+        assert time.monotonic() - started < 2 and not loader._thread.is_alive()
+        assert list(loader) == []  # a closed loader yields nothing more (and does not block)
+
+
+def test_an_exhausted_loader_iterates_empty_instead_of_blocking() -> None:
+    loader = Loader(iter([{"i": np.array([0])}]))
+    assert len(list(loader)) == 1
+    assert list(loader) == []

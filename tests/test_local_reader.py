@@ -14,7 +14,7 @@ from client import ReplayClient
 from client.local_reader import LocalReader
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import EpisodicRing
-from service.errors import FailedPrecondition
+from service.errors import FailedPrecondition, NotFound
 from service.removers import MaxTimesSampledRemover
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -39,6 +39,29 @@ def test_local_reader_matches_grpc_sampling(client: ReplayClient) -> None:
             for name in local:
                 np.testing.assert_array_equal(local[name], remote[name], err_msg=f"{mode}: {name}")
         assert len(list(reader.sample_stream(32, num_batches=5))) == 5
+
+
+def test_local_reader_stops_when_the_buffer_is_deleted_or_re_created(client: ReplayClient,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader's mapping outlives the unlinked segment: it must not go on sampling a frozen snapshot."""
+    monkeypatch.setattr("client.local_reader.CHECK_EVERY", 0.0)
+    episode = {"obs": np.ones((11, 4), np.float32), "action": np.zeros(10, np.int64), "reward": np.ones(10, np.float32)}
+    for replace in (False, True):
+        client.create_buffer("gone", 1000, SCHEMA)
+        client.insert_episodes("gone", [episode], [True])
+        with LocalReader(client, "gone") as reader:
+            stream = reader.sample_stream(8)
+            assert next(stream)["obs"].shape == (8, 4)
+            client.delete_buffer("gone")
+            if replace:  # the same name again: a new segment, new data
+                client.create_buffer("gone", 1000, SCHEMA)
+                client.insert_episodes("gone", [{**episode, "obs": np.full((11, 4), 7, np.float32)}], [True])
+            with pytest.raises(NotFound, match="was deleted or re-created"):
+                reader.sample(8)
+            with pytest.raises(NotFound, match="was deleted or re-created"):
+                next(stream)
+        if replace:
+            client.delete_buffer("gone")
 
 
 def test_local_reader_refuses_buffers_only_the_server_may_sample() -> None:

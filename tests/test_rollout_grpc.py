@@ -45,7 +45,9 @@ def test_actors_push_learner_streams_minibatches(client: ReplayClient) -> None:
     compute_gae(full["reward"], full["value"], full["terminated"], full["truncated"], full["final_value"], bootstrap,
                 0.9, 0.8, advantage, returns)
     seen = np.zeros(T * N, int)
-    batches = list(client.rollout_minibatches("ppo", 24, epochs=2, normalize_advantages=False, seed=3))
+    stream = client.rollout_minibatches("ppo", 24, epochs=2, normalize_advantages=False, seed=3)
+    assert stream._call.time_remaining() is None  # no deadline: the client's 20 s unary timeout would end updates
+    batches = list(stream)
     assert len(batches) == 2 * int(np.ceil(T * N / 24))
     for batch in batches:
         # identify each sample by its (unique) value; check its advantage and return against GAE

@@ -79,3 +79,24 @@ def test_workers_answer_malformed_requests_with_invalid_argument(worker_server: 
                     list(response) if method == "SampleStream" else response
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value)
                 assert "malformed request" in info.value.details()
+
+
+def test_a_client_finds_the_workers_of_a_restarted_server() -> None:
+    """Workers of a new server process listen on new ports: the client must not keep the old addresses."""
+    first = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}r", sample_workers=1).start()
+    address = first.address
+    try:
+        with ReplayClient(address, retries=8) as client:
+            fill(client, "b")
+            assert client.sample("b", 16)["obs"].shape == (16, 4)  # remembers the worker's address
+            first.stop(grace=0)
+            second = ReplayServer(address, instance=f"{TEST_INSTANCE}r", sample_workers=1).start()
+            try:
+                fill(client, "b")
+                assert client.sample("b", 16)["obs"].shape == (16, 4)
+                stream = client.sample_stream("b", 16, num_batches=2)
+                assert len(list(stream)) == 2
+            finally:
+                second.stop(grace=0)
+    finally:
+        first.stop(grace=0)

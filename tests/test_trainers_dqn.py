@@ -307,3 +307,40 @@ def test_qnetwork_param_cache_follows_conversions_and_copies():
     assert not torch.allclose(clone(x), net(x))
     net.load_state_dict(clone.state_dict())
     torch.testing.assert_close(clone(x), net(x))
+
+
+@pytest.mark.parametrize("manual", [False, True])
+@pytest.mark.parametrize("loss_type", ["mse", "huber"])
+def test_float64_networks_take_the_servers_float32_fields(manual, loss_type):
+    """Weights, returns and discounts arrive as float32 whatever the network's dtype."""
+    online, target = (net.double() for net in _nets())
+    batch = make_batch(weighted=True)
+    batch64 = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    ref_online = copy.deepcopy(online)
+    ref_loss, ref_td = reference_loss(ref_online, target, batch64, True, loss_type)
+    ref_loss.backward()
+    if manual:
+        loss, td, _ = q_loss_manual_grad(online, target, batch, double=True, loss_type=loss_type)
+    else:
+        loss, td, _ = q_loss(online, target, batch, double=True, loss_type=loss_type)
+        loss.backward()
+    assert loss.dtype == td.dtype == torch.float64
+    # float32 fields in a float64 loss: equal to the float64 reference to float32 precision
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(td, ref_td, atol=1e-5, rtol=1e-5)
+    for p, r in zip(online.parameters(), ref_online.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_double_dqn_keeps_bootstrap_rows_out_of_a_batch_dependent_network():
+    """BatchNorm mixes rows: one forward over [s; s_boot] would make Q(s, a) depend on s_boot."""
+    torch.manual_seed(0)
+    online = torch.nn.Sequential(torch.nn.Linear(OBS_DIM, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, N_ACTIONS))
+    target = copy.deepcopy(online)
+    batch = make_batch()
+    batch["bootstrap_obs"] = batch["bootstrap_obs"] * 100  # far from s: any mixing would show
+    _, _, q_taken = q_loss(online, target, batch, double=True)
+    with torch.no_grad():
+        alone = copy.deepcopy(online)(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(q_taken, alone)

@@ -82,15 +82,23 @@ def q_loss(
     action = batch["action"]  # (B,) int64
     B = obs.shape[0]
 
-    if double:
+    if double and isinstance(online, QNetwork):
         # One online forward over [s; s_boot]: the first half carries the gradient, the second
-        # half is only used (detached) to pick the bootstrap action.
+        # half is only used (detached) to pick the bootstrap action.  Only for a network whose rows
+        # are independent: a BatchNorm layer would mix s_boot into Q(s, a).
         q_both = online(torch.cat([obs, boot_obs]))  # (2B, A)
         q_online = q_both[:B]  # (B, A)
         boot_action = q_both[B:].detach().argmax(1, keepdim=True)  # (B, 1)
     else:
         q_online = online(obs)  # (B, A)
+        if double:
+            with torch.no_grad():
+                boot_action = online(boot_obs).argmax(1, keepdim=True)  # (B, 1)
     q_taken = q_online.gather(1, action.long().unsqueeze(1)).squeeze(1)  # (B,)
+    dtype = q_taken.dtype  # the batch's float fields (float32 from the server) in the network's dtype
+    n_step_return = _as(batch["n_step_return"], dtype)  # (B,)
+    discount = _as(batch["bootstrap_discount"], dtype)  # (B,)
+    weight = _as(batch.get("weight"), dtype)  # (B,) or None
 
     with torch.no_grad():
         q_boot = target(boot_obs)  # (B, A)
@@ -98,11 +106,10 @@ def q_loss(
             boot_value = q_boot.gather(1, boot_action).squeeze(1)  # (B,)
         else:
             boot_value = q_boot.max(1).values  # (B,)
-        y = torch.addcmul(batch["n_step_return"], batch["bootstrap_discount"], boot_value)  # (B,) R + disc * V
+        y = torch.addcmul(n_step_return, discount, boot_value)  # (B,) R + disc * V
         td = q_taken.detach() - y  # (B,) TD errors for priority updates (no autograd node)
 
     # Fused loss kernels (one autograd node) rather than sub/square/mean.
-    weight = batch.get("weight")  # (B,) or None
     reduction = "mean" if weight is None else "none"
     if loss_type == "mse":
         per_sample = F.mse_loss(q_taken, y, reduction=reduction)  # () or (B,)
@@ -157,11 +164,14 @@ def q_loss_manual_grad(
         boot_value = q_next.gather(1, q[B:].argmax(1, keepdim=True)).view(B)  # (B,) Q_target(s', argmax Q_online)
     else:
         boot_value = q_next.amax(1)  # (B,)
-    y = torch.addcmul(batch["n_step_return"], batch["bootstrap_discount"], boot_value)  # (B,) R + disc * V
+    dtype = q.dtype  # the batch's float fields (float32 from the server) in the network's dtype
+    n_step_return = _as(batch["n_step_return"], dtype)  # (B,)
+    discount = _as(batch["bootstrap_discount"], dtype)  # (B,)
+    weight = _as(batch.get("weight"), dtype)  # (B,) or None
+    y = torch.addcmul(n_step_return, discount, boot_value)  # (B,) R + disc * V
     td = q_taken - y  # (B,)
 
     # Loss = mean_i w_i l(td_i) and dloss = dLoss/dQ(s_i, a_i) = w_i l'(td_i) / B.
-    weight = batch.get("weight")  # (B,) or None
     if loss_type == "mse":  # l = td^2, l' = 2 td
         dloss = td * (2.0 / B) if weight is None else td * weight * (2.0 / B)  # (B,)
         loss = torch.dot(dloss, td) * 0.5  # () = mean_i w_i td_i^2
@@ -186,6 +196,11 @@ def q_loss_manual_grad(
             # ReLU backward: zero where the layer input (a ReLU output) is 0 (autograd's own op).
             g = torch.ops.aten.threshold_backward(torch.mm(g, w), x_in, 0.0)  # (B, in)
     return loss, td, q_taken
+
+
+def _as(x: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The batch's float fields in the network's dtype (the server sends float32; no copy when equal)."""
+    return x if x is None or x.dtype == dtype else x.to(dtype)
 
 
 def _flat(x: Tensor, dtype: torch.dtype) -> Tensor:
