@@ -52,9 +52,10 @@ class Loader:
             for batch in self._source:
                 tensors = to_tensors(batch, self.device)
                 if self.device.type == "cuda":
-                    # The copy was queued on this thread's stream; the learner's stream waits for it.
+                    # The copies were queued on the target device's current stream (not the thread's current
+                    # device's, for cuda:1); the learner's stream on that device waits for them.
                     event = torch.cuda.Event()
-                    event.record()
+                    event.record(torch.cuda.current_stream(self.device))
                     tensors = (tensors, event)
                 if not self._put(tensors):
                     return
@@ -88,7 +89,7 @@ class Loader:
                 raise item
             if isinstance(item, tuple):
                 tensors, event = item
-                torch.cuda.current_stream().wait_event(event)
+                torch.cuda.current_stream(self.device).wait_event(event)
                 item = tensors
             yield item
 

@@ -7,6 +7,7 @@ server stays the single writer; a batch that raced with an eviction is drawn aga
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -15,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from client.polling import wait_until
 from client.replay_client import ReplayClient
 from service.buffers.ring import EpisodicRing
-from service.errors import NotFound
+from service.errors import DeadlineExceeded, NotFound
 from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
 from service.samplers.states import StatesMode
@@ -66,6 +68,14 @@ class LocalReader:
         self._rng = np.random.default_rng()
         self._checked = time.monotonic()
 
+    def _wait_for_data(self, timeout: float | None) -> None:
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        try:
+            wait_until(lambda: self.ring.sampleable_steps > 0 or None, deadline, f"data in buffer {self.buffer!r}",
+                       max_delay=0.02)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"buffer {self.buffer!r} got no sampleable steps within {timeout:.3g}s") from exc
+
     def _check_current(self) -> None:
         """Raises NotFound once the server deleted (or re-created) the buffer: the mapping outlives the
         segment, so without this check the reader would keep sampling a frozen snapshot. Checked at most
@@ -92,9 +102,13 @@ class LocalReader:
         self.close()
 
     def sample(self, batch_size: int, mode: str = "transitions", *, seed: int | None = None,
-               include_keys: bool = False, importance_beta: float = 0.0, **options: Any) -> dict[str, np.ndarray]:
-        """Same arguments and batch format as ReplayClient.sample (fresh arrays, not views)."""
+               include_keys: bool = False, importance_beta: float = 0.0, wait: bool = False,
+               timeout: float | None = None, **options: Any) -> dict[str, np.ndarray]:
+        """Same arguments and batch format as ReplayClient.sample (fresh arrays, not views). `wait`: an empty
+        buffer is polled for data until `timeout` seconds (None: no limit) instead of failing at once."""
         self._check_current()
+        if wait:
+            self._wait_for_data(timeout)
         rng = np.random.default_rng(seed) if seed is not None else self._rng
         batch, torn = self.ring.sample_shared(batch_size, batch_mode(mode, **options), rng, include_keys,
                                               importance_beta)
@@ -103,10 +117,14 @@ class LocalReader:
 
     def sample_stream(self, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
                       seed: int | None = None, include_keys: bool = False, importance_beta: float = 0.0,
+                      wait: bool = False, timeout: float | None = None,
                       **options: Any) -> Iterator[dict[str, np.ndarray]]:
-        """Batches until `num_batches` (0: forever); one generator, so a seeded stream is reproducible."""
+        """Batches until `num_batches` (0: forever); one generator, so a seeded stream is reproducible.
+        `wait` and `timeout` as in `sample`, for the first batch."""
         rng = np.random.default_rng(seed)
         chosen = batch_mode(mode, **options)
+        if wait:
+            self._wait_for_data(timeout)
         sent = 0
         while num_batches == 0 or sent < num_batches:
             self._check_current()

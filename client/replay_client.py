@@ -474,7 +474,8 @@ class ReplayClient:
 
     def insert_episodes(self, buffer: str, episodes: Sequence[Mapping[str, np.ndarray]],
                         terminated: Sequence[bool], episode_ids: Sequence[int] | None = None) -> None:
-        """Inserts many whole episodes in one request (one Arrow batch); ids are drawn when not given."""
+        """Inserts many whole episodes in one stream of requests of at most `max_request_bytes` (a long episode
+        as chunks; see split_spans); ids are drawn when not given."""
         if len(episodes) != len(terminated):
             raise ValueError(f"{len(episodes)} episodes but {len(terminated)} terminated flags")
         ids = list(episode_ids) if episode_ids is not None else [None] * len(episodes)
@@ -482,7 +483,7 @@ class ReplayClient:
             raise ValueError(f"{len(episodes)} episodes but {len(ids)} episode_ids")
         fields = self.observation_fields(buffer)
         spans = [episode_span(e, t, fields, i) for e, t, i in zip(episodes, terminated, ids, strict=True)]
-        self.insert([spans_request(buffer, spans)])
+        self.insert(spans_requests(buffer, spans, self.max_request_bytes))
 
     # ---------------------------------------------------------------- sampling
     @staticmethod

@@ -279,6 +279,9 @@ def _check_arrays(name: str, entry: dict[str, Any], arrays: dict[str, np.ndarray
             raise FailedPrecondition(f"buffer {name!r}: array {array_name!r} ({built.dtype} {list(built.shape)}) "
                                      "is missing from the checkpoint (incompatible schema)")
         got = saved[array_name]
+        if got["file"] != f"{array_name}.arrow":  # the manifest names a file of the buffer's own directory
+            raise FailedPrecondition(f"buffer {name!r}: array {array_name!r} points to file {got['file']!r}, "
+                                     f"expected {array_name + '.arrow'!r}")
         if got["dtype"] != built.dtype.name or list(got["shape"]) != list(built.shape):
             raise FailedPrecondition(
                 f"buffer {name!r}: array {array_name!r} is {got['dtype']} {list(got['shape'])} in the checkpoint, "

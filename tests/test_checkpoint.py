@@ -165,6 +165,11 @@ def test_incompatible_checkpoints_are_refused(tmp_path: Path) -> None:
         path.write_text(json.dumps(bad))
         with pytest.raises(FailedPrecondition, match=r"buffer 'b': array 'field\.extra' of the checkpoint"):
             restore_checkpoint(tmp_path, other)
+        bad = json.loads(json.dumps(manifest))
+        bad["buffers"][0]["arrays"][0]["file"] = "../../outside.arrow"  # only the buffer's own files are read
+        path.write_text(json.dumps(bad))
+        with pytest.raises(FailedPrecondition, match=r"points to file '\.\./\.\./outside\.arrow', expected"):
+            restore_checkpoint(tmp_path, other)
         assert other.all() == []
     finally:
         registry.close()

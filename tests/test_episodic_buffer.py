@@ -4,6 +4,7 @@ eviction and wrap-around, chunked (open) episodes, and all-or-nothing inserts.""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -222,6 +223,17 @@ def test_open_episode_steps_become_sampleable_when_successor_lands() -> None:
 
 def snapshot(buffer: EpisodicBuffer) -> dict[str, bytes]:
     return {name: array.tobytes() for name, array in buffer.storage.arrays.items()}
+
+
+def test_a_mode_the_buffer_cannot_serve_fails_before_waiting_for_data() -> None:
+    buffer = EpisodicBuffer("noreward", f"test{os.getpid()}", [f for f in FIELDS if f.name != "reward"], 16)
+    try:
+        started = time.monotonic()
+        with pytest.raises(InvalidArgument, match="n_step > 1 needs a reward field"):
+            buffer.sample(4, TransitionsMode(3, 0.9), wait_seconds=30)  # empty: it would wait 30 s first
+        assert time.monotonic() - started < 5
+    finally:
+        buffer.close()
 
 
 def test_reward_field_names_a_field_or_defaults_to_reward() -> None:

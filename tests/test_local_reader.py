@@ -14,7 +14,7 @@ from client import ReplayClient
 from client.local_reader import LocalReader
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import EpisodicRing
-from service.errors import FailedPrecondition, NotFound
+from service.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from service.removers import MaxTimesSampledRemover
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -62,6 +62,21 @@ def test_local_reader_stops_when_the_buffer_is_deleted_or_re_created(client: Rep
                 next(stream)
         if replace:
             client.delete_buffer("gone")
+
+
+def test_local_reader_waits_for_data_when_asked(client: ReplayClient) -> None:
+    client.create_buffer("later", 1000, SCHEMA)
+    episode = {"obs": np.ones((11, 4), np.float32), "action": np.zeros(10, np.int64), "reward": np.ones(10, np.float32)}
+    with LocalReader(client, "later") as reader:
+        with pytest.raises(FailedPrecondition, match="no sampleable steps"):
+            reader.sample(8)
+        with pytest.raises(DeadlineExceeded, match=r"no sampleable steps within 0\.1s"):
+            reader.sample(8, wait=True, timeout=0.1)
+        writer = threading.Thread(target=client.insert_episodes, args=("later", [episode], [True]))
+        writer.start()
+        assert reader.sample(8, wait=True, timeout=30)["obs"].shape == (8, 4)
+        assert next(reader.sample_stream(8, wait=True, timeout=30))["obs"].shape == (8, 4)
+        writer.join()
 
 
 def test_local_reader_refuses_buffers_only_the_server_may_sample() -> None:

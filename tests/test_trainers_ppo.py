@@ -109,6 +109,21 @@ def test_continuous_loss_runs_and_matches_normal_formula():
     torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6)
 
 
+def test_one_dimensional_continuous_actions_may_come_flat():
+    """Action (B,) for action_dim 1 (e.g. Pendulum): the same loss as (B, 1), not a (B, B) broadcast."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, 1, continuous=True)
+    g = torch.Generator().manual_seed(1)
+    batch = {"obs": torch.randn(B, OBS, generator=g), "action": torch.randn(B, 1, generator=g),
+             "log_prob": torch.randn(B, generator=g), "value": torch.randn(B, generator=g),
+             "advantage": torch.randn(B, generator=g), "return": torch.randn(B, generator=g)}
+    column, _ = ppo_loss(model, batch)
+    flat, _ = ppo_loss(model, {**batch, "action": batch["action"].reshape(B)})
+    torch.testing.assert_close(flat, column)
+    with pytest.raises(RuntimeError, match="shape"):
+        ppo_loss(model, {**batch, "action": torch.randn(B, 2)})
+
+
 def test_trainer_improves_objective():
     torch.manual_seed(0)
     tr = PPOTrainer(OBS, A, lr=3e-3)

@@ -75,6 +75,8 @@ def ppo_loss(
     """PPO loss = pg_loss - ent_coef * entropy + vf_coef * v_loss.  Returns (loss, detached stats)."""
     dist, new_value = model(batch["obs"])  # dist over (B, ...), new_value (B,)
     action = batch["action"]
+    if model.continuous:
+        action = action.reshape(dist.mean.shape)  # (B, A): a 1-D action may come as (B,), which would broadcast
     new_log_prob = dist.log_prob(action)  # (B,) or (B, A)
     entropy = dist.entropy()  # (B,) or (B, A)
     if model.continuous:

@@ -748,6 +748,7 @@ class EpisodicBuffer(EpisodicRing):
         With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back) is waited on
         (a condition, not a spin) for that long; without, it fails at once.
         """
+        mode.check(self)  # a request this buffer can never serve fails now, not after waiting for data
         with self.live():
             if self.limiter is not None:
                 self.limiter.await_sample(self, batch_size, wait_seconds)

@@ -145,7 +145,7 @@ class BufferCollector:
         stored = gauge("buffer_stored_steps", "Steps stored")
         capacity = gauge("buffer_capacity_steps", "Capacity in steps")
         sampleable = gauge("buffer_sampleable_steps", "Steps a sample may draw (episodic buffers)")
-        episodes = gauge("buffer_episodes", "Episodes stored, complete or open (episodic buffers)")
+        episodes = gauge("buffer_episodes", "Complete episodes stored; open ones are not counted (episodic buffers)")
         inserted = counter("buffer_inserted_steps", "Steps inserted (rows; pushed steps for rollout buffers)")
         inserted_episodes = counter("buffer_inserted_episodes", "Episodes completed by inserts (episodic buffers)")
         sampled = counter("buffer_sampled_items", "Items sampled (batch rows, episodic buffers)")

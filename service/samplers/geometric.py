@@ -23,6 +23,9 @@ class GeometricMode:
             raise InvalidArgument(f"geometric.discount must be in [0, 1], got {discount}")
         self.discount = float(discount)
 
+    def check(self, ring: EpisodicBuffer) -> None:
+        """Any episodic ring has observations to pair."""
+
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         offsets, future_rows = kernels.geometric_offsets(rng.standard_exponential(len(draw.positions)),
                                                          self.discount, draw.positions, draw.rows, draw.bounds,

@@ -13,4 +13,7 @@ if TYPE_CHECKING:
 
 
 class BatchMode(Protocol):
+    def check(self, ring: EpisodicBuffer) -> None:
+        """Raises InvalidArgument when this mode cannot sample `ring` (called before any wait for data)."""
+
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]: ...

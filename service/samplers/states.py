@@ -13,5 +13,8 @@ if TYPE_CHECKING:
 
 
 class StatesMode:
+    def check(self, ring: EpisodicBuffer) -> None:
+        """Any episodic ring has states."""
+
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {f.name: ring.columns[f.name].take(draw.rows, axis=0) for f in ring.observation_fields}

@@ -35,9 +35,12 @@ class TransitionsMode:
         self.gamma = float(gamma)
         self._powers = self.gamma ** np.arange(self.n_step + 1)  # (n + 1,): gamma^0 .. gamma^n
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    def check(self, ring: EpisodicBuffer) -> None:
         if ring.reward_field is None and self.n_step > 1:
             raise InvalidArgument("transitions.n_step > 1 needs a reward field; the buffer has none")
+
+    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        self.check(ring)
         columns, rows = ring.columns, draw.rows
         reward = _NO_REWARD if ring.reward_field is None else columns[ring.reward_field]
         targets = kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,

@@ -45,7 +45,11 @@ class UniformSampler:
         if sampleable < _DENSE_ENOUGH * (high - low):
             candidates = np.arange(low, high, dtype=np.int64)
             _, bounds, _ = ring.episode_bounds(candidates)
-            positions = rng.choice(candidates[candidates < bounds], size=batch_size)
+            steps = candidates[candidates < bounds]
+            if not steps.size:  # only a lock-free reader whose range evictions emptied
+                raise FailedPrecondition(f"buffer {ring.name!r}: no sampleable step in positions [{low}, {high}) "
+                                         f"(sampleable_steps={sampleable}); the ring changed under the draw")
+            positions = rng.choice(steps, size=batch_size)
             return Draw(positions, *ring.episode_bounds(positions))
         # Rejection sampling over the live range is exactly uniform over sampleable positions: final
         # observations and holes are dropped. One oversampled round almost always yields enough; a
