@@ -91,13 +91,12 @@ def draw_uniform(uniforms: np.ndarray, low: int, high: int, batch_size: int, cap
         rows[i] = _wrap(low_row + offset, capacity)
     bounds, closed = _bounds_of_rows(rows, row_end, row_seq, extent_last, extent_slots, times_sampled,
                                      max_times_sampled)
-    located[2] = bounds
     accepted = 0
     for i in range(uniforms.size):
         if accepted == batch_size:
             break
         if positions[i] < bounds[i]:  # a step: it has a successor in its episode
-            located[:, accepted] = located[:, i]
+            positions[accepted], rows[accepted], located[2, accepted] = positions[i], rows[i], bounds[i]
             closed[accepted] = closed[i]
             accepted += 1
     return located[:, :accepted], closed[:accepted]
