@@ -13,6 +13,7 @@ the smallest positive probability, so w_i = (p_i^alpha / min_j p_j^alpha)^-beta 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +38,9 @@ class PrioritizedSampler:
         if not np.isfinite(alpha) or alpha < 0:
             raise InvalidArgument(f"prioritized.alpha must be finite and >= 0, got {alpha}")
         self.alpha = float(alpha)
+        # The largest priority whose leaf stays <= MAX_LEAF (checked on priorities: no overflowing power).
+        log_limit = math.log(MAX_LEAF) / self.alpha if self.alpha > 0 else math.inf
+        self.max_priority_value = math.exp(log_limit) if log_limit < 700 else math.inf  # exp overflows past 709
         self.tree: SumTree | None = None
         self._max_priority: np.ndarray | None = None
 
@@ -66,8 +70,7 @@ class PrioritizedSampler:
 
     def _leaf_values(self, priorities: np.ndarray) -> np.ndarray:
         # Priority 0 means "never sample", also for alpha = 0 where 0**0 would be 1.
-        with np.errstate(over="ignore"):  # an overflow to inf is rejected by update_priorities
-            return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)
+        return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)
 
     # ---------------------------------------------------------------- buffer hooks (under ring.lock)
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
@@ -120,19 +123,19 @@ class PrioritizedSampler:
             raise InvalidArgument(
                 f"update_priorities: priorities[{index}] = {priorities[index]!r}; priorities must be finite and >= 0"
             )
-        leaves = self._leaf_values(priorities)
-        if np.any(leaves > MAX_LEAF):
-            index = int(np.argmax(leaves > MAX_LEAF))
+        huge = priorities > self.max_priority_value
+        if huge.any():
+            index = int(np.argmax(huge))
             raise InvalidArgument(
-                f"update_priorities: priorities[{index}] = {priorities[index]!r} gives priority ** alpha = "
-                f"{leaves[index]:.3g} (alpha {self.alpha}); expected at most {MAX_LEAF:.0e}"
+                f"update_priorities: priorities[{index}] = {priorities[index]!r} is over {self.max_priority_value:.3g}"
+                f", where priority ** alpha (alpha {self.alpha}) passes {MAX_LEAF:.0e}"
             )
         rows, bounds, _ = ring.episode_bounds(keys)
         live = (keys >= ring.tail_position()) & (keys < ring.head) & (keys < bounds)
         applied = int(np.count_nonzero(live))
         if applied:
             self._max_priority[0] = max(float(self._max_priority[0]), float(priorities[live].max()))
-            self.tree.update(rows[live], leaves[live])
+            self.tree.update(rows[live], self._leaf_values(priorities[live]))
         return applied, keys.size - applied
 
     def config(self) -> dict[str, float]:
