@@ -66,6 +66,15 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
     loader = Loader(stream, device=config.device, prefetch=4)
     progress = tracker.progress
     solved = False
+
+    def evaluate() -> None:
+        nonlocal solved
+        steps_so_far = env_steps(client.describe(config.buffer))
+        score = evaluate_greedy(lambda obs: trainer.online(obs).argmax(1), config.env_id, config.eval_episodes,
+                                config.seed)
+        tracker.record(score, steps_so_far)
+        solved = score >= config.target_return
+
     try:
         for batch in loader:
             trainer.step(batch)
@@ -74,17 +83,15 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
                 version += 1
                 client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
             if progress.learner_steps % config.eval_every == 0:
-                steps_so_far = env_steps(client.describe(config.buffer))
-                score = evaluate_greedy(lambda obs: trainer.online(obs).argmax(1), config.env_id,
-                                        config.eval_episodes, config.seed)
-                tracker.record(score, steps_so_far)
-                solved = score >= config.target_return
+                evaluate()
             if solved or tracker.out_of_time():
                 break
     finally:
         loader.close()
         if config.local:
             reader.close()
+    if not progress.curve or progress.learner_steps % config.eval_every:
+        evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
                      f"DQN on {config.env_id} via replayd", config.target_return)
     return finish_learner(config, client, tracker, plot, {

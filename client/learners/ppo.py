@@ -67,6 +67,14 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
     version, rollouts, solved = 1, 0, False
     client.finish_rollout(config.buffer, version)
     client.publish_weights(config.weights, version, module_to_bytes(trainer.model))
+
+    def evaluate() -> None:
+        nonlocal solved
+        score = evaluate_greedy(lambda obs: trainer.model.actor(obs).argmax(1), config.env_id,
+                                config.eval_episodes, config.seed)
+        tracker.record(score, rollouts * config.rollout_steps * slots, policy_version=version)
+        solved = score >= config.target_return
+
     while not (solved or tracker.out_of_time()):
         try:
             wait_until(lambda: client.describe(config.buffer)["rollout_complete"], tracker.deadline,
@@ -87,10 +95,9 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
         client.finish_rollout(config.buffer, version)
         client.publish_weights(config.weights, version, module_to_bytes(trainer.model))
         if rollouts % config.eval_every == 0:
-            score = evaluate_greedy(lambda obs: trainer.model.actor(obs).argmax(1), config.env_id,
-                                    config.eval_episodes, config.seed)
-            tracker.record(score, rollouts * config.rollout_steps * slots, policy_version=version)
-            solved = score >= config.target_return
+            evaluate()
+    if not progress.curve or rollouts % config.eval_every:
+        evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"deterministic return (mean of {config.eval_episodes} episodes)",
                      f"PPO on {config.env_id} via replayd", config.target_return)
     return finish_learner(config, client, tracker, plot, {
