@@ -13,6 +13,7 @@ from client import EpisodeWriter, ReplayClient
 from client.replay_client import Span, episode_span, spans_request
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.dedup import SpanDedup, span_offsets
+from service.errors import FailedPrecondition
 from service.schema import Field
 from service.wire import replay_pb2 as pb
 from service.wire.frames import serialize_insert
@@ -261,3 +262,24 @@ def test_dedup_window_forgets_the_oldest() -> None:
     dedup.remember(spans, offsets)
     assert len(dedup) == 2
     assert dedup.screen(spans, offsets, lambda _: None).tolist() == [True, False, False]
+
+
+def test_refused_request_with_a_retried_span_counts_nothing_and_names_the_span_as_sent() -> None:
+    buffer = EpisodicBuffer("refuse", f"test{os.getpid()}refuse", (Field("obs", "float32", (4,), True),
+                                                                   Field("reward", "float32", (), False)), 1000)
+    try:
+        rng = np.random.default_rng(7)
+        stored = {"obs": rng.normal(size=(11, 4)).astype(np.float32), "reward": np.ones(11, np.float32)}
+        buffer.insert(stored, Spans(np.array([1], np.uint64), np.array([11]), np.array([True]), np.array([True]),
+                                    np.array([True]), offsets=np.array([0])))
+        before = dict(buffer.counters)
+        orphan = {"obs": np.zeros((2, 4), np.float32), "reward": np.ones(2, np.float32)}
+        # span 0 retries the stored episode 1 (a duplicate); span 1 continues episode 99, which is not open
+        request = ({k: np.concatenate([stored[k], orphan[k]]) for k in stored},
+                   Spans(np.array([1, 99], np.uint64), np.array([11, 2]), np.array([True, False]),
+                         np.array([True, False]), np.array([True, False]), offsets=np.array([0, 4])))
+        with pytest.raises(FailedPrecondition, match="span 1 continues episode 99"):
+            buffer.insert(*request)
+        assert dict(buffer.counters) == before  # the refused request's duplicate is not counted
+    finally:
+        buffer.close()

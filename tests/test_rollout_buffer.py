@@ -106,6 +106,24 @@ def test_calls_on_a_deleted_buffer_get_not_found(make_buffer):
         buffer.finish_rollout(1)
 
 
+def test_minibatches_stay_bound_to_the_rollout_they_checked(make_buffer, monkeypatch):
+    """A FinishRollout landing between the completeness check and the stream's start must not make the
+    stream serve the next (empty) rollout's cells."""
+    buffer = make_buffer()
+    fill(buffer, np.random.default_rng(0))
+    checked = buffer.compute_advantages
+
+    def then_another_thread_finishes() -> int:
+        version = checked()
+        buffer.finish_rollout(version + 1)
+        return version
+
+    monkeypatch.setattr(buffer, "compute_advantages", then_another_thread_finishes)
+    stream = buffer.minibatches(8)
+    with pytest.raises(FailedPrecondition, match="minibatches were for 0, the buffer moved on to 1"):
+        next(stream)
+
+
 def test_missing_cells_reported(make_buffer):
     buffer = make_buffer()
     rng = np.random.default_rng(1)
@@ -154,6 +172,8 @@ def test_double_push_rejected(make_buffer):
     "mutate, message",
     [
         (lambda c: c.__setitem__("reward", c["reward"].astype(np.float64)), "'reward'.*float32.*float64"),
+        (lambda c: c["value"].__setitem__((1, 0), np.nan), r"'value': expected finite values, got nan at \(step 1"),
+        (lambda c: c["final_value"].__setitem__((0, 1), np.inf), "'final_value': expected finite values, got inf"),
         (lambda c: c.__setitem__("obs", c["obs"][..., :2]), r"'obs'.*\(2, 2, 3\).*\(2, 2, 2\)"),
         (lambda c: c.__setitem__("action", c["action"][:1]), r"'action'.*\(2, 2\).*\(1, 2\)"),
         (lambda c: c.pop("terminated"), "'terminated'.*missing"),

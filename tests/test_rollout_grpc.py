@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
 
 from client import ReplayClient
+from client.actors.ppo import PPOActorConfig, Rollout, push
 from service.gae import compute_gae
 
 T, N = 16, 8
+ENVS = 2  # one actor's slots in the push race test
 SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "log_prob": ("float32", ())}
 
 
@@ -79,3 +83,30 @@ def test_stale_and_incomplete_rollouts_are_rejected(client: ReplayClient) -> Non
     with pytest.raises(grpc.RpcError) as error:
         client.sample("ppo", 4)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rollout" in error.value.details()
+
+
+def test_actor_push_refused_as_too_new_is_pushed_again_once_the_learner_catches_up(
+        client: ReplayClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner's finish_rollout lands between the refusal of a too-new push and the actor's check of
+    the version: the part must still be stored (it was reported pushed and lost)."""
+    rollout = Rollout(T, ENVS, (3,))
+    client.create_rollout_buffer("race", T, ENVS, {"obs": ("float32", (3,)), "action": ("int64", ()),
+                                                   "log_prob": ("float32", ())})
+    client.finish_rollout("race", 1)
+    real_push = client.push_rollout
+    refusals = []
+
+    def push_then_learner_finishes(buffer: str, version: int, *args, **kwargs) -> dict:
+        try:
+            return real_push(buffer, version, *args, **kwargs)
+        except grpc.RpcError as exc:
+            refusals.append(exc.details())
+            client.finish_rollout("race", 2)  # the learner, right after the refusal
+            raise
+
+    monkeypatch.setattr(client, "push_rollout", push_then_learner_finishes)
+    config = PPOActorConfig(address="unused", buffer="race", num_envs=ENVS, rollout_steps=T)
+    assert push(client, config, 2, rollout, np.zeros(ENVS, np.float32), time.monotonic() + 30, lambda: False)
+    assert len(refusals) == 1 and "policy_version" in refusals[0]
+    info = client.describe("race")
+    assert info["policy_version"] == 2 and info["rollout_complete"]  # the part landed

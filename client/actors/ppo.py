@@ -128,11 +128,13 @@ def push(client: ReplayClient, config: PPOActorConfig, version: int, rollout: Ro
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
+            if "already pushed" in (exc.details() or ""):  # our cells of this version: an earlier push arrived
+                return True
         current = client.describe(config.buffer)["policy_version"]
         if current > version:
             return False
-        if current == version:  # same version, cells already pushed: a retried push that had arrived
-            return True
+        if current == version:  # refused as too new, and the learner finished the rollout since: push again
+            continue
         caught_up = wait_until(lambda: client.describe(config.buffer)["policy_version"] >= version, deadline,
                                f"rollout buffer reaching policy version {version}", stopped)
         if caught_up is None:

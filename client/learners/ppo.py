@@ -1,8 +1,8 @@
 """The PPO learner: owns the rollout buffer (T steps x actors * envs slots) and the policy versions.
 
 Per version v: wait (poll, backoff) until every actor has pushed its part of rollout v, train `epochs`
-epochs over the server's shuffled minibatches (advantages from the server's GAE, normalized over the
-rollout), then finish_rollout(v + 1) and publish weights v + 1, in that order: an actor holding
+epochs over the server's shuffled minibatches (advantages from the server's GAE, normalized per
+minibatch as in CleanRL), then finish_rollout(v + 1) and publish weights v + 1, in that order: an actor holding
 weights v + 1 always finds the buffer accepting v + 1. Evaluates the deterministic policy every
 `eval_every` versions and stops at the target return or the time budget.
 """

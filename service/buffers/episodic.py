@@ -386,15 +386,16 @@ class EpisodicBuffer(EpisodicRing):
                 self.check_live()
                 keep = self.dedup.screen(spans, offsets, self._landed)  # the wait released the lock
             duplicates = len(keep) - int(np.count_nonzero(keep))
-            if duplicates:
-                self.counters["duplicate_spans"] += duplicates
-                self.counters["duplicate_rows"] += int(spans.rows[~keep].sum())
+            duplicate_rows = int(spans.rows[~keep].sum())
             if not keep.any():
+                self._count_duplicates(duplicates, duplicate_rows)
                 self.counters["duplicate_requests"] += 1
                 return InsertResult(completed, duplicates)
+            kept = np.flatnonzero(keep)
             columns, spans, offsets = select(columns, spans, offsets, keep)
             rows = int(spans.rows.sum())
-            ops = self._plan(spans)
+            ops = self._plan(spans, kept)  # may refuse the request: nothing counted or written before this
+            self._count_duplicates(duplicates, duplicate_rows)
             for op in ops:
                 self._apply(op, columns, spans)
             self.dedup.remember(spans, offsets)
@@ -407,6 +408,11 @@ class EpisodicBuffer(EpisodicRing):
                 self.limiter.record_insert(rows - int(np.count_nonzero(spans.begins)))
             self.inserted.notify_all()
         return InsertResult(completed, duplicates)
+
+    def _count_duplicates(self, spans: int, rows: int) -> None:
+        if spans:
+            self.counters["duplicate_spans"] += spans
+            self.counters["duplicate_rows"] += rows
 
     def _landed(self, episode_id: int) -> int | None:
         """Rows landed so far of an open episode; None if it is not open."""
@@ -469,8 +475,9 @@ class EpisodicBuffer(EpisodicRing):
                 f"capacity_steps={self.capacity}"
             )
 
-    def _plan(self, spans: Spans) -> list[_Op]:
-        """Simulates the insert on metadata only; raises before anything is written."""
+    def _plan(self, spans: Spans, request_index: np.ndarray) -> list[_Op]:
+        """Simulates the insert on metadata only; raises before anything is written. `request_index`: each
+        span's index in the request as sent (duplicates were dropped), for the messages."""
         head = self.head
         next_seq = int(self.state[NEXT_SEQ])
         touched: dict[int, _Extent] = {}
@@ -493,13 +500,14 @@ class EpisodicBuffer(EpisodicRing):
                 i = j
                 continue
             episode_id = int(spans.episode_ids[i])
+            sent = int(request_index[i])  # the span's index in the request as the client sent it
             k = int(spans.rows[i])
             op = _Op("open", i, i + 1, int(row_offsets[i]), int(row_offsets[i + 1]),
                      closes=bool(spans.ends[i]), terminated=bool(spans.terminated[i]), head_before=head)
             current = touched.get(episode_id) or self._open.get(episode_id)
             if spans.begins[i]:
                 if current is not None:
-                    raise InvalidArgument(f"insert: span {i} begins episode {episode_id}, which is already open")
+                    raise InvalidArgument(f"insert: span {sent} begins episode {episode_id}, which is already open")
                 reserve = min(2 * k, self.capacity)
                 extent = _Extent(episode_id, next_seq, head, head + k - 1, head + reserve)
                 next_seq += 1
@@ -507,12 +515,12 @@ class EpisodicBuffer(EpisodicRing):
             else:
                 if current is None:
                     raise FailedPrecondition(
-                        f"insert: span {i} continues episode {episode_id}, which is not open (never begun, "
+                        f"insert: span {sent} continues episode {episode_id}, which is not open (never begun, "
                         "already ended, or evicted)"
                     )
                 if current.start < op.head_before - self.capacity:
                     raise ResourceExhausted(
-                        f"insert: open episode {episode_id} would be overwritten before span {i} lands; "
+                        f"insert: open episode {episode_id} would be overwritten before span {sent} lands; "
                         f"capacity_steps={self.capacity} is too small for this many concurrently open episodes"
                     )
                 landed = current.last - current.start + 1
@@ -540,7 +548,7 @@ class EpisodicBuffer(EpisodicRing):
             if op.closes:
                 if extent.last - extent.start + 1 < 2:
                     raise InvalidArgument(
-                        f"insert: span {i} ends episode {episode_id} after 1 row; an episode needs at least 2 rows"
+                        f"insert: span {sent} ends episode {episode_id} after 1 row; an episode needs at least 2 rows"
                     )
                 if extent.reserved_end == head:  # the head extent gives its unused room back
                     head = extent.last + 1

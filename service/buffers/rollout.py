@@ -272,6 +272,12 @@ class RolloutBuffer:
                     f"field {name!r}: expected shape (steps, envs, *{spec.shape}) = "
                     f"{(steps, envs, *spec.shape)}, got {array.shape}"
                 )
+        for name in ("reward", "value", "final_value"):  # one NaN would poison GAE back to the episode start
+            finite = np.isfinite(columns[name])
+            if not finite.all():
+                t, e = np.argwhere(~finite)[0]
+                raise InvalidArgument(f"field {name!r}: expected finite values, got {columns[name][t, e]} at "
+                                      f"(step {t}, env {e}) of the part")
         T, N = self.config.num_steps, self.config.num_envs
         if steps < 1 or envs < 1:
             raise InvalidArgument(f"push: expected >= 1 step and env, got (steps, envs) = {(steps, envs)}")
@@ -320,8 +326,9 @@ class RolloutBuffer:
             self._gae_done = False
             self.counters["rollouts_finished"] += 1
 
-    def compute_advantages(self) -> None:
-        """Runs GAE into the advantage/return columns once per complete rollout.
+    def compute_advantages(self) -> int:
+        """Runs GAE into the advantage/return columns once per complete rollout; returns its policy version
+        (read under the same lock: a finish_rollout right after must not pass for this rollout).
 
         Lazily, from the first minibatch request rather than from the push that completes the
         rollout: that push is on an actor's critical path, while the learner is waiting either way.
@@ -329,7 +336,7 @@ class RolloutBuffer:
         with self.live():
             self._require_complete()
             if self._gae_done:
-                return
+                return self._version
             c = self.columns
             compute_gae(
                 c["reward"], c["value"], c["terminated"], c["truncated"], c["final_value"], self._bootstrap,
@@ -337,6 +344,7 @@ class RolloutBuffer:
             )
             self._gae_done = True
             self.counters["gae_computations"] += 1
+            return self._version
 
     def _require_complete(self) -> None:
         if self._missing:
@@ -364,8 +372,8 @@ class RolloutBuffer:
             raise InvalidArgument(f"minibatch_size: expected 1..{total} (T·N samples), got {minibatch_size}")
         if epochs < 1:
             raise InvalidArgument(f"epochs: expected >= 1, got {epochs}")
-        self.compute_advantages()
-        return self._minibatches(minibatch_size, epochs, normalize_advantages, drop_last, seed, self._version)
+        version = self.compute_advantages()
+        return self._minibatches(minibatch_size, epochs, normalize_advantages, drop_last, seed, version)
 
     def _minibatches(
         self, size: int, epochs: int, normalize: bool, drop_last: bool, seed: int | None, version: int
