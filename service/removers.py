@@ -46,6 +46,13 @@ class FifoRemover:
     def on_sampled(self, ring: EpisodicBuffer, positions: np.ndarray) -> np.ndarray:
         return _NOTHING
 
+    def state_of_rows(self, rows: np.ndarray) -> np.ndarray | None:
+        """Per-row item state to carry when an open episode's steps move to the head (None: none kept)."""
+        return None
+
+    def restore_rows(self, ring: EpisodicBuffer, rows: np.ndarray, state: np.ndarray | None) -> None:
+        """Gives moved steps, just written at `rows` as new items, the state they had (state_of_rows)."""
+
     def recover(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
         """After a crash, `positions` are the live rows the ring rebuilt its counts from."""
 
@@ -91,6 +98,16 @@ class MaxTimesSampledRemover(FifoRemover):
             counts = self.times_sampled[row:row + length]
             ring.state[SAMPLEABLE] += int(np.count_nonzero(counts >= self.max_times_sampled))
             counts.fill(0)
+
+    def state_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        return self.times_sampled.take(rows)
+
+    def restore_rows(self, ring: EpisodicBuffer, rows: np.ndarray, state: np.ndarray | None) -> None:
+        # The move counted every step as a new sampleable item: the retired ones stay retired.
+        from service.buffers.episodic import SAMPLEABLE
+
+        self.times_sampled[rows] = state
+        ring.state[SAMPLEABLE] -= int(np.count_nonzero(state >= self.max_times_sampled))
 
     def recover(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
         # The ring recounted every step of its live extents as sampleable; retired ones are not items.

@@ -51,3 +51,47 @@ def test_each_step_is_drawn_at_most_k_times_then_retired(sampler) -> None:
 def test_max_times_sampled_is_validated() -> None:
     with pytest.raises(InvalidArgument, match="max_times_sampled"):
         MaxTimesSampledRemover(0)
+
+
+def chunk(episode_id: int, rows: int, begins: bool, first_t: int = 0) -> tuple[dict, Spans]:
+    columns = make_rows(np.random.default_rng(episode_id + first_t), first_t, rows)
+    return columns, Spans(np.array([episode_id], np.uint64), np.array([rows]), np.array([begins]),
+                          np.array([False]), np.array([False]))
+
+
+@pytest.mark.parametrize("sampler", [None, PrioritizedSampler(0.5)], ids=["uniform", "prioritized"])
+def test_retired_steps_stay_retired_when_their_open_episode_moves(sampler) -> None:
+    """An open episode that outgrows its room is copied to the head: its draw counts move with it."""
+    buffer = EpisodicBuffer("mv", f"test{os.getpid()}", FIELDS, 64, sampler=sampler,
+                            remover=MaxTimesSampledRemover(1))
+    rng = np.random.default_rng(0)
+    try:
+        buffer.insert(*chunk(1, 3, True))  # open episode 1: 2 steps, a room of 6 rows
+        insert_episodes(buffer, [3], 2)  # a whole episode after that room
+        while buffer.sampleable_steps:  # retire all 5 steps
+            buffer.sample(1, StatesMode(), rng)
+        buffer.insert(*chunk(1, 10, False, first_t=3))  # outgrows its room: moved to the head
+        assert buffer.counters["moved_open_episodes"] == 1
+        assert buffer.sampleable_steps == 10  # t = 2..11 of episode 1; t = 0, 1 were retired before the move
+        t = buffer.sample(500, StatesMode(), rng)["t"]
+        assert set(t.tolist()) <= set(range(2, 12))
+    finally:
+        buffer.close()
+
+
+def test_priorities_move_with_their_open_episode() -> None:
+    buffer = EpisodicBuffer("mvp", f"test{os.getpid()}", FIELDS, 64, sampler=PrioritizedSampler(1.0))
+
+    def key_of(t: int) -> int:  # episode 1's step t, wherever its (open) extent lies now
+        return buffer._open[1].start + t
+
+    try:
+        buffer.insert(*chunk(1, 3, True))  # open episode 1: steps t = 0, 1
+        insert_episodes(buffer, [3], 2)
+        buffer.update_priorities(np.array([key_of(0)]), np.array([50.0]))
+        buffer.insert(*chunk(1, 10, False, first_t=3))  # moved to the head
+        assert buffer.counters["moved_open_episodes"] == 1
+        leaves = buffer.sampler.tree.get(np.array([key_of(0), key_of(1)]) % 64)
+        np.testing.assert_array_equal(leaves, [50.0, 1.0])  # not reset to the max priority (50) or lost
+    finally:
+        buffer.close()

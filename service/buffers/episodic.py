@@ -590,11 +590,17 @@ class EpisodicBuffer(EpisodicRing):
         else:  # move: copy the landed rows out before their old place can be evicted or reused
             old = op.moved_from
             landed = self._gather_positions(np.arange(old.start, old.last + 1, dtype=np.int64))
+            # Its steps (all landed rows but the last) keep their draw counts and priorities.
+            old_rows = np.arange(old.start, old.last, dtype=np.int64) % self.capacity
+            carried = self.remover.state_of_rows(old_rows), self.sampler.state_of_rows(old_rows)
             self._open.pop(old.episode_id)  # moving, not lost: the eviction below must not count it
             self._evict_before(op.head_after - self.capacity)
             self._write_rows(op.extent.start, landed, 0, old.last - old.start + 1)
             self._write_extent_rows(op, columns, at=op.extent.start + old.last - old.start + 1,
                                     mark_from=op.extent.start, prev_sampleable=0)
+            new_rows = (op.extent.start + np.arange(old_rows.size, dtype=np.int64)) % self.capacity
+            self.remover.restore_rows(self, new_rows, carried[0])
+            self.sampler.restore_rows(self, new_rows, carried[1])
             self.state[HEAD] = op.head_after
             # The old place is retired only once the new one is committed: a crash in between leaves the
             # episode alive in one place or both (recovery keeps the newest), never in neither.

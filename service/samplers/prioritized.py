@@ -87,6 +87,13 @@ class PrioritizedSampler:
         """Scattered positions stopped being items (a remover retired them)."""
         self.tree.update(positions % ring.capacity, 0.0)
 
+    def state_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The leaves of steps about to move with their open episode (their priorities travel along)."""
+        return self.tree.get(rows)
+
+    def restore_rows(self, ring: EpisodicBuffer, rows: np.ndarray, state: np.ndarray | None) -> None:
+        self.tree.update(rows, state)
+
     # ---------------------------------------------------------------- sampling
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0) -> Draw:

@@ -81,3 +81,9 @@ class UniformSampler:
 
     def on_positions_cleared(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
         """Scattered positions no longer hold sampleable steps (retired by a remover)."""
+
+    def state_of_rows(self, rows: np.ndarray) -> None:
+        """No per-row state: every step is equally likely."""
+
+    def restore_rows(self, ring: EpisodicBuffer, rows: np.ndarray, state: None) -> None:
+        pass
