@@ -54,7 +54,7 @@ import pyarrow as pa
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.ring import HEAD, TAIL_POS, shm_name
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.errors import FailedPrecondition, ReplayError
+from service.errors import FailedPrecondition, NotFound, ReplayError
 from service.registry import BufferRegistry
 
 log = logging.getLogger("replayd")
@@ -218,10 +218,14 @@ def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, kee
             for name, buffer in registry.all():
                 buffer_dir = tmp / name
                 buffer_dir.mkdir()
-                if isinstance(buffer, EpisodicBuffer):
-                    entry = _write_episodic(buffer, buffer_dir, chunk_bytes, on_chunk)
-                else:
-                    entry = _write_rollout(buffer, buffer_dir)
+                try:
+                    if isinstance(buffer, EpisodicBuffer):
+                        entry = _write_episodic(buffer, buffer_dir, chunk_bytes, on_chunk)
+                    else:
+                        entry = _write_rollout(buffer, buffer_dir)
+                except NotFound:  # deleted while the checkpoint was being written: not part of it
+                    shutil.rmtree(buffer_dir)
+                    continue
                 _fsync(buffer_dir)
                 buffers.append({"name": name, **entry})
             manifest = {"format": FORMAT, "layout_version": LAYOUT_VERSION, "instance": registry.instance,
@@ -246,6 +250,15 @@ def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, kee
 
 
 # ---------------------------------------------------------------------------------------------- restore
+def has_checkpoint(directory: str | os.PathLike) -> bool:
+    """Whether `directory` names a complete checkpoint (see latest_checkpoint)."""
+    try:
+        latest_checkpoint(directory)
+    except FailedPrecondition:
+        return False
+    return True
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path:
     """The checkpoint `directory` names: itself (or its manifest) if it is one, else the checkpoint LATEST
     names under it, else the newest complete one. Incomplete ones (no manifest, .tmp-*) are never chosen."""

@@ -82,17 +82,18 @@ def serve(args: argparse.Namespace) -> None:
                           max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers, recover=args.recover,
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                           checkpoint_keep=args.checkpoint_keep or None, restore_from=args.restore)
+    # Before start: a SIGTERM during a long restore (docker stop) must end in stop(), which unlinks.
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     try:
         server.start()
-    except ReplayError as exc:  # a checkpoint that cannot be restored (nothing was started, nothing restored)
+    except (ReplayError, OSError, TimeoutError) as exc:  # start() stopped what it had started and unlinked
         raise SystemExit(f"replayd: {exc}") from None
     http = f", HTTP on port {server.http.port}" if server.http else ""
     security = ", token required" if args.token else ", no token"
     print(f"replayd {server.instance} listening on {server.address}{' (TLS)' if tls_cert else ''}{http}{security}",
           flush=True)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     stop.wait()
     server.stop()
     print("replayd stopped; shared memory unlinked", flush=True)

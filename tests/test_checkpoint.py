@@ -6,8 +6,10 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import threading
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import grpc
@@ -23,6 +25,7 @@ from service.grpc_server.server import ReplayServer
 from service.registry import BufferRegistry
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
+from service.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -302,3 +305,65 @@ def test_checkpoint_rpc_needs_a_directory(client: ReplayClient) -> None:
     with pytest.raises(grpc.RpcError) as error:
         client.checkpoint()
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint-dir" in error.value.details()
+
+
+def test_a_buffer_deleted_during_a_checkpoint_is_left_out_and_the_rest_is_saved(tmp_path: Path) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        for name in ("a", "b"):
+            registry.add(name, EpisodicBuffer(name, registry.instance, FIELDS, 1000))
+            insert(registry.episodic(name), list(range(1, 21)), 9)
+
+        def delete_b() -> None:  # a DeleteBuffer RPC while "a" is being written
+            if "b" in registry:
+                registry.delete("b")
+
+        manifest = write_checkpoint(registry, tmp_path, chunk_bytes=32 * 40, on_chunk=delete_b)
+        assert [entry["name"] for entry in json.loads(manifest.read_text())["buffers"]] == ["a"]
+        assert not (manifest.parent / "b").exists()
+        other = BufferRegistry(new_instance())
+        try:
+            assert restore_checkpoint(tmp_path, other) == ["a"]
+            assert other.episodic("a").episodes == 20
+        finally:
+            other.close()
+    finally:
+        registry.close()
+
+
+def test_recovery_without_a_checkpoint_yet_serves_what_it_recovered(tmp_path: Path) -> None:
+    """Killed before its first periodic checkpoint: the buffers recovery refuses are lost, the rest served."""
+    instance = new_instance()
+    kept = EpisodicBuffer("kept", instance, FIELDS, 1000)
+    insert(kept, [1, 2], 9)
+    kept.close(unlink=False)  # the process dies: its segments stay
+    foreign = shared_memory.SharedMemory(name=f"rpd_{instance}_junk", create=True, size=64)  # fails the checks
+    foreign.close()
+    server = ReplayServer("127.0.0.1:0", instance=instance, recover=True, checkpoint_dir=str(tmp_path / "none"))
+    try:
+        server.start()
+        assert [name for name, _ in server.registry.all()] == ["kept"]
+        assert server.registry.episodic("kept").episodes == 2
+    finally:
+        server.stop(grace=0)
+        for name in segments(f"rpd_{instance}_"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_server_that_cannot_start_its_http_side_unlinks_what_it_restored(tmp_path: Path) -> None:
+    registry = BufferRegistry(new_instance())
+    registry.add("r", EpisodicBuffer("r", registry.instance, FIELDS, 1000))
+    insert(registry.episodic("r"), [1, 2], 9)
+    write_checkpoint(registry, tmp_path)
+    registry.close()
+    instance = new_instance()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        server = ReplayServer("127.0.0.1:0", instance=instance, restore_from=str(tmp_path),
+                              http_address=f"127.0.0.1:{busy.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(OSError, match="the HTTP side could not serve"):
+            server.start()
+        assert time.monotonic() - started < 15  # not the 30 s start timeout
+    assert segments(f"rpd_{instance}_") == []

@@ -149,3 +149,12 @@ def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
     assert _value(samples, "replayd_rpc_latency_seconds_count", method="Sample", buffer="rl") == 2
     # Buffers without a rate limiter have no limiter series.
     assert _value(samples, "replayd_rate_limiter_waits_total", buffer="free", side="sample") is None
+
+
+def test_an_ipv6_http_address_reaches_uvicorn_without_brackets() -> None:
+    """gRPC needs "[::1]:port"; uvicorn fails to resolve "[::1]" (not started here: CI may lack IPv6)."""
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}six", http_address="[::1]:0")
+    try:
+        assert server.http.host == "::1"
+    finally:
+        server.stop(grace=0)

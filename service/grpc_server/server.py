@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 from prometheus_client import CollectorRegistry
 
-from service.checkpoint import restore_checkpoint, write_checkpoint
+from service.checkpoint import has_checkpoint, restore_checkpoint, write_checkpoint
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.grpc_server.sample_workers import SampleWorkers
@@ -125,18 +125,35 @@ class ReplayServer:
             from service.http.app import HttpServer, create_app
 
             http_host, http_port = http_address.rsplit(":", 1)
-            self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics, token), http_host,
-                                   int(http_port))
+            # uvicorn takes an IPv6 host without the brackets gRPC's address needs
+            self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics, token),
+                                   http_host.strip("[]"), int(http_port))
 
     def start(self, timeout: float = 30.0) -> ReplayServer:
+        """Restores or recovers buffers, then serves. A failure on the way stops everything started and
+        unlinks every buffer restored so far before it is raised."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop(grace=0)
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
         # Before serving: no client sees a partly restored registry.
         if self.recover:
             recovery = recover_instance(self.registry)
-            fallback = self.restore_from or self.checkpoint_dir
-            if recovery.lost and fallback is not None:
+            if recovery.lost and self.restore_from is not None:
                 # Buffers whose segments failed the checks come back from the latest checkpoint.
-                restore_checkpoint(fallback, self.registry, max_bytes=self.max_buffer_bytes,
+                restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes,
                                    only=set(recovery.lost))
+            elif recovery.lost and self.checkpoint_dir is not None:
+                if has_checkpoint(self.checkpoint_dir):
+                    restore_checkpoint(self.checkpoint_dir, self.registry, max_bytes=self.max_buffer_bytes,
+                                       only=set(recovery.lost))
+                else:  # killed before its first periodic checkpoint: serve what was recovered
+                    log.warning("buffers %s could not be recovered and %s holds no checkpoint yet: they are lost",
+                                sorted(recovery.lost), self.checkpoint_dir)
         elif self.restore_from is not None:  # all or nothing (restore_checkpoint)
             restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes)
         self._server.start()
@@ -148,6 +165,9 @@ class ReplayServer:
             self.http.start()
             deadline = time.monotonic() + timeout
             while not self.http.started:
+                if not self.http.running:
+                    raise OSError(f"the HTTP side could not serve on {self.http.host}:{self.http.requested_port} "
+                                  "(port in use? see the log above)")
                 if time.monotonic() > deadline:
                     raise TimeoutError("the HTTP side did not start")
                 time.sleep(0.01)
@@ -156,7 +176,6 @@ class ReplayServer:
             self._checkpoint_thread = threading.Thread(target=self._checkpoint_loop, name="replayd-checkpoints",
                                                        daemon=True)
             self._checkpoint_thread.start()
-        return self
 
     def _checkpoint_loop(self) -> None:
         while not self._stop_checkpoints.wait(self.checkpoint_every):

@@ -223,8 +223,15 @@ class HttpServer:
     """uvicorn in a background thread, stopped with the gRPC server."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self.host, self.requested_port = host, port
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, name="replayd-http", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="replayd-http", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._server.run()
+        except SystemExit:  # uvicorn exits when it cannot bind (it logged why); start() reports it
+            pass
 
     def start(self) -> None:
         self._thread.start()
@@ -234,9 +241,15 @@ class HttpServer:
         return self._server.started
 
     @property
+    def running(self) -> bool:
+        """False once the thread ended (uvicorn logs why, e.g. a port in use, and returns)."""
+        return self._thread.is_alive()
+
+    @property
     def port(self) -> int:
         return self._server.servers[0].sockets[0].getsockname()[1]
 
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
