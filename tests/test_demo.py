@@ -80,8 +80,26 @@ def _free_port() -> int:
 
 
 def _interpolate(text: str, env: dict[str, str]) -> str:
-    """docker compose's ${VAR:-default} interpolation."""
-    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m.group(1), m.group(2) or ""), text)
+    """docker compose's ${VAR:-default} interpolation, nested defaults included (innermost first)."""
+    innermost = re.compile(r"\$\{(\w+)(?::-([^${}]*))?\}")
+    while (expanded := innermost.sub(lambda m: env.get(m.group(1)) or m.group(2) or "", text)) != text:
+        text = expanded
+    return text
+
+
+def test_compose_ports_follow_their_variables() -> None:
+    """One variable moves a port everywhere: the server's flag, the mapping, the healthcheck, the clients."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    env = {"REPLAYD_PORT": "6000", "REPLAYD_HTTP_PORT": "7000"}
+    server = _interpolate(services["server"]["command"], env)
+    assert "--port 6000" in server and "--http-port 7000" in server
+    assert [_interpolate(p, env) for p in services["server"]["ports"]] == ["6000:6000", "7000:7000"]
+    assert "127.0.0.1:7000/healthz" in _interpolate(" ".join(services["server"]["healthcheck"]["test"]), env)
+    for name in ("actor", "learner"):
+        assert "--address server:6000" in _interpolate(services[name]["command"], env)
+        assert _interpolate(services[name]["environment"]["REPLAYD_ADDRESS"], env) == "server:6000"
+    assert "--address server:50051" in _interpolate(services["actor"]["command"], {})
 
 
 def _local_command(command: str, env: dict[str, str]) -> list[str]:
