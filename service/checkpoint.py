@@ -244,7 +244,10 @@ def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, kee
         if keep is not None and keep > 0:
             for old in _complete(root)[:-keep]:
                 if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+                    # Renamed first: a crash mid-removal must not leave a ckpt-N whose manifest outlived arrays.
+                    doomed = root / f".tmp-removing-{old.name}-{secrets.token_hex(4)}"
+                    os.rename(old, doomed)
+                    shutil.rmtree(doomed, ignore_errors=True)
     log.info("checkpoint %s: %d buffer(s)", final, len(buffers))
     return final / MANIFEST
 

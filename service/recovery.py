@@ -39,8 +39,12 @@ def recover_instance(registry: BufferRegistry) -> Recovery:
     """Reattaches every buffer whose segments the instance's previous server left behind."""
     prefix = f"rpd_{registry.instance}_"
     result = Recovery()
-    for header in segments(prefix):
+    found = set(segments(prefix))
+    for header in sorted(found):
         if header.endswith(".data"):
+            if header[: -len(".data")] not in found:  # a create killed between its two segments
+                remove_segment(header)
+                log.warning("removed orphan data segment %r (no header)", header)
             continue
         name = header[len(prefix):]
         kind = _kind(header)

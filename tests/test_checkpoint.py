@@ -337,13 +337,14 @@ def test_recovery_without_a_checkpoint_yet_serves_what_it_recovered(tmp_path: Pa
     kept = EpisodicBuffer("kept", instance, FIELDS, 1000)
     insert(kept, [1, 2], 9)
     kept.close(unlink=False)  # the process dies: its segments stay
-    foreign = shared_memory.SharedMemory(name=f"rpd_{instance}_junk", create=True, size=64)  # fails the checks
-    foreign.close()
+    for name in ("junk", "orphan.data"):  # fails the checks; a data segment whose header was never made
+        shared_memory.SharedMemory(name=f"rpd_{instance}_{name}", create=True, size=64).close()
     server = ReplayServer("127.0.0.1:0", instance=instance, recover=True, checkpoint_dir=str(tmp_path / "none"))
     try:
         server.start()
         assert [name for name, _ in server.registry.all()] == ["kept"]
         assert server.registry.episodic("kept").episodes == 2
+        assert segments(f"rpd_{instance}_") == [f"rpd_{instance}_kept", f"rpd_{instance}_kept.data"]
     finally:
         server.stop(grace=0)
         for name in segments(f"rpd_{instance}_"):

@@ -319,6 +319,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         self.max_message_bytes = max_message_bytes
         self.max_buffer_bytes = max_buffer_bytes
         self.rejected: dict[str, int] = {}
+        self._rejected_lock = threading.Lock()  # handlers run on many threads: += is a read and a write
         self.sample_endpoints: list[str] = []  # sample worker addresses, set by the server
         self._describes = 0
 
@@ -332,7 +333,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return info
 
     def counters_rejected(self, method: str, exc: Exception) -> None:
-        self.rejected[method] = self.rejected.get(method, 0) + 1
+        with self._rejected_lock:
+            self.rejected[method] = self.rejected.get(method, 0) + 1
         log.info("%s rejected: %s", method, exc)
 
     # ---------------------------------------------------------------- buffers
