@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 def module_to_bytes(module: nn.Module) -> bytes:
     from safetensors.torch import save
 
-    return save({name: tensor.detach().cpu().contiguous() for name, tensor in module.state_dict().items()})
+    # A copy per entry: tied parameters share storage, which safetensors refuses to save twice.
+    return save({name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()})
 
 
 def load_module_bytes(module: nn.Module, payload: bytes) -> None:

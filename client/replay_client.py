@@ -53,6 +53,9 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "missing_steps": info.missing_steps,
         "rollout_complete": info.rollout_complete,
         "sample_endpoints": list(info.sample_endpoints),
+        # A sample that counts draws (max_times_sampled) or feeds a rate limiter is no idempotent call.
+        "sampling_changes_state": which == "episodic" and (
+            config.remover.WhichOneof("kind") == "max_times_sampled" or config.HasField("rate_limiter")),
     }
 
 
@@ -94,6 +97,7 @@ def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
 # Requests above this are split (see split_spans): messages of a few MB keep both ends' copies in reused
 # heap memory and pipeline over the stream; a whole Atari episode (28-56 MB) in one message measured 2-4x slower.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+_FRAMING_ROOM = 64 * 2**10  # Arrow schema, span metadata and protobuf framing around a request's rows
 
 
 def _piece(span: Span, lo: int, hi: int, rows: int) -> Span:
@@ -228,7 +232,9 @@ class ReplayClient:
                  retries: int = 5, token: str | None = None, root_certificates: bytes | None = None,
                  use_sample_workers: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.address = address
-        self.max_request_bytes = max_request_bytes  # inserts of more are split into several requests
+        # Inserts of more are split into several requests. A long episode's first chunk may reach twice the
+        # request size (split_spans), which must still fit a message with room for the framing.
+        self.max_request_bytes = max(1, min(max_request_bytes, (max_message_bytes - _FRAMING_ROOM) // 2))
         self.timeout = timeout
         self.retries = retries
         self._options = channel_options(max_message_bytes)
@@ -245,6 +251,7 @@ class ReplayClient:
             "/replayd.v1.Replay/RolloutMinibatches", request_serializer=pb.RolloutMinibatchesRequest.SerializeToString,
             response_deserializer=sample_response_batch)
         self._observation_fields: dict[str, tuple[str, ...]] = {}
+        self._stateful_sampling: dict[str, bool] = {}  # buffer -> sampling_changes_state (describe)
         # Sample workers (`replayd serve --sample-workers K`) found in buffer descriptions: calls go round-robin.
         self.use_sample_workers = use_sample_workers
         self._worker_channels: dict[str, grpc.Channel] = {}
@@ -277,9 +284,21 @@ class ReplayClient:
             return self._server_sampling
         return calls[next(self._round_robin) % len(calls)]
 
+    def _deadline(self, timeout: float | None) -> float:
+        """A call's deadline in seconds: `timeout` as given (0 included), else the client's default."""
+        return self.timeout if timeout is None else timeout
+
     def _forget_sampling(self, buffer: str) -> None:
-        """Drops where `buffer` is sampled: a restarted server's sample workers listen on new ports."""
+        """Drops what is cached about sampling `buffer`: a restarted server's sample workers listen on new
+        ports, and a buffer created again under its name may be configured otherwise."""
         self._buffer_sampling.pop(buffer, None)
+        self._stateful_sampling.pop(buffer, None)
+
+    def _sampling_changes_state(self, buffer: str) -> bool:
+        stateful = self._stateful_sampling.get(buffer)
+        if stateful is None:
+            stateful = self._stateful_sampling[buffer] = self.describe(buffer)["sampling_changes_state"]
+        return stateful
 
     def close(self) -> None:
         for channel in self._worker_channels.values():
@@ -298,7 +317,7 @@ class ReplayClient:
 
     def _idempotent(self, call: Callable[..., T], request: Any, timeout: float | None) -> T:
         """Retries UNAVAILABLE with exponential backoff and jitter (safe only for idempotent calls)."""
-        return self._with_retries(lambda: call(request, timeout=timeout or self.timeout), self.RETRYABLE)
+        return self._with_retries(lambda: call(request, timeout=self._deadline(timeout)), self.RETRYABLE)
 
     def _with_retries(self, attempt: Callable[[], T], codes: tuple[grpc.StatusCode, ...]) -> T:
         """`attempt()`, retried `self.retries` times on `codes` with exponential backoff and jitter."""
@@ -343,9 +362,12 @@ class ReplayClient:
         ]
         config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field or "",
                                    **self._components(sampler, alpha, remover, max_times_sampled, rate_limiter))
-        info = self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config), timeout=self.timeout)
+        info = _info_to_dict(self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config),
+                                                     timeout=self.timeout))
         self._observation_fields[name] = tuple(observation_fields)
-        return _info_to_dict(info)
+        self._forget_sampling(name)
+        self._stateful_sampling[name] = info["sampling_changes_state"]
+        return info
 
     @staticmethod
     def _components(sampler: str, alpha: float, remover: str, max_times_sampled: int,
@@ -367,6 +389,7 @@ class ReplayClient:
 
     def delete_buffer(self, name: str) -> None:
         self._forget_sampling(name)
+        self._observation_fields.pop(name, None)
         self._stub.DeleteBuffer(pb.DeleteBufferRequest(name=name), timeout=self.timeout)
 
     def list_buffers(self) -> list[dict[str, Any]]:
@@ -446,7 +469,7 @@ class ReplayClient:
         """Has the server write every buffer to a new checkpoint under `directory` (a path on the server;
         empty: its --checkpoint-dir); returns the checkpoint's manifest path."""
         response = self._stub.Checkpoint(pb.CheckpointRequest(directory=str(directory)),
-                                         timeout=timeout or self.timeout)
+                                         timeout=self._deadline(timeout))
         return response.path
 
     # ---------------------------------------------------------------- inserting
@@ -460,9 +483,9 @@ class ReplayClient:
         twice (`duplicate_spans` in the response). The requests are held in a list until the call returns.
         """
         if not retry:
-            return self._insert(iter(requests), timeout=timeout or self.timeout)
+            return self._insert(iter(requests), timeout=self._deadline(timeout))
         frames = requests if isinstance(requests, list | tuple) else list(requests)
-        return self._with_retries(lambda: self._insert(iter(frames), timeout=timeout or self.timeout),
+        return self._with_retries(lambda: self._insert(iter(frames), timeout=self._deadline(timeout)),
                                   self.INSERT_RETRYABLE)
 
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
@@ -514,20 +537,23 @@ class ReplayClient:
 
         def attempt() -> bytes:
             try:
-                return self._sampling(buffer).sample(request, timeout=timeout or self.timeout)
+                return self._sampling(buffer).sample(request, timeout=self._deadline(timeout))
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._forget_sampling(buffer)  # the retry asks the server where its workers are now
                 raise
 
-        return codec.decode(self._with_retries(attempt, self.RETRYABLE))
+        # A lost response after the server drew would count the draws twice: only side-effect-free
+        # sampling is retried.
+        codes = () if self._sampling_changes_state(buffer) else self.RETRYABLE
+        return codec.decode(self._with_retries(attempt, codes))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
         """Sets priorities of sampled keys (batch["key"]); returns (applied, ignored_stale)."""
         request = pb.UpdatePrioritiesRequest(buffer=buffer, keys=np.asarray(keys, dtype=np.int64).tolist(),
                                              priorities=np.asarray(priorities, dtype=np.float64).tolist())
-        response = self._stub.UpdatePriorities(request, timeout=timeout or self.timeout)
+        response = self._stub.UpdatePriorities(request, timeout=self._deadline(timeout))
         return response.applied, response.ignored_stale
 
     def sample_stream(self, buffer: str, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,

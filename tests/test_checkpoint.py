@@ -305,6 +305,9 @@ def test_checkpoint_rpc_needs_a_directory(client: ReplayClient) -> None:
     with pytest.raises(grpc.RpcError) as error:
         client.checkpoint()
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint-dir" in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:
+        client.checkpoint("/tmp/a\0b")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NUL byte" in error.value.details()
 
 
 def test_a_buffer_deleted_during_a_checkpoint_is_left_out_and_the_rest_is_saved(tmp_path: Path) -> None:

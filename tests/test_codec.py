@@ -182,3 +182,40 @@ def test_malformed_alias_metadata_is_a_codec_error(aliases: bytes) -> None:
         writer.write_batch(pa.record_batch(batch.columns, schema=schema))
     with pytest.raises(codec.CodecError, match="bad alias metadata"):
         codec.decode(sink.getvalue().to_pybytes())
+
+
+def test_big_endian_arrays_arrive_with_their_values() -> None:
+    for dtype in (">f4", ">i8", ">f2"):
+        array = np.arange(12, dtype=dtype).reshape(4, 3)
+        for _ in range(3):  # the learned-frame path too
+            decoded = codec.decode(codec.encode({"a": array}))["a"]
+            np.testing.assert_array_equal(decoded, array)
+            assert decoded.dtype == np.dtype(dtype).newbyteorder("=")
+
+
+def _payload(array: pa.Array, dtype: bytes, shape: bytes) -> bytes:
+    field = pa.field("x", array.type, metadata={codec._DTYPE_KEY: dtype, codec._SHAPE_KEY: shape})
+    batch = pa.record_batch([array], schema=pa.schema([field]))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize("shape", [b"[1e999]", b"[1.5, 2]", b"[true, 3]", b'"3"', b"3"])
+def test_shape_metadata_must_be_a_list_of_integers(shape: bytes) -> None:
+    array = pa.array([[1.0, 2.0, 3.0]], type=pa.list_(pa.float32(), 3))
+    with pytest.raises(codec.CodecError, match="'x'"):
+        codec.decode(_payload(array, b"float32", shape))
+
+
+def test_nulls_inside_a_rows_values_are_a_codec_error() -> None:
+    array = pa.array([[1.0, None, 3.0]], type=pa.list_(pa.float32(), 3))
+    with pytest.raises(codec.CodecError, match="'x': null values are not allowed"):
+        codec.decode(_payload(array, b"float32", b"[3]"))
+
+
+def test_rows_too_large_to_describe_are_refused_when_encoding() -> None:
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(1, 2**31), strides=(0, 0))
+    with pytest.raises(codec.CodecError, match="'x': row shape"):
+        codec.encode({"x": huge})

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from client import EpisodeWriter, ReplayClient
-from client.replay_client import Span, episode_span, spans_request
+from client.replay_client import Span, _SamplingCalls, episode_span, spans_request
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.dedup import SpanDedup, span_offsets
 from service.errors import FailedPrecondition
@@ -283,3 +283,40 @@ def test_refused_request_with_a_retried_span_counts_nothing_and_names_the_span_a
         assert dict(buffer.counters) == before  # the refused request's duplicate is not counted
     finally:
         buffer.close()
+
+
+class _LoseFirstSampleResponses(grpc.UnaryUnaryClientInterceptor):
+    """Lets the first `count` Sample calls complete on the server, then reports UNAVAILABLE."""
+
+    def __init__(self, count: int) -> None:
+        self.remaining = count
+        self.calls = 0
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        self.calls += 1
+        outcome = continuation(client_call_details, request)
+        outcome.result()
+        if self.remaining:
+            self.remaining -= 1
+            raise _Unavailable()
+        return outcome
+
+
+@pytest.mark.parametrize("remover, retried", [("fifo", True), ("max_times_sampled", False)])
+def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClient, remover: str,
+                                                             retried: bool) -> None:
+    """A lost Sample response after the server drew: a retry would count (and retire) the draws twice."""
+    rng = np.random.default_rng(9)
+    client.create_buffer("s", 1000, SCHEMA, remover=remover, max_times_sampled=1 if remover != "fifo" else 0)
+    client.insert_episodes("s", [episode(rng, 100)], [True])
+    faults = _LoseFirstSampleResponses(1)
+    client.use_sample_workers = False
+    client._server_sampling = _SamplingCalls.on(grpc.intercept_channel(client._channel, faults))
+    if retried:
+        assert client.sample("s", 10)["obs"].shape == (10, 4)
+    else:
+        with pytest.raises(grpc.RpcError) as caught:
+            client.sample("s", 10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert faults.calls == (2 if retried else 1)
+    assert client.describe("s")["sampling_changes_state"] is not retried

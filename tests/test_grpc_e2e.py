@@ -299,6 +299,31 @@ def test_a_long_episode_goes_out_in_requests_under_the_message_limit(server: Rep
         np.testing.assert_array_equal(batch["next_obs"], obs[batch["action"] + 1])
 
 
+def test_requests_fit_the_clients_message_limit_whatever_max_request_bytes_says(server: ReplayServer) -> None:
+    with ReplayClient(server.address, max_message_bytes=256 * 1024) as client:  # default max_request_bytes 8 MiB
+        assert 2 * client.max_request_bytes < 256 * 1024
+        client.create_buffer("long", 20_000, {"obs": ("float32", (64,)), "action": ("int64", ())})
+        client.insert_episode("long", terminated=True, obs=np.zeros((4001, 64), np.float32), action=np.arange(4000))
+        assert client.describe("long")["stored_steps"] == 4001
+
+
+def test_an_explicit_zero_timeout_is_passed_on_not_replaced_by_the_default(client: ReplayClient) -> None:
+    client.create_buffer("z", 100, SCHEMA)
+    client.insert_episode("z", terminated=True, **episode(np.random.default_rng(0), 10))
+    seen: list[float | None] = []
+    real = client._server_sampling
+
+    def sample(request, timeout=None):
+        seen.append(timeout)
+        return real.sample(request, timeout=20)  # a real 0 may or may not expire before the reply
+
+    client.use_sample_workers = False
+    client._server_sampling = type(real)(sample, real.stream)
+    client.sample("z", 4, timeout=0)
+    client.sample("z", 4)
+    assert seen == [0, client.timeout]
+
+
 def test_split_spans_bounds_every_request() -> None:
     row_bytes = 8 * 4 + 8
     limit = 100 * row_bytes  # 100 rows per request

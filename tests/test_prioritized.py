@@ -144,3 +144,18 @@ def test_grpc_prioritized_sample_and_update_priorities(client) -> None:
     assert (again["action"] == 0).mean() > 0.95
     assert client.update_priorities("per", [999_999], [1.0]) == (0, 1)
     client.delete_buffer("per")
+
+
+def test_importance_weights_survive_priority_ratios_beyond_float64() -> None:
+    """Leaves from 1e-300 to 1e100: p / p_min overflows, and inf ** -beta made every weight 0."""
+    rng = np.random.default_rng(5)
+    buffer = new_buffer(100, alpha=1.0)
+    try:
+        insert_episodes(buffer, rng, [4], 0)
+        keys = live_keys(buffer)
+        buffer.update_priorities(keys, np.array([1e-300, 1e100, 1e100, 1e100]))
+        batch = buffer.sample(64, StatesMode(), rng, include_keys=True, importance_beta=0.01)
+        expected = np.exp(-0.01 * (np.log(1e100) - np.log(1e-300)))  # (p / p_min)^-beta, about 1e-4
+        np.testing.assert_allclose(batch["weight"][batch["key"] != keys[0]], expected, rtol=1e-5)
+    finally:
+        buffer.close()

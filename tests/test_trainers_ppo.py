@@ -134,3 +134,13 @@ def test_trainer_improves_objective():
     assert float(out["loss"]) < first
     act = tr.act(batch["obs"])
     assert act["action"].shape == (B,) and act["log_prob"].shape == (B,) and act["value"].shape == (B,)
+
+
+def test_discrete_actions_may_come_as_a_column():
+    """Action (B, 1) (a rollout schema with action shape (1,)): the same loss as (B,)."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, A)
+    batch = _batch(model)
+    flat, _ = ppo_loss(model, batch)
+    column, _ = ppo_loss(model, {**batch, "action": batch["action"].reshape(B, 1)})
+    torch.testing.assert_close(column, flat)

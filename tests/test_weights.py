@@ -1,3 +1,6 @@
+import json
+import struct
+
 import grpc
 import pytest
 import torch
@@ -30,3 +33,29 @@ def test_non_safetensors_payload_is_rejected(client: ReplayClient) -> None:
     with pytest.raises(grpc.RpcError) as error:
         client.publish_weights("q", 1, pickle.dumps({"w": [1, 2]}))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "safetensors" in error.value.details()
+
+
+@pytest.mark.parametrize("entry, data", [
+    ({"dtype": "F32", "shape": [100], "data_offsets": [0, 16]}, 16),  # shape says 400 bytes
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, 16),  # 8 trailing bytes no tensor covers
+    ({"dtype": "XX", "shape": [4], "data_offsets": [0, 16]}, 16),  # no such dtype
+])
+def test_blobs_actors_could_not_load_are_rejected(client: ReplayClient, entry: dict, data: int) -> None:
+    header = json.dumps({"w": entry}).encode()
+    blob = struct.pack("<Q", len(header)) + header + bytes(data)
+    with pytest.raises(grpc.RpcError) as error:
+        client.publish_weights("bad", 1, blob)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "safetensors" in error.value.details()
+    assert client.fetch_weights("bad") is None
+
+
+def test_modules_with_shared_parameters_serialize() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+    source, target = Tied(), Tied()
+    load_module_bytes(target, module_to_bytes(source))
+    assert torch.equal(target.a.weight, source.a.weight) and torch.equal(target.b.weight, source.a.weight)

@@ -75,8 +75,9 @@ def ppo_loss(
     """PPO loss = pg_loss - ent_coef * entropy + vf_coef * v_loss.  Returns (loss, detached stats)."""
     dist, new_value = model(batch["obs"])  # dist over (B, ...), new_value (B,)
     action = batch["action"]
-    if model.continuous:
-        action = action.reshape(dist.mean.shape)  # (B, A): a 1-D action may come as (B,), which would broadcast
+    # (B, A) continuous or (B,) discrete: a (B,) action for A = 1, or a (B, 1) discrete one (a schema's
+    # shape (1,)), would broadcast log_prob to (B, B) without an error.
+    action = action.reshape(dist.mean.shape if model.continuous else dist.batch_shape)
     new_log_prob = dist.log_prob(action)  # (B,) or (B, A)
     entropy = dist.entropy()  # (B,) or (B, A)
     if model.continuous:

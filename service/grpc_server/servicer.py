@@ -523,6 +523,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         directory = request.directory or self.checkpoint_dir
         if not directory:
             raise errors.InvalidArgument("checkpoint: directory is empty and the server has no --checkpoint-dir")
+        if "\0" in directory:
+            raise errors.InvalidArgument(f"checkpoint: directory {directory!r} contains a NUL byte")
         try:
             manifest = checkpoint.write_checkpoint(self.registry, directory)
         except OSError as exc:

@@ -111,7 +111,10 @@ class PrioritizedSampler:
         positions = base + (leaves - base) % ring.capacity
         rows, bounds, closed = ring.episode_bounds(positions)
         values = self.tree.get(leaves)
-        weight = np.power(values / self.tree.min_positive, -importance_beta).astype(np.float32)
+        # w = (N P)^-beta / max w = (p / p_min)^-beta, in logs: leaves may span 1e-300..1e150, whose ratio
+        # overflows float64 (and inf ** -beta would make the weight 0).
+        log_ratio = np.log(values) - math.log(self.tree.min_positive)
+        weight = np.exp(-importance_beta * log_ratio).astype(np.float32)
         return Draw(positions, rows, bounds, closed, {"probability": values / total, "weight": weight})
 
     def update_priorities(self, ring: EpisodicBuffer, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:

@@ -211,6 +211,10 @@ def encode_parts(columns: Mapping[str, np.ndarray]) -> tuple:
             aliases.append((name, seen[id(array)]))
             continue
         seen[id(array)] = name
+        if not array.dtype.isnative:  # Arrow bodies are little-endian, as is every host replayd runs on
+            array = array.astype(array.dtype.newbyteorder("="))
+        if math.prod(array.shape[1:]) > _MAX_ROW_VALUES:
+            raise CodecError(f"field {name!r}: row shape {array.shape[1:]} exceeds {_MAX_ROW_VALUES} values")
         arrays.append(array)
         layout.append((name, array.dtype.str, array.shape[1:]))
     key = (tuple(layout), tuple(aliases))
@@ -249,9 +253,12 @@ def _decode_plan(schema_message: bytes, schema: pa.Schema) -> _Plan:
             raise CodecError(f"field {field.name!r}: missing dtype/shape metadata")
         try:
             dtype = check_dtype(field.name, metadata[_DTYPE_KEY].decode())
-            shape = tuple(int(d) for d in json.loads(metadata[_SHAPE_KEY]))
+            shape = json.loads(metadata[_SHAPE_KEY])
         except (TypeError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise CodecError(f"field {field.name!r}: bad dtype/shape metadata ({exc})") from exc
+        if not isinstance(shape, list) or not all(type(d) is int for d in shape):  # not 1.5, true, 1e999
+            raise CodecError(f"field {field.name!r}: shape metadata must be a list of integers, got {shape!r}")
+        shape = tuple(shape)
         if any(d < 0 for d in shape):
             raise CodecError(f"field {field.name!r}: negative dimension in shape {shape}")
         if len(shape) > _MAX_RANK or math.prod(shape) > _MAX_ROW_VALUES:
@@ -383,6 +390,8 @@ def _decode_arrow(payload: bytes | memoryview | pa.Buffer) -> tuple[_Plan, dict[
         if array.null_count:
             raise CodecError(f"field {column.name!r}: null values are not allowed")
         values = array.flatten() if column.shape else array
+        if values.null_count:  # a fixed-size list's child values may hold nulls of their own
+            raise CodecError(f"field {column.name!r}: null values are not allowed")
         flat = values.to_numpy(zero_copy_only=True)
         if column.dtype == np.bool_:
             if flat.size and flat.max() > 1:
