@@ -26,13 +26,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from client.algos import ALGOS, Algo, add_common_options, build
-from client.learners.common import Progress
+from client.learners.common import Progress, write_summary
 from client.replay_client import ReplayClient
 
 
@@ -77,12 +78,18 @@ def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Itera
     finally:
         stop.set()
         deadline = time.monotonic() + 30
-        for _ in processes:  # drain the queue before joining: a child exits once its report is sent
+        pending = len(processes)
+        # Drain the queue before joining (a child exits once its report is sent); a child that died
+        # without reporting (a crash, Ctrl-C) ends the wait instead of the 30 s deadline.
+        while pending and time.monotonic() < deadline:
             try:
-                index, report = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                index, report = results.get(timeout=0.2)
             except queue.Empty:
-                break
+                if not any(process.is_alive() for process in processes) and results.empty():
+                    break
+                continue
             reports[index] = report
+            pending -= 1
         for process in processes:
             process.join(timeout=max(0.1, deadline - time.monotonic()))
             if process.is_alive():
@@ -137,8 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
     with local_server(instance) as address:
         learner_config = build(algo.learner_config, address=address, **args)
         actor_seconds = learner_config.seconds + 60
-        actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address, seed=i,
-                               actor_index=i) for i in range(args["actors"])]
+        # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
+        actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address,
+                               seed=1000 * i, actor_index=i) for i in range(args["actors"])]
         with actor_processes(algo.actor, actor_configs) as actor_reports:
             monitor = ReplayClient(address)
             bar = ProgressBar(algo, monitor, learner_config.buffer)
@@ -148,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
                 bar.close()
                 monitor.close()
     summary["actors"] = actor_reports
+    write_summary(Path(args["run_dir"]), summary)  # again, with the actors' reports
     brief = {k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps", "learner_steps")}
     print(json.dumps(brief))
     print(f"run folder: {args['run_dir']} ({', '.join(algo.outputs)})")

@@ -13,10 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from client import ReplayClient
+from client.demo import actor_processes
 from client.demo import main as demo_main
+from client.learners.common import evaluate_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,6 +38,7 @@ def test_demo_processes_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "learning_curve.png").stat().st_size > 1000
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["curve"] and saved["learner_steps"] == summary["learner_steps"]
+    assert saved["actors"] == summary["actors"]  # the run folder's summary has the actors' reports too
 
 
 def test_demo_learner_can_sample_shared_memory_directly(tmp_path: Path) -> None:
@@ -149,3 +153,26 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         for process in processes:
             process.wait(timeout=max(1.0, deadline - time.monotonic()))
+
+
+def _crashing_actor(config: object, stop: object) -> None:
+    raise RuntimeError("the actor crashed")
+
+
+def test_actor_processes_return_soon_when_actors_die_without_reporting() -> None:
+    started = time.monotonic()
+    with actor_processes(_crashing_actor, [None, None]) as reports:
+        pass
+    assert reports == [None, None]
+    assert time.monotonic() - started < 20  # not the 30 s wait for reports that never come
+
+
+def test_greedy_evaluation_runs_the_policy_on_its_device() -> None:
+    seen = []
+
+    def act(obs: torch.Tensor) -> torch.Tensor:
+        seen.append(obs.device)
+        return torch.zeros(len(obs), dtype=torch.int64)
+
+    evaluate_greedy(act, "CartPole-v1", 2, 0, device="meta")  # "meta" stands for a GPU here
+    assert seen and set(seen) == {torch.device("meta")}

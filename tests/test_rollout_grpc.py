@@ -61,6 +61,7 @@ def test_actors_push_learner_streams_minibatches(client: ReplayClient) -> None:
         np.testing.assert_allclose(batch["return"], returns.reshape(-1)[index], rtol=1e-6)
         np.testing.assert_array_equal(batch["obs"], full["obs"].reshape(-1, 3)[index])
     np.testing.assert_array_equal(seen, 2)  # every sample exactly once per epoch
+    assert client.describe("ppo")["counters"]["served_samples"] == 2 * T * N  # the status page's samples/s
 
 
 def test_stale_and_incomplete_rollouts_are_rejected(client: ReplayClient) -> None:

@@ -92,6 +92,7 @@ def run_ppo_actor(config: PPOActorConfig, stop: StopEvent | None = None) -> Acto
     model = ActorCritic(int(np.prod(obs_shape)), int(envs.single_action_space.n), config.hidden)
     rollout = Rollout(config.rollout_steps, config.num_envs, obs_shape)
     seed = 1000 * config.actor_index if config.seed is None else config.seed
+    torch.manual_seed(seed)  # action sampling: a seeded actor's run is reproducible
     obs = envs.reset(seed=seed)[0].astype(np.float32)
     report = ActorReport()
     stopped = stop_condition(config.seconds, stop)

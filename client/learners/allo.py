@@ -18,7 +18,15 @@ import torch
 
 from client.actors.allo import BUFFER, LAYOUT
 from client.gridworld import GridWorld, cosine_similarities
-from client.learners.common import CurvePlot, Progress, env_steps, finish_learner, start_learner, wait_for_steps
+from client.learners.common import (
+    CurvePlot,
+    Progress,
+    env_steps,
+    finish_learner,
+    save_figure,
+    start_learner,
+    wait_for_steps,
+)
 from client.loader import Loader
 from client.trainers.allo import AlloTrainer
 
@@ -117,5 +125,5 @@ def plot_eigenvectors(env: GridWorld, learned: np.ndarray, true: np.ndarray, cos
             axes[row, j].axis("off")
     figure.suptitle("Laplacian eigenvectors: true (top) vs learned (bottom)", fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path)
     plt.close(figure)

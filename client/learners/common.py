@@ -4,6 +4,7 @@ the run folder (summary.json and a learning curve)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -61,9 +62,10 @@ class Tracker:
 
 
 @torch.no_grad()
-def evaluate_greedy(act: Callable[[torch.Tensor], torch.Tensor], env_id: str, episodes: int, seed: int) -> float:
+def evaluate_greedy(act: Callable[[torch.Tensor], torch.Tensor], env_id: str, episodes: int, seed: int,
+                    device: torch.device | str = "cpu") -> float:
     """Mean undiscounted return of a deterministic policy over `episodes` episodes (episode i is reset
-    with seed + i); the episodes run side by side, one batched forward per step."""
+    with seed + i); the episodes run side by side, one batched forward per step on `device`."""
     import gymnasium as gym
 
     envs = [gym.make(env_id) for _ in range(episodes)]
@@ -71,7 +73,8 @@ def evaluate_greedy(act: Callable[[torch.Tensor], torch.Tensor], env_id: str, ep
     returns = np.zeros(episodes)
     active = list(range(episodes))
     while active:
-        actions = act(torch.as_tensor(np.stack([obs[i] for i in active]), dtype=torch.float32)).tolist()
+        batch = torch.as_tensor(np.stack([obs[i] for i in active]), dtype=torch.float32, device=device)
+        actions = act(batch).tolist()
         still = []
         for i, action in zip(active, actions, strict=True):
             obs[i], reward, terminated, truncated, _ = envs[i].step(int(action))
@@ -106,7 +109,7 @@ def write_run(run_dir: Path, summary: dict, plot: CurvePlot) -> None:
     import matplotlib.pyplot as plt
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_summary(run_dir, summary)
     curve = summary["curve"]
     figure, axis = plt.subplots(figsize=(6, 4))
     axis.plot([p[plot.x] for p in curve], [p[plot.y] for p in curve], marker="o")
@@ -117,8 +120,24 @@ def write_run(run_dir: Path, summary: dict, plot: CurvePlot) -> None:
     axis.set_ylabel(plot.ylabel)
     axis.set_title(plot.title)
     figure.tight_layout()
-    figure.savefig(run_dir / "learning_curve.png", dpi=100)
+    save_figure(figure, run_dir / "learning_curve.png")
     plt.close(figure)
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    _replace_atomically(run_dir / "summary.json", lambda file: file.write(json.dumps(summary, indent=2).encode()))
+
+
+def save_figure(figure: Any, path: Path) -> None:
+    _replace_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
+
+
+def _replace_atomically(path: Path, write: Callable[[Any], object]) -> None:
+    """A run folder never holds a half-written file, whenever the run is interrupted."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as file:
+        write(file)
+    os.replace(tmp, path)
 
 
 def start_learner(config: Any, score_key: str, report: Callable[[Progress], None]) -> tuple[Tracker, ReplayClient]:

@@ -71,7 +71,7 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
         nonlocal solved
         steps_so_far = env_steps(client.describe(config.buffer))
         score = evaluate_greedy(lambda obs: trainer.online(obs).argmax(1), config.env_id, config.eval_episodes,
-                                config.seed)
+                                config.seed, trainer.device)
         tracker.record(score, steps_so_far)
         solved = score >= config.target_return
 

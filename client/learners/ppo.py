@@ -71,7 +71,7 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
     def evaluate() -> None:
         nonlocal solved
         score = evaluate_greedy(lambda obs: trainer.model.actor(obs).argmax(1), config.env_id,
-                                config.eval_episodes, config.seed)
+                                config.eval_episodes, config.seed, trainer.device)
         tracker.record(score, rollouts * config.rollout_steps * slots, policy_version=version)
         solved = score >= config.target_return
 

@@ -162,6 +162,7 @@ class RolloutBuffer:
             "stale_pushes": 0,
             "rejected_pushes": 0,
             "minibatches_served": 0,
+            "served_samples": 0,  # rows of the minibatches served (the status page's samples/s)
             "rollouts_finished": 0,
             "gae_computations": 0,
         }
@@ -396,6 +397,7 @@ class RolloutBuffer:
                         )
                     batch = {name: np.take(a, index, axis=0) for name, a in flat.items()}
                     self.counters["minibatches_served"] += 1
+                    self.counters["served_samples"] += len(index)
                 if normalize:
                     batch["advantage"] = _normalize(batch["advantage"])
                 yield batch

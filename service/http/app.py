@@ -121,7 +121,7 @@ def buffer_stats(registry: BufferRegistry) -> list[dict]:
             "episodes": episodes,
             "rate_limited": rate_limited,
             "inserted_steps": int(counters.get("inserted_rows", counters.get("pushed_steps", 0))),
-            "sampled_items": int(counters.get("sampled_items", 0)),
+            "sampled_items": int(counters.get("sampled_items", counters.get("served_samples", 0))),
             "counters": {k: float(v) for k, v in counters.items()},
         })
     return stats
@@ -148,7 +148,7 @@ class BufferCollector:
         episodes = gauge("buffer_episodes", "Complete episodes stored; open ones are not counted (episodic buffers)")
         inserted = counter("buffer_inserted_steps", "Steps inserted (rows; pushed steps for rollout buffers)")
         inserted_episodes = counter("buffer_inserted_episodes", "Episodes completed by inserts (episodic buffers)")
-        sampled = counter("buffer_sampled_items", "Items sampled (batch rows, episodic buffers)")
+        sampled = counter("buffer_sampled_items", "Items sampled (batch rows; minibatch rows for rollout buffers)")
         sampled_batches = counter("buffer_sampled_batches", "Batches sampled (episodic buffers)")
         waits = counter("rate_limiter_waits", "Calls the rate limiter held back, once their wait ended", "side")
         wait_seconds = counter("rate_limiter_wait_seconds", "Seconds calls spent held back by the rate limiter",
