@@ -97,6 +97,10 @@ def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
 # Requests above this are split (see split_spans): messages of a few MB keep both ends' copies in reused
 # heap memory and pipeline over the stream; a whole Atari episode (28-56 MB) in one message measured 2-4x slower.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+# gRPC reconnects after 1 s, then up to 120 s apart: a client opened before its server listens (or
+# across a server restart) would wait seconds for a server that is up. 0.1 s, at most 1 s apart, instead.
+_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+              ("grpc.max_reconnect_backoff_ms", 1000)]
 _FRAMING_ROOM = 64 * 2**10  # Arrow schema, span metadata and protobuf framing around a request's rows
 
 
@@ -237,7 +241,7 @@ class ReplayClient:
         self.max_request_bytes = max(1, min(max_request_bytes, (max_message_bytes - _FRAMING_ROOM) // 2))
         self.timeout = timeout
         self.retries = retries
-        self._options = channel_options(max_message_bytes)
+        self._options = channel_options(max_message_bytes) + _RECONNECT
         self._root_certificates = root_certificates
         self._token = os.environ.get("REPLAYD_TOKEN", "") if token is None else token
         self._channel = self._open_channel(address)

@@ -202,14 +202,14 @@ def insert(buffer: EpisodicBuffer, ids: list[int], length: int, width: int = 3) 
 
 
 def test_sampling_is_served_while_a_checkpoint_is_written(tmp_path: Path) -> None:
-    fields = (Field("obs", "float32", (256,), True), Field("action", "int64", (), False),
+    fields = (Field("obs", "float32", (64,), True), Field("action", "int64", (), False),
               Field("reward", "float32", (), False))
     registry = BufferRegistry(new_instance())
     try:
         buffer = EpisodicBuffer("big", registry.instance, fields, 40_000)
         registry.add("big", buffer)
         for start in range(0, 200, 50):
-            insert(buffer, list(range(start + 1, start + 51)), 99, width=256)  # 20,000 rows, 20 MB
+            insert(buffer, list(range(start + 1, start + 51)), 99, width=64)  # 20,000 rows, 5 MB
         episodes = buffer.episodes
         sampled = threading.Event()
         stop = threading.Event()
@@ -229,16 +229,16 @@ def test_sampling_is_served_while_a_checkpoint_is_written(tmp_path: Path) -> Non
             sampled.clear()
             waited.append(sampled.wait(timeout=10))
             if len(waited) == 1:
-                insert(buffer, [1000], 5, width=256)
+                insert(buffer, [1000], 5, width=64)
 
         sampler = threading.Thread(target=sample)
         sampler.start()
         try:
-            manifest = write_checkpoint(registry, tmp_path, chunk_bytes=2**20, on_chunk=on_chunk)
+            manifest = write_checkpoint(registry, tmp_path, chunk_bytes=2**18, on_chunk=on_chunk)
         finally:
             stop.set()
             sampler.join()
-        assert len(waited) >= 15 and all(waited), waited  # ~1 MB chunks of 40 MB of rows
+        assert len(waited) >= 15 and all(waited), waited  # 256 kB chunks of 5 MB of rows (fits a 64 MB /dev/shm)
         entry = json.loads(manifest.read_text())["buffers"][0]
         assert entry["snapshot_attempts"] == 1
         other = BufferRegistry(new_instance())

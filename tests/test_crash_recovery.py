@@ -161,7 +161,8 @@ def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
     try:
         with ReplayClient(address, timeout=30) as client:
             client.wait_ready(timeout=60)
-            client.create_buffer("fault", 2_000_000, {"obs": ("float64", (2,)), "reward": ("float32", ())})
+            # 500k rows, about 25 MB: fits Docker's 64 MB /dev/shm and is never evicted here
+            client.create_buffer("fault", 500_000, {"obs": ("float64", (2,)), "reward": ("float32", ())})
         actors = [threading.Thread(target=actor, args=(i,)) for i in range(3)]
         for thread in actors:
             thread.start()

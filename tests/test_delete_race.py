@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -92,7 +93,9 @@ def test_close_wakes_a_waiting_sampler_with_not_found() -> None:
 
     thread = threading.Thread(target=wait_for_data)
     thread.start()
+    deadline = time.monotonic() + 30
     while not buffer.inserted._waiters:  # the sampler is waiting on the condition (no sleep: a busy poll)
+        assert thread.is_alive() and time.monotonic() < deadline, errors
         thread.join(timeout=0.001)
     buffer.close()
     thread.join(timeout=10)

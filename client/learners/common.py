@@ -33,11 +33,17 @@ class Tracker:
     """Times a run against its budget and records curve points (each one reported)."""
 
     def __init__(self, seconds: float, score_key: str, report: Callable[[Progress], None]) -> None:
-        self.started = time.monotonic()
-        self.deadline = self.started + seconds
+        self.budget = seconds
         self.score_key = score_key
         self.report = report
         self.progress = Progress()
+        self.start_clock()
+
+    def start_clock(self) -> None:
+        """(Re)starts the budget. Learners call it once the first data is there: the server and the actors
+        coming up do not eat the training time (they wait up to STARTUP_SECONDS instead)."""
+        self.started = time.monotonic()
+        self.deadline = self.started + self.budget
         self._window_start, self._window_steps = self.started, 0
 
     def stepped(self, steps: int = 1) -> None:
@@ -85,10 +91,13 @@ def evaluate_greedy(act: Callable[[torch.Tensor], torch.Tensor], env_id: str, ep
     return float(returns.mean())
 
 
-def wait_for_steps(client: ReplayClient, buffer: str, steps: int, deadline: float) -> None:
-    """Polls until `buffer` holds `steps` sampleable steps (TimeoutError at the deadline)."""
-    wait_until(lambda: client.describe(buffer)["sampleable_steps"] >= steps, deadline,
-               f"buffer {buffer!r} reaching {steps} sampleable steps", delay=0.05, max_delay=0.5)
+STARTUP_SECONDS = 120.0  # how long a learner waits for the actors' first data, outside its budget
+
+
+def wait_for_steps(client: ReplayClient, buffer: str, steps: int) -> None:
+    """Polls until `buffer` holds `steps` sampleable steps (TimeoutError after STARTUP_SECONDS)."""
+    wait_until(lambda: client.describe(buffer)["sampleable_steps"] >= steps, time.monotonic() + STARTUP_SECONDS,
+               f"buffer {buffer!r} reaching {steps} sampleable steps", delay=0.02, max_delay=0.25)
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,7 @@ def _replace_atomically(path: Path, write: Callable[[Any], object]) -> None:
 
 
 def start_learner(config: Any, score_key: str, report: Callable[[Progress], None]) -> tuple[Tracker, ReplayClient]:
-    """Seeds torch, starts the clock on `config.seconds`, connects to `config.address`."""
+    """Seeds torch, makes the `config.seconds` tracker, connects to `config.address`."""
     torch.manual_seed(config.seed)
     tracker = Tracker(config.seconds, score_key, report)
     client = ReplayClient(config.address, timeout=30)

@@ -55,7 +55,8 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
                          target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device)
     version = 1
     client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
-    wait_for_steps(client, config.buffer, config.learning_starts, tracker.deadline)
+    wait_for_steps(client, config.buffer, config.learning_starts)
+    tracker.start_clock()  # the budget is training time
 
     if config.local:
         reader = LocalReader(client, config.buffer)

@@ -9,13 +9,21 @@ weights v + 1 always finds the buffer accepting v + 1. Evaluates the determinist
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from client.actors.ppo import BUFFER, ENVS_PER_ACTOR, HIDDEN, ROLLOUT_STEPS, WEIGHTS
-from client.learners.common import CurvePlot, Progress, evaluate_greedy, finish_learner, start_learner
+from client.learners.common import (
+    STARTUP_SECONDS,
+    CurvePlot,
+    Progress,
+    evaluate_greedy,
+    finish_learner,
+    start_learner,
+)
 from client.loader import Loader
 from client.params import module_to_bytes
 from client.polling import wait_until
@@ -75,6 +83,10 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
         tracker.record(score, rollouts * config.rollout_steps * slots, policy_version=version)
         solved = score >= config.target_return
 
+    # The first rollout: the actors coming up do not eat the budget (the clock starts once it is complete).
+    wait_until(lambda: client.describe(config.buffer)["rollout_complete"], time.monotonic() + STARTUP_SECONDS,
+               "the actors' first rollout", delay=0.001, max_delay=0.02)
+    tracker.start_clock()
     while not (solved or tracker.out_of_time()):
         try:
             wait_until(lambda: client.describe(config.buffer)["rollout_complete"], tracker.deadline,
