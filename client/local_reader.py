@@ -8,7 +8,6 @@ server stays the single writer; a batch that raced with an eviction is drawn aga
 from __future__ import annotations
 
 import math
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -24,13 +23,9 @@ from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
 from service.samplers.states import StatesMode
 from service.samplers.transitions import TransitionsMode
-from service.storage.shared_arrays import segment_exists
+from service.storage.shared_arrays import segment_exists, segment_identity
 
 CHECK_EVERY = 0.05  # seconds between checks that the buffer still exists on the server
-
-
-def _segment_path(name: str) -> str:
-    return f"/dev/shm/{name}"  # where POSIX shared memory lives on Linux
 
 
 def batch_mode(mode: str, n_step: int = 1, gamma: float = 0.99, discount: float | None = None) -> BatchMode:
@@ -61,8 +56,8 @@ class LocalReader:
                 "container or IPC namespace?); sample it over gRPC"
             )
         self.buffer = buffer
-        self._segment = _segment_path(info["shm_name"])
-        self._inode = os.stat(self._segment).st_ino  # before attaching: a segment replaced later differs
+        self._segment = info["shm_name"]
+        self._identity = segment_identity(self._segment)  # before attaching: a segment replaced later differs
         self.ring = EpisodicRing.attach(info["shm_name"])
         self.torn_redraws = 0
         self._rng = np.random.default_rng()
@@ -84,11 +79,7 @@ class LocalReader:
         if now - self._checked < CHECK_EVERY:
             return
         self._checked = now
-        try:
-            current = os.stat(self._segment).st_ino == self._inode
-        except FileNotFoundError:
-            current = False
-        if not current:
+        if segment_identity(self._segment) != self._identity:
             raise NotFound(f"buffer {self.buffer!r} was deleted or re-created on the server since this reader "
                            "attached; attach a new LocalReader")
 

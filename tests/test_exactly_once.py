@@ -191,21 +191,27 @@ class _Unavailable(grpc.RpcError):
         return "injected: the response was lost"
 
 
-class _LoseFirstResponses(grpc.StreamUnaryClientInterceptor):
-    """Lets the first `count` insert calls reach the server and complete, then reports UNAVAILABLE."""
+class _LoseFirstResponses(grpc.StreamUnaryClientInterceptor, grpc.UnaryUnaryClientInterceptor):
+    """Lets the first `count` calls (inserts or samples) reach the server and complete, then reports
+    UNAVAILABLE."""
 
     def __init__(self, count: int) -> None:
         self.remaining = count
         self.calls = 0
 
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+    def _lose(self, outcome):
         self.calls += 1
-        outcome = continuation(client_call_details, request_iterator)
-        outcome.result()  # the server applied the stream
+        outcome.result()  # the server applied the call
         if self.remaining:
             self.remaining -= 1
             raise _Unavailable()
         return outcome
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return self._lose(continuation(client_call_details, request_iterator))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return self._lose(continuation(client_call_details, request))
 
 
 def _with_interceptor(client: ReplayClient, interceptor: grpc.StreamUnaryClientInterceptor) -> None:
@@ -285,23 +291,6 @@ def test_refused_request_with_a_retried_span_counts_nothing_and_names_the_span_a
         buffer.close()
 
 
-class _LoseFirstSampleResponses(grpc.UnaryUnaryClientInterceptor):
-    """Lets the first `count` Sample calls complete on the server, then reports UNAVAILABLE."""
-
-    def __init__(self, count: int) -> None:
-        self.remaining = count
-        self.calls = 0
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        self.calls += 1
-        outcome = continuation(client_call_details, request)
-        outcome.result()
-        if self.remaining:
-            self.remaining -= 1
-            raise _Unavailable()
-        return outcome
-
-
 @pytest.mark.parametrize("remover, retried", [("fifo", True), ("max_times_sampled", False)])
 def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClient, remover: str,
                                                              retried: bool) -> None:
@@ -309,7 +298,7 @@ def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClien
     rng = np.random.default_rng(9)
     client.create_buffer("s", 1000, SCHEMA, remover=remover, max_times_sampled=1 if remover != "fifo" else 0)
     client.insert_episodes("s", [episode(rng, 100)], [True])
-    faults = _LoseFirstSampleResponses(1)
+    faults = _LoseFirstResponses(1)
     client.use_sample_workers = False
     client._server_sampling = _SamplingCalls.on(grpc.intercept_channel(client._channel, faults))
     if retried:

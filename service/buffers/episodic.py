@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.buffers.lifetime import Lifetime
+from service.buffers.lifetime import Lifetime, LiveBuffer
 from service.buffers.ring import (
     ALIVE,
     EPISODES,
@@ -110,7 +110,7 @@ class _Op:
     head_after: int = 0
 
 
-class EpisodicBuffer(EpisodicRing):
+class EpisodicBuffer(EpisodicRing, LiveBuffer):
     """The writer of one episodic ring: creates its shared memory, inserts, evicts, samples under a lock."""
 
     def __init__(
@@ -792,16 +792,8 @@ class EpisodicBuffer(EpisodicRing):
             return self.sampler.update_priorities(self, keys, priorities)
 
     # ------------------------------------------------------------------ lifetime
-    def live(self) -> Lifetime:
-        """`with buffer.live():` holds the lock of a buffer that is not deleted (service/buffers/lifetime.py).
-        Code that waits on `inserted` inside calls `check_live()` after."""
-        return self.lifetime
-
-    @property
-    def closed(self) -> bool:
-        return self.lifetime.closed
-
     def check_live(self) -> None:
+        """For code that waited on `inserted` inside `with self.live():` (the wait released the lock)."""
         self.lifetime.check()
 
     def close(self, unlink: bool = True) -> None:

@@ -42,3 +42,17 @@ class Lifetime:
                 return
             self.closed = True
             release()
+
+
+class LiveBuffer:
+    """What both buffer kinds expose of their Lifetime."""
+
+    lifetime: Lifetime
+
+    def live(self) -> Lifetime:
+        """`with buffer.live():` holds the lock of a buffer that is not deleted."""
+        return self.lifetime
+
+    @property
+    def closed(self) -> bool:
+        return self.lifetime.closed

@@ -162,7 +162,8 @@ class EpisodicRing:
 
     def gather(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
                importance_beta: float = 0.0) -> tuple[Draw, dict[str, np.ndarray]]:
-        """(draw, batch): indices from the sampler, columns from the mode (the caller ensures consistency)."""
+        """(draw, batch): indices from the sampler, columns from the mode. The callers (sample, sample_shared)
+        ensure consistency and have the mode check the ring."""
         draw = self.draw(batch_size, rng, importance_beta)
         batch = mode.build(self, draw, rng)
         if include_keys:
@@ -175,6 +176,7 @@ class EpisodicRing:
     def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
                       importance_beta: float = 0.0) -> tuple[dict[str, np.ndarray], int]:
         """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn)."""
+        mode.check(self)
         for torn in range(MAX_TORN_DRAWS):
             draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)
             # Every position drawn was a step and is still live: the batch was read whole. (A prioritized

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from service.buffers.lifetime import Lifetime
+from service.buffers.lifetime import Lifetime, LiveBuffer
 from service.errors import FailedPrecondition, InvalidArgument
 from service.gae import GaeWorkspace, compute_gae
 from service.schema import MAX_FIELDS, check_field_name, check_shape
@@ -139,7 +139,7 @@ def _describe_missing(filled: np.ndarray, limit: int = 4) -> str:
     return "; ".join(parts)
 
 
-class RolloutBuffer:
+class RolloutBuffer(LiveBuffer):
     """A (T, N) rollout in shared memory with GAE advantages and returns computed in place."""
 
     def __init__(self, shared: SharedArrays, config: RolloutConfig, policy_version: int) -> None:
@@ -431,14 +431,6 @@ class RolloutBuffer:
                 "missing_ranges": missing_ranges(self._filled)[:16],
                 "counters": dict(self.counters),
             }
-
-    def live(self) -> Lifetime:
-        """`with buffer.live():` holds the lock of a buffer that is not deleted (service/buffers/lifetime.py)."""
-        return self.lifetime
-
-    @property
-    def closed(self) -> bool:
-        return self.lifetime.closed
 
     def close(self, unlink: bool = True) -> None:
         """Waits for the call holding the lock (a push, a minibatch gather) and unmaps the arrays."""

@@ -40,7 +40,6 @@ class TransitionsMode:
             raise InvalidArgument("transitions.n_step > 1 needs a reward field; the buffer has none")
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        self.check(ring)
         columns, rows = ring.columns, draw.rows
         reward = _NO_REWARD if ring.reward_field is None else columns[ring.reward_field]
         targets = kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,

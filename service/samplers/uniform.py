@@ -55,18 +55,15 @@ class UniformSampler:
         # observations and holes are dropped. One oversampled round almost always yields enough; a
         # second round tops up.
         candidates_per_step = 1.0625 * (high - low) / max(sampleable, 1)  # <= 17: dense enough
-        located_parts, closed_parts = [], []
+        parts = []  # (located (3, k): positions, rows, bounds; closed (k,)) per round
         needed = batch_size
         for _ in range(_MAX_ROUNDS):
-            located, closed = kernels.draw_uniform(rng.random(int(needed * candidates_per_step) + 8), low, high,
-                                                   needed, *ring.bound_tables)  # (3, k): positions, rows, bounds
-            needed -= closed.size
-            if located_parts or needed:
-                located_parts.append(located)
-                closed_parts.append(closed)
+            parts.append(kernels.draw_uniform(rng.random(int(needed * candidates_per_step) + 8), low, high,
+                                              needed, *ring.bound_tables))
+            needed -= parts[-1][1].size
             if not needed:
-                if located_parts:
-                    located, closed = np.concatenate(located_parts, axis=1), np.concatenate(closed_parts)
+                located, closed = parts[0] if len(parts) == 1 else (
+                    np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts]))
                 return Draw(located[0], located[1], located[2], closed)
         raise FailedPrecondition(
             f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "

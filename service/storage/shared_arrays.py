@@ -45,10 +45,13 @@ def _untracked(segment: shared_memory.SharedMemory) -> shared_memory.SharedMemor
     return segment
 
 
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments as files
+
+
 def shm_free_bytes() -> int | None:
     """Free space of the tmpfs behind POSIX shared memory (None where there is no /dev/shm)."""
     try:
-        stats = os.statvfs("/dev/shm")
+        stats = os.statvfs(SHM_DIR)
     except OSError:
         return None
     return stats.f_bavail * stats.f_frsize
@@ -82,7 +85,7 @@ def _taken(name: str) -> FailedPrecondition:
 def segments(prefix: str = "rpd_") -> list[str]:
     """Names of the POSIX shared-memory segments starting with `prefix` (header and data segments)."""
     try:
-        return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
+        return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
     except FileNotFoundError:
         return []
 
@@ -92,6 +95,15 @@ def remove_segment(name: str) -> None:
         _posixshmem.shm_unlink("/" + name)  # type: ignore[attr-defined]
     except FileNotFoundError:
         pass
+
+
+def segment_identity(name: str) -> int | None:
+    """The inode of segment `name` (None if there is none): a segment deleted and created again under the
+    same name has another, while a mapping of the old one still reads fine."""
+    try:
+        return os.stat(os.path.join(SHM_DIR, name)).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def segment_exists(name: str) -> bool:
