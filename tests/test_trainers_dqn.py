@@ -309,6 +309,29 @@ def test_qnetwork_param_cache_follows_conversions_and_copies():
     torch.testing.assert_close(clone(x), net(x))
 
 
+def test_transposed_layers_follow_updates_and_storage_swaps():
+    """The hand-written pass reads W^T views; they must never go stale (a stale view = wrong loss)."""
+    net = QNetwork(OBS_DIM, N_ACTIONS)
+    x = torch.randn(5, OBS_DIM)
+
+    def forward_from_views() -> torch.Tensor:
+        h = x.to(net.layers[0].weight.dtype)
+        *hidden, (w_t, b) = net.transposed_layers()
+        for hw_t, hb in hidden:
+            h = torch.addmm(hb, h, hw_t).relu_()
+        return torch.addmm(b, h, w_t)
+
+    with torch.no_grad():
+        torch.testing.assert_close(forward_from_views(), net(x))
+        net.layers[1].weight.mul_(-2.0)  # in place, as the optimizer does
+        torch.testing.assert_close(forward_from_views(), net(x))
+        net.layers[1].weight.data = torch.randn_like(net.layers[1].weight)  # new storage
+        torch.testing.assert_close(forward_from_views(), net(x))
+        net.double()
+        assert forward_from_views().dtype == torch.float64
+        torch.testing.assert_close(forward_from_views(), net(x))
+
+
 @pytest.mark.parametrize("manual", [False, True])
 @pytest.mark.parametrize("loss_type", ["mse", "huber"])
 def test_float64_networks_take_the_servers_float32_fields(manual, loss_type):
