@@ -40,6 +40,13 @@ def instance_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def worker_count(text: str) -> int:
+    count = int(text)
+    if count < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 worker threads, got {count}")
+    return count
+
+
 def report_stale_segments(instance: str | None, remove: bool) -> None:
     """Segments named after this instance that exist before it starts were left by a server that died."""
     if instance is None:
@@ -80,6 +87,7 @@ def serve(args: argparse.Namespace) -> None:
                           max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
                           token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
                           max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers, recover=args.recover,
+                          max_workers=args.max_workers,
                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                           checkpoint_keep=args.checkpoint_keep or None, restore_from=args.restore)
     # Before start: a SIGTERM during a long restore (docker stop) must end in stop(), which unlinks.
@@ -119,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--sample-workers", type=int, default=0,
                               help="extra processes serving Sample/SampleStream from the shared memory "
                                    "(sampling then scales with cores; inserts stay with this process)")
+    serve_parser.add_argument("--max-workers", type=worker_count, default=32,
+                              help="gRPC worker threads: one per call in progress (an open stream holds one); "
+                                   "calls blocked on a rate limiter or waiting for data may take at most 3/4 of "
+                                   "them, further ones get UNAVAILABLE (retried by clients)")
     serve_parser.add_argument("--http-port", type=int, default=8080,
                               help="health, /metrics and the status page; 0 picks a free port, -1 turns it off")
     serve_parser.add_argument("--max-buffer-gb", type=float, default=None,

@@ -23,3 +23,7 @@ class ResourceExhausted(ReplayError):
 
 class DeadlineExceeded(ReplayError):
     pass
+
+
+class Unavailable(ReplayError):
+    """The server cannot take the call now; the same call may succeed later (clients retry it)."""

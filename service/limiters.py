@@ -25,16 +25,53 @@ and, with a limiter, after every sample.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
+
+
+class WaitSeats:
+    """Caps how many calls may be blocked at once across one server's buffers (rate-limiter holds,
+    samples waiting for data).
+
+    Each blocked call holds one of the gRPC server's worker threads. Were they all blocked (say, more
+    actors held back by a rate limiter than the server has workers), the sample that would release
+    them could never be served. A call that would have to wait while every seat is taken fails at once
+    with UNAVAILABLE instead, which clients retry with backoff. `seats=None`: no cap (in-process use).
+    """
+
+    def __init__(self, seats: int | None = None) -> None:
+        if seats is not None and seats < 1:
+            raise ValueError(f"seats: expected >= 1 or None, got {seats}")
+        self.seats = seats
+        self.taken = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def seat(self, what: str) -> Iterator[None]:
+        """Holds a seat while the caller waits; `what` names the call in the error."""
+        with self._lock:
+            if self.seats is not None and self.taken >= self.seats:
+                raise Unavailable(
+                    f"{what}: the server is busy: {self.taken} calls already wait (on rate limiters or for data), "
+                    f"the most it lets wait so that worker threads stay free to serve the calls that release "
+                    f"them; retry later (the client retries UNAVAILABLE with backoff)"
+                )
+            self.taken += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.taken -= 1
 
 
 class RateLimiter:
@@ -127,11 +164,12 @@ class RateLimiter:
         if ready():
             return True
         start = time.monotonic()
-        self._waiting(side, 1)
-        try:
-            ok = ring.inserted.wait_for(lambda: ring.closed or ready(), timeout=timeout)  # closed: caller raises
-        finally:
-            self._waiting(side, -1)  # wait_for returns (or raises) with ring.lock held again
+        with ring.wait_seats.seat(f"{side} on buffer {ring.name!r} (held back by its rate limiter)"):
+            self._waiting(side, 1)
+            try:
+                ok = ring.inserted.wait_for(lambda: ring.closed or ready(), timeout=timeout)  # closed: caller raises
+            finally:
+                self._waiting(side, -1)  # wait_for returns (or raises) with ring.lock held again
         waited = time.monotonic() - start
         if side == "insert":
             self.insert_waits += 1

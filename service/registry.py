@@ -7,13 +7,17 @@ import threading
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.rollout import RolloutBuffer
 from service.errors import FailedPrecondition, InvalidArgument, NotFound
+from service.limiters import WaitSeats
 
 Buffer = EpisodicBuffer | RolloutBuffer
 
 
 class BufferRegistry:
-    def __init__(self, instance: str) -> None:
+    """A server's buffers by name. `wait_seats` caps the calls that may block at once across them all."""
+
+    def __init__(self, instance: str, wait_seats: WaitSeats | None = None) -> None:
         self.instance = instance
+        self.wait_seats = wait_seats or WaitSeats()
         self._buffers: dict[str, Buffer] = {}
         self._lock = threading.Lock()
 
@@ -23,6 +27,8 @@ class BufferRegistry:
                 buffer.close(unlink=True)
                 raise FailedPrecondition(f"buffer {name!r} already exists")
             self._buffers[name] = buffer
+            if isinstance(buffer, EpisodicBuffer):  # rollout buffers never block a call
+                buffer.wait_seats = self.wait_seats
 
     def reserve_check(self, name: str) -> None:
         """Fails fast before allocating shared memory for a name that is taken."""

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
+import grpc
 import numpy as np
 import pytest
 
+from client import ReplayClient
+from client.replay_client import episode_span, spans_requests
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from service.limiters import RateLimiter
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from service.grpc_server.server import ReplayServer
+from service.limiters import RateLimiter, WaitSeats
 from service.samplers.states import StatesMode
+from tests.conftest import TEST_INSTANCE
 from tests.test_episodic_buffer import FIELDS, make_rows
 
 
@@ -103,3 +109,84 @@ def test_config_is_validated() -> None:
         RateLimiter(1, samples_per_insert=4.0, error_buffer=1.0)
     with pytest.raises(InvalidArgument, match="samples_per_insert"):
         RateLimiter(1, samples_per_insert=-1.0)
+
+
+def test_blocked_calls_never_take_every_server_worker() -> None:
+    """More inserts held back by a rate limiter than the server has spare workers: the extra one fails at
+    once with UNAVAILABLE, and a sample is still served (it releases the held inserts, which then land).
+    Without the cap, the held inserts took every worker and the sample could only queue behind them."""
+    schema = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+
+    def episode(steps: int = 5) -> dict[str, np.ndarray]:
+        return {"obs": np.zeros((steps + 1, 4), np.float32), "action": np.zeros(steps, np.int64),
+                "reward": np.ones(steps, np.float32)}
+
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}seats", max_workers=4).start()
+    held: list[threading.Thread] = []
+    failures: list[BaseException] = []
+    try:
+        assert server.registry.wait_seats.seats == 3  # 4 workers, one kept free
+        with ReplayClient(server.address, timeout=30) as client:
+            # diff = inserted - sampled items; an insert waits while diff + 1 > max_diff = 1 + 5, so after
+            # two 5-step episodes (diff 10) every further one waits until samples bring diff down to 5.
+            client.create_buffer("rl", 1000, schema,
+                                 rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
+            client.insert_episode("rl", True, **episode())
+            client.insert_episode("rl", True, **episode())
+
+            def insert_held() -> None:
+                try:
+                    client.insert_episode("rl", True, **episode())
+                except BaseException as exc:  # reported by the assertions below
+                    failures.append(exc)
+
+            held = [threading.Thread(target=insert_held) for _ in range(3)]
+            for thread in held:
+                thread.start()
+            deadline = time.monotonic() + 20
+            while client.describe("rl")["counters"]["rate_limiter.insert_waiting"] < 3:
+                assert time.monotonic() < deadline and not failures, failures
+                time.sleep(0.01)
+
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                client.insert(spans_requests("rl", [episode_span(episode(), True, ("obs",))], 2**20),
+                              timeout=10, retry=False)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "server is busy" in refused.value.details() and "'rl'" in refused.value.details()
+            assert time.monotonic() - started < 5  # refused at once, not after waiting
+
+            # The worker kept free serves samples; they let the held inserts through one by one.
+            deadline = time.monotonic() + 20
+            while any(thread.is_alive() for thread in held):
+                assert time.monotonic() < deadline and not failures, failures
+                client.sample("rl", 4, wait=True, timeout=5)
+            assert not failures, failures
+            assert client.describe("rl")["counters"]["inserted_episodes"] == 5
+        assert server.registry.wait_seats.taken == 0
+    finally:
+        for thread in held:
+            thread.join(timeout=30)
+        server.stop(grace=0)
+
+
+def test_samples_waiting_for_data_take_seats_too() -> None:
+    buffer = EpisodicBuffer("empty", f"test{os.getpid()}", FIELDS, 1000)
+    buffer.wait_seats = WaitSeats(1)
+    result: dict[str, np.ndarray] = {}
+    waiting = threading.Thread(target=lambda: result.update(buffer.sample(2, StatesMode(), wait_seconds=20)))
+    try:
+        waiting.start()
+        deadline = time.monotonic() + 20
+        while buffer.wait_seats.taken < 1:
+            assert time.monotonic() < deadline and waiting.is_alive()
+            time.sleep(0.01)
+        with pytest.raises(Unavailable, match="sample of buffer 'empty' \\(waiting for data\\): the server is busy"):
+            buffer.sample(2, StatesMode(), wait_seconds=20)
+        insert_episode(buffer, 5, 0)
+        waiting.join(timeout=20)
+        assert len(result["obs"]) == 2 and buffer.wait_seats.taken == 0
+        assert len(buffer.sample(2, StatesMode(), wait_seconds=20)["obs"]) == 2  # data there: no seat needed
+    finally:
+        waiting.join(timeout=20)
+        buffer.close()

@@ -16,6 +16,7 @@ from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.grpc_server.sample_workers import SampleWorkers
 from service.grpc_server.servicer import ReplayServicer, lenient
+from service.limiters import WaitSeats
 from service.recovery import recover_instance
 from service.registry import BufferRegistry
 from service.schema import check_instance_name
@@ -99,7 +100,11 @@ class ReplayServer:
         self._stop_checkpoints = threading.Event()
         self._checkpoint_thread: threading.Thread | None = None
         self.instance = check_instance_name(instance or secrets.token_hex(4))
-        self.registry = BufferRegistry(self.instance)
+        if max_workers < 2:
+            raise ValueError(f"max_workers: expected >= 2, got {max_workers}")
+        # Calls blocked on a rate limiter or waiting for data may take at most this many of the workers;
+        # the rest stay free for the samples and inserts that release them.
+        self.registry = BufferRegistry(self.instance, WaitSeats(max_workers - max(1, max_workers // 4)))
         self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
         self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,
                                        metrics=self.metrics)

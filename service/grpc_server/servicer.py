@@ -49,6 +49,7 @@ STATUS = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 
