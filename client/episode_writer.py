@@ -15,7 +15,8 @@ class EpisodeWriter:
 
     `append(obs=..., action=..., reward=...)` once per step (the observation the action was taken in),
     then `end_episode(terminated, obs=final_obs)`. Completed episodes wait until `batch_rows` rows are
-    pending (or `flush()`); an open episode is sent as a chunk every `chunk_rows` rows.
+    pending (or `flush()`); an open episode is sent as a chunk every `chunk_rows` rows. `close()` (or
+    leaving a `with EpisodeWriter(...) as writer:` block without an exception) sends what is left.
     """
 
     def __init__(self, client: ReplayClient, buffer: str, chunk_rows: int = 1000, batch_rows: int = 4096,
@@ -37,8 +38,34 @@ class EpisodeWriter:
         self._pending_rows = 0
         self._step_template: dict[str, np.ndarray] | None = None
         self.episodes_written = 0
+        self.closed = False
+
+    def __enter__(self) -> EpisodeWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # sending now could only hide the error that ended the block
+            self.closed = True
+
+    def close(self) -> None:
+        """Sends every pending span and, when an episode is open, its unsent steps as one more chunk (all
+        but its last step become sampleable; the episode stays open in the buffer). Then refuses writes."""
+        if self.closed:
+            return
+        if len(self._steps) >= 2 or (self._steps and self._rows_sent):
+            self._pending_rows += len(self._steps)
+            self._pending.append(self._chunk(ends=False, terminated=False))
+        self.flush()
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"EpisodeWriter for buffer {self.buffer!r} is closed")
 
     def append(self, **step: Any) -> None:
+        self._check_open()
         self._steps.append(step)
         if self._step_template is None:
             self._step_template = {n: np.zeros_like(np.asarray(v, dtype=self.dtypes.get(n))) for n, v in step.items()
@@ -51,6 +78,7 @@ class EpisodeWriter:
 
     def end_episode(self, terminated: bool, **final_observation: Any) -> None:
         """Closes the episode with its final observation (the state after the last step)."""
+        self._check_open()
         missing = self.observation_fields - set(final_observation)
         if missing:
             raise ValueError(f"end_episode needs the final observation fields {sorted(missing)}")

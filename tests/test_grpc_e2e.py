@@ -93,6 +93,29 @@ def test_sample_modes_and_stream_over_grpc(client: ReplayClient) -> None:
     assert len(batches) == 7 and all(b["obs"].shape == (16, 4) for b in batches)
 
 
+def test_episode_writer_sends_what_is_left_when_closed(client: ReplayClient) -> None:
+    client.create_buffer("w", 1000, SCHEMA)
+    with EpisodeWriter(client, "w", batch_rows=10_000) as writer:
+        for _ in range(2):
+            for t in range(6):
+                writer.append(obs=np.full(4, t, np.float32), action=0, reward=1.0)
+            writer.end_episode(terminated=True, obs=np.full(4, 6, np.float32))
+        for t in range(5):  # an episode still open when the block ends
+            writer.append(obs=np.full(4, 10 + t, np.float32), action=1, reward=0.5)
+        assert client.describe("w")["sampleable_steps"] == 0  # all of it still pending
+    info = client.describe("w")
+    assert info["episodes"] == 2 and info["sampleable_steps"] == 2 * 6 + 4  # the open one's last step waits
+    with pytest.raises(ValueError, match="closed"):
+        writer.append(obs=np.zeros(4, np.float32), action=0, reward=0.0)
+    writer.close()  # closing twice sends nothing more
+
+    with pytest.raises(RuntimeError, match="actor failed"), EpisodeWriter(client, "w", batch_rows=10_000) as failed:
+        failed.append(obs=np.zeros(4, np.float32), action=0, reward=0.0)
+        failed.end_episode(terminated=True, obs=np.ones(4, np.float32))
+        raise RuntimeError("actor failed")
+    assert failed.closed and client.describe("w")["episodes"] == 2  # nothing sent over the error
+
+
 def test_episode_writer_chunks_long_episodes(client: ReplayClient) -> None:
     client.create_buffer("w", 1000, SCHEMA)
     writer = EpisodeWriter(client, "w", chunk_rows=8, batch_rows=64)
