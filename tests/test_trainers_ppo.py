@@ -144,3 +144,17 @@ def test_discrete_actions_may_come_as_a_column():
     flat, _ = ppo_loss(model, batch)
     column, _ = ppo_loss(model, {**batch, "action": batch["action"].reshape(B, 1)})
     torch.testing.assert_close(column, flat)
+
+
+def test_float64_models_take_float32_and_uint8_observations():
+    """The server sends float32 (or uint8 image) observations whatever the model's dtype."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, A).double()
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in _batch(model.float()).items()}
+    model.double()
+    loss64, _ = ppo_loss(model, batch)
+    loss, _ = ppo_loss(model, {**batch, "obs": batch["obs"].float()})  # float32 obs, as served
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, loss64, atol=1e-6, rtol=1e-6)
+    pixels = torch.randint(0, 255, (B, OBS), dtype=torch.uint8)
+    assert model.value(pixels).dtype == torch.float64 and model.value(pixels).shape == (B,)

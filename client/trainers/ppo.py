@@ -50,14 +50,18 @@ class ActorCritic(nn.Module):
         self.critic = _mlp(obs_dim, hidden, 1, 1.0)
         self.log_std = nn.Parameter(torch.zeros(action_dim)) if continuous else None
 
+    def _flat(self, obs: Tensor) -> Tensor:
+        """(B, *S) -> (B, obs_dim) in the parameters' dtype (uint8 or float32 observations, float64 models)."""
+        return obs.reshape(obs.shape[0], -1).to(self.critic[0].weight.dtype)
+
     def distribution(self, obs: Tensor) -> Distribution:
-        out = self.actor(obs.reshape(obs.shape[0], -1).float())  # (B, A)
+        out = self.actor(self._flat(obs))  # (B, A)
         if self.log_std is None:
             return Categorical(logits=out)
         return Normal(out, self.log_std.exp().expand_as(out))
 
     def value(self, obs: Tensor) -> Tensor:
-        return self.critic(obs.reshape(obs.shape[0], -1).float()).squeeze(-1)  # (B,)
+        return self.critic(self._flat(obs)).squeeze(-1)  # (B,)
 
     def forward(self, obs: Tensor) -> tuple[Distribution, Tensor]:
         return self.distribution(obs), self.value(obs)
