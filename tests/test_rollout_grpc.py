@@ -111,3 +111,37 @@ def test_actor_push_refused_as_too_new_is_pushed_again_once_the_learner_catches_
     assert len(refusals) == 1 and "policy_version" in refusals[0]
     info = client.describe("race")
     assert info["policy_version"] == 2 and info["rollout_complete"]  # the part landed
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["response-lost", "server-unreachable"])
+def test_actor_push_is_retried_while_the_server_is_unreachable(
+        client: ReplayClient, monkeypatch: pytest.MonkeyPatch, landed: bool) -> None:
+    """UNAVAILABLE on a push (the server restarting, or the response lost after the part landed): the actor
+    retries; a retry of a part that landed is refused as "already pushed", and either way it counts as pushed."""
+    rollout = Rollout(T, ENVS, (3,))
+    client.create_rollout_buffer("retry", T, ENVS, SCHEMA)
+    client.finish_rollout("retry", 1)
+    real_push = client.push_rollout
+    attempts = []
+
+    class Unavailable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "injected"
+
+    def flaky_push(*args, **kwargs) -> dict:
+        attempts.append(1)
+        if len(attempts) == 1:
+            if landed:
+                real_push(*args, **kwargs)
+            raise Unavailable()
+        return real_push(*args, **kwargs)
+
+    monkeypatch.setattr(client, "push_rollout", flaky_push)
+    config = PPOActorConfig(address="unused", buffer="retry", num_envs=ENVS, rollout_steps=T)
+    assert push(client, config, 1, rollout, np.zeros(ENVS, np.float32), time.monotonic() + 30, lambda: False)
+    assert len(attempts) == 2
+    info = client.describe("retry")
+    assert info["policy_version"] == 1 and info["rollout_complete"]

@@ -117,26 +117,28 @@ def run_ppo_actor(config: PPOActorConfig, stop: StopEvent | None = None) -> Acto
 
 def push(client: ReplayClient, config: PPOActorConfig, version: int, rollout: Rollout, bootstrap: np.ndarray,
          deadline: float, stopped) -> bool:
-    """Pushes the actor's part; False when the learner has moved past `version` (the part is stale).
+    """Pushes the actor's part; False when the learner has moved past `version` (the part is stale) or the
+    actor is stopped first.
 
     If the buffer has not reached `version` yet (weights published before finish_rollout), waits for it.
+    While the server is unreachable (restarting), the push is retried with backoff until `deadline`: a
+    retry after a lost response is refused as "already pushed", which means the first attempt landed.
     """
-    while True:
+
+    def attempt() -> str | None:
         try:
             client.push_rollout(config.buffer, version, config.actor_index * config.num_envs, 0,
                                 bootstrap_value=bootstrap, **rollout.columns)
-            return True
+            return "pushed"
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
+                raise  # wait_until retries UNAVAILABLE / DEADLINE_EXCEEDED / NOT_FOUND
             if "already pushed" in (exc.details() or ""):  # our cells of this version: an earlier push arrived
-                return True
-        current = client.describe(config.buffer)["policy_version"]
-        if current > version:
-            return False
-        if current == version:  # refused as too new, and the learner finished the rollout since: push again
-            continue
-        caught_up = wait_until(lambda: client.describe(config.buffer)["policy_version"] >= version, deadline,
-                               f"rollout buffer reaching policy version {version}", stopped)
-        if caught_up is None:
-            return False
+                return "pushed"
+        if client.describe(config.buffer)["policy_version"] > version:
+            return "stale"
+        return None  # refused as too new: push again once the learner has finished the current rollout
+
+    outcome = wait_until(attempt, deadline, f"pushing the rollout part of policy version {version}", stopped,
+                         delay=0.005, max_delay=1.0)
+    return outcome == "pushed"
