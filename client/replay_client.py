@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from client.batch_stream import BatchStream
+from client.retries import server_retry_after
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.wire import codec
 from service.wire import replay_pb2 as pb
@@ -321,20 +322,32 @@ class ReplayClient:
 
     def _idempotent(self, call: Callable[..., T], request: Any, timeout: float | None) -> T:
         """Retries UNAVAILABLE with exponential backoff and jitter (safe only for idempotent calls)."""
-        return self._with_retries(lambda: call(request, timeout=self._deadline(timeout)), self.RETRYABLE)
+        deadline = self._deadline(timeout)
+        return self._with_retries(lambda: call(request, timeout=deadline), self.RETRYABLE, deadline)
 
-    def _with_retries(self, attempt: Callable[[], T], codes: tuple[grpc.StatusCode, ...]) -> T:
-        """`attempt()`, retried `self.retries` times on `codes` with exponential backoff and jitter."""
-        delay = 0.05
-        for tried in range(self.retries + 1):
+    def _with_retries(self, attempt: Callable[[], T], codes: tuple[grpc.StatusCode, ...], timeout: float) -> T:
+        """`attempt()`, retried `self.retries` times on `codes` with exponential backoff and jitter.
+
+        A call the server refused before doing anything (busy: every seat for long calls taken) is retried
+        whatever `codes` says, for as long as `timeout` (one attempt's deadline) allows: waiting for a
+        seat is part of waiting for the call."""
+        delay, tried = 0.05, 0
+        give_up = time.monotonic() + timeout
+        while True:
             try:
                 return attempt()
             except grpc.RpcError as exc:
-                if exc.code() not in codes or tried == self.retries:
+                retry_after = server_retry_after(exc)
+                if retry_after is not None:
+                    delay = max(delay, retry_after)
+                    if time.monotonic() + delay > give_up:
+                        raise
+                elif exc.code() not in codes or tried == self.retries:
                     raise
+                else:
+                    tried += 1
                 time.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------- buffers
     def create_buffer(
@@ -450,7 +463,8 @@ class ReplayClient:
                                                normalize_advantages=normalize_advantages, drop_last=drop_last)
         if seed is not None:
             request.seed = seed
-        return BatchStream(self._rollout_minibatches(request, timeout=timeout))
+        return BatchStream(lambda: self._rollout_minibatches(request, timeout=timeout),
+                           busy_retry_seconds=self._deadline(timeout))
 
     def finish_rollout(self, buffer: str, next_version: int) -> dict[str, Any]:
         """Starts the next rollout under `next_version`; pushes for older versions are rejected from now on."""
@@ -489,8 +503,8 @@ class ReplayClient:
         if not retry:
             return self._insert(iter(requests), timeout=self._deadline(timeout))
         frames = requests if isinstance(requests, list | tuple) else list(requests)
-        return self._with_retries(lambda: self._insert(iter(frames), timeout=self._deadline(timeout)),
-                                  self.INSERT_RETRYABLE)
+        deadline = self._deadline(timeout)
+        return self._with_retries(lambda: self._insert(iter(frames), timeout=deadline), self.INSERT_RETRYABLE, deadline)
 
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
                        **columns: np.ndarray) -> int:
@@ -539,9 +553,11 @@ class ReplayClient:
         """One batch as read-only numpy arrays (views into the received bytes)."""
         request = self.sample_request(buffer, batch_size, mode, **options)
 
+        deadline = self._deadline(timeout)
+
         def attempt() -> bytes:
             try:
-                return self._sampling(buffer).sample(request, timeout=self._deadline(timeout))
+                return self._sampling(buffer).sample(request, timeout=deadline)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._forget_sampling(buffer)  # the retry asks the server where its workers are now
@@ -550,7 +566,7 @@ class ReplayClient:
         # A lost response after the server drew would count the draws twice: only side-effect-free
         # sampling is retried.
         codes = () if self._sampling_changes_state(buffer) else self.RETRYABLE
-        return codec.decode(self._with_retries(attempt, codes))
+        return codec.decode(self._with_retries(attempt, codes, deadline))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -570,5 +586,6 @@ class ReplayClient:
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
-        return BatchStream(self._sampling(buffer).stream(request, timeout=timeout),
-                           on_unavailable=lambda: self._forget_sampling(buffer))
+        return BatchStream(lambda: self._sampling(buffer).stream(request, timeout=timeout),
+                           on_unavailable=lambda: self._forget_sampling(buffer),
+                           busy_retry_seconds=self._deadline(timeout))

@@ -25,5 +25,14 @@ class DeadlineExceeded(ReplayError):
     pass
 
 
+# Trailing metadata of a call the server refused before doing anything: the same call may be retried after
+# this many milliseconds, whatever its kind (a refused sample has drawn nothing).
+RETRY_AFTER_METADATA = "replayd-retry-after-ms"
+
+
 class Unavailable(ReplayError):
     """The server cannot take the call now; the same call may succeed later (clients retry it)."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms

@@ -39,15 +39,19 @@ if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
 
 
-class WaitSeats:
-    """Caps how many calls may be blocked at once across one server's buffers (rate-limiter holds,
-    samples waiting for data).
+class WorkerSeats:
+    """Caps the calls that may hold one of a server's gRPC worker threads for long: open server streams
+    (sample streams, rollout minibatches) and calls blocked on a rate limiter or waiting for data.
 
-    Each blocked call holds one of the gRPC server's worker threads. Were they all blocked (say, more
-    actors held back by a rate limiter than the server has workers), the sample that would release
-    them could never be served. A call that would have to wait while every seat is taken fails at once
-    with UNAVAILABLE instead, which clients retry with backoff. `seats=None`: no cap (in-process use).
+    Were every worker held so (say, more actors held back by a rate limiter than the server has workers,
+    beside the learners' open streams), the sample that would release them could never be served. A
+    call that would take a seat while all are taken fails at once with UNAVAILABLE and a retry-after
+    hint instead (clients retry it until its deadline). A thread that holds a seat does not take a
+    second one when it waits (a stream's own samples), nor does a thread working for it (`lend`).
+    `seats=None`: no cap (in-process use).
     """
+
+    RETRY_AFTER_MS = 100
 
     def __init__(self, seats: int | None = None) -> None:
         if seats is not None and seats < 1:
@@ -55,23 +59,39 @@ class WaitSeats:
         self.seats = seats
         self.taken = 0
         self._lock = threading.Lock()
+        self._held = threading.local()  # .count: seats (or lent seats) the current thread is inside
 
     @contextmanager
     def seat(self, what: str) -> Iterator[None]:
-        """Holds a seat while the caller waits; `what` names the call in the error."""
+        """Holds a seat for the duration (none if this thread already holds one); `what` names the call."""
+        if getattr(self._held, "count", 0):
+            with self.lend():
+                yield
+            return
         with self._lock:
             if self.seats is not None and self.taken >= self.seats:
                 raise Unavailable(
-                    f"{what}: the server is busy: {self.taken} calls already wait (on rate limiters or for data), "
-                    f"the most it lets wait so that worker threads stay free to serve the calls that release "
-                    f"them; retry later (the client retries UNAVAILABLE with backoff)"
+                    f"{what}: the server is busy: {self.taken} calls hold worker threads for long (open streams, "
+                    f"calls waiting on rate limiters or for data), the most it allows so that workers stay free "
+                    f"for the calls that release them; retry later, or start the server with more --max-workers",
+                    retry_after_ms=self.RETRY_AFTER_MS,
                 )
             self.taken += 1
         try:
-            yield
+            with self.lend():
+                yield
         finally:
             with self._lock:
                 self.taken -= 1
+
+    @contextmanager
+    def lend(self) -> Iterator[None]:
+        """Marks the current thread as working under a seat taken elsewhere (e.g. a stream's producer)."""
+        self._held.count = getattr(self._held, "count", 0) + 1
+        try:
+            yield
+        finally:
+            self._held.count -= 1
 
 
 class RateLimiter:
@@ -164,7 +184,7 @@ class RateLimiter:
         if ready():
             return True
         start = time.monotonic()
-        with ring.wait_seats.seat(f"{side} on buffer {ring.name!r} (held back by its rate limiter)"):
+        with ring.worker_seats.seat(f"{side} on buffer {ring.name!r} (held back by its rate limiter)"):
             self._waiting(side, 1)
             try:
                 ok = ring.inserted.wait_for(lambda: ring.closed or ready(), timeout=timeout)  # closed: caller raises

@@ -7,17 +7,17 @@ import threading
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.rollout import RolloutBuffer
 from service.errors import FailedPrecondition, InvalidArgument, NotFound
-from service.limiters import WaitSeats
+from service.limiters import WorkerSeats
 
 Buffer = EpisodicBuffer | RolloutBuffer
 
 
 class BufferRegistry:
-    """A server's buffers by name. `wait_seats` caps the calls that may block at once across them all."""
+    """A server's buffers by name. `worker_seats` caps the calls that may block at once across them all."""
 
-    def __init__(self, instance: str, wait_seats: WaitSeats | None = None) -> None:
+    def __init__(self, instance: str, worker_seats: WorkerSeats | None = None) -> None:
         self.instance = instance
-        self.wait_seats = wait_seats or WaitSeats()
+        self.worker_seats = worker_seats or WorkerSeats()
         self._buffers: dict[str, Buffer] = {}
         self._lock = threading.Lock()
 
@@ -28,7 +28,7 @@ class BufferRegistry:
                 raise FailedPrecondition(f"buffer {name!r} already exists")
             self._buffers[name] = buffer
             if isinstance(buffer, EpisodicBuffer):  # rollout buffers never block a call
-                buffer.wait_seats = self.wait_seats
+                buffer.worker_seats = self.worker_seats
 
     def reserve_check(self, name: str) -> None:
         """Fails fast before allocating shared memory for a name that is taken."""

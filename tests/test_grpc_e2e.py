@@ -14,6 +14,7 @@ from client.replay_client import Span, spans_request, split_spans
 from service import errors
 from service.grpc_server.server import ReplayServer
 from service.grpc_server.servicer import _Ahead
+from service.limiters import WorkerSeats
 from service.storage.shared_arrays import SharedArrays
 from service.wire import codec
 from service.wire import replay_pb2 as pb
@@ -279,14 +280,14 @@ def _messages(count: int, log: list, fail_after: int | None = None):
 
 def test_ahead_keeps_order_bounds_its_lead_and_raises_in_place() -> None:
     log: list = []
-    ahead = _Ahead(_messages(6, log), depth=2, observe=None)
+    ahead = _Ahead(_messages(6, log), depth=2, observe=None, seats=WorkerSeats())
     first = next(ahead)
     time.sleep(0.2)  # the producer runs ahead, but at most `depth` messages
     assert first == 0 and sum(entry[0] == "produced" for entry in log) <= 1 + 2
     assert list(ahead) == [1, 2, 3, 4, 5]
     assert log[-1] == ("closed", "replayd-ahead")  # advanced and closed on its own thread only
     log.clear()
-    failing = _Ahead(_messages(6, log, fail_after=3), depth=1, observe=None)
+    failing = _Ahead(_messages(6, log, fail_after=3), depth=1, observe=None, seats=WorkerSeats())
     assert [next(failing) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(errors.InvalidArgument, match="message 3"):
         next(failing)
@@ -297,7 +298,8 @@ def test_ahead_keeps_order_bounds_its_lead_and_raises_in_place() -> None:
 def test_closing_ahead_closes_the_generator_on_its_thread() -> None:
     log: list = []
     timed: list = []
-    ahead = _Ahead(_messages(1000, log), depth=1, observe=lambda seconds, message: timed.append(seconds))
+    ahead = _Ahead(_messages(1000, log), depth=1, observe=lambda seconds, message: timed.append(seconds),
+                   seats=WorkerSeats())
     assert next(ahead) == 0
     ahead.close()
     deadline = time.monotonic() + 5

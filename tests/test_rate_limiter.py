@@ -12,10 +12,11 @@ import pytest
 
 from client import ReplayClient
 from client.replay_client import episode_span, spans_requests
+from client.retries import server_retry_after
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from service.grpc_server.server import ReplayServer
-from service.limiters import RateLimiter, WaitSeats
+from service.limiters import RateLimiter, WorkerSeats
 from service.samplers.states import StatesMode
 from tests.conftest import TEST_INSTANCE
 from tests.test_episodic_buffer import FIELDS, make_rows
@@ -111,81 +112,135 @@ def test_config_is_validated() -> None:
         RateLimiter(1, samples_per_insert=-1.0)
 
 
+SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+
+
+def _episode(steps: int = 5) -> dict[str, np.ndarray]:
+    return {"obs": np.zeros((steps + 1, 4), np.float32), "action": np.zeros(steps, np.int64),
+            "reward": np.ones(steps, np.float32)}
+
+
+def _poll(condition, what: str, failures: list) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline and not failures, (what, failures)
+        time.sleep(0.01)
+
+
+def _in_thread(call, failures: list) -> threading.Thread:
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # reported by the callers' assertions
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
 def test_blocked_calls_never_take_every_server_worker() -> None:
-    """More inserts held back by a rate limiter than the server has spare workers: the extra one fails at
-    once with UNAVAILABLE, and a sample is still served (it releases the held inserts, which then land).
-    Without the cap, the held inserts took every worker and the sample could only queue behind them."""
-    schema = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
-
-    def episode(steps: int = 5) -> dict[str, np.ndarray]:
-        return {"obs": np.zeros((steps + 1, 4), np.float32), "action": np.zeros(steps, np.int64),
-                "reward": np.ones(steps, np.float32)}
-
+    """More inserts held back by a rate limiter than the server has spare workers: one more long call
+    (an insert that would wait, a stream) is refused at once with a retry-after hint, and a sample is still
+    served (it releases the held inserts). Clients retry the refused calls until their deadline: they land
+    once seats free up. Without the cap, the held inserts took every worker and the sample could only
+    queue behind them until their deadlines."""
     server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}seats", max_workers=4).start()
-    held: list[threading.Thread] = []
+    threads: list[threading.Thread] = []
     failures: list[BaseException] = []
     try:
-        assert server.registry.wait_seats.seats == 3  # 4 workers, one kept free
+        assert server.registry.worker_seats.seats == 3  # 4 workers, one kept free
         with ReplayClient(server.address, timeout=30) as client:
             # diff = inserted - sampled items; an insert waits while diff + 1 > max_diff = 1 + 5, so after
             # two 5-step episodes (diff 10) every further one waits until samples bring diff down to 5.
-            client.create_buffer("rl", 1000, schema,
+            client.create_buffer("rl", 1000, SCHEMA,
                                  rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
-            client.insert_episode("rl", True, **episode())
-            client.insert_episode("rl", True, **episode())
-
-            def insert_held() -> None:
-                try:
-                    client.insert_episode("rl", True, **episode())
-                except BaseException as exc:  # reported by the assertions below
-                    failures.append(exc)
-
-            held = [threading.Thread(target=insert_held) for _ in range(3)]
-            for thread in held:
-                thread.start()
-            deadline = time.monotonic() + 20
-            while client.describe("rl")["counters"]["rate_limiter.insert_waiting"] < 3:
-                assert time.monotonic() < deadline and not failures, failures
-                time.sleep(0.01)
+            client.create_buffer("free", 1000, SCHEMA)
+            client.insert_episode("rl", True, **_episode())
+            client.insert_episode("rl", True, **_episode())
+            client.insert_episode("free", True, **_episode())
+            threads = [_in_thread(lambda: client.insert_episode("rl", True, **_episode()), failures)
+                       for _ in range(3)]
+            _poll(lambda: client.describe("rl")["counters"]["rate_limiter.insert_waiting"] == 3, "3 held", failures)
 
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as refused:
-                client.insert(spans_requests("rl", [episode_span(episode(), True, ("obs",))], 2**20),
+                client.insert(spans_requests("rl", [episode_span(_episode(), True, ("obs",))], 2**20),
                               timeout=10, retry=False)
+            assert time.monotonic() - started < 5  # refused at once, not after waiting
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "server is busy" in refused.value.details() and "'rl'" in refused.value.details()
-            assert time.monotonic() - started < 5  # refused at once, not after waiting
+            assert server_retry_after(refused.value) == 0.1
+            # A stream needs a seat for as long as it is open: it is refused too, and reopened by the client.
+            streamed: list[dict] = []
+            stream = client.sample_stream("free", 4, num_batches=2, timeout=30)
+            streaming = _in_thread(lambda: streamed.extend(stream), failures)
+            threads.append(_in_thread(lambda: client.insert_episode("rl", True, **_episode()), failures))
+            _poll(lambda: server.servicer.rejected.get("SampleStream", 0) >= 1
+                  and server.servicer.rejected.get("Insert", 0) >= 2, "stream and insert refused", failures)
 
-            # The worker kept free serves samples; they let the held inserts through one by one.
+            # The worker kept free serves samples; they let the held inserts through, and the refused one in
+            # (sampled only while an insert waits: sampling further ahead would hold the samples back).
             deadline = time.monotonic() + 20
-            while any(thread.is_alive() for thread in held):
+            while any(thread.is_alive() for thread in threads):
                 assert time.monotonic() < deadline and not failures, failures
-                client.sample("rl", 4, wait=True, timeout=5)
+                if client.describe("rl")["counters"]["rate_limiter.insert_waiting"]:
+                    client.sample("rl", 4)
+                else:
+                    time.sleep(0.01)
+            threads.append(streaming)
+            streaming.join(timeout=20)  # seats are free now: the client's next reopening gets one
             assert not failures, failures
-            assert client.describe("rl")["counters"]["inserted_episodes"] == 5
-        assert server.registry.wait_seats.taken == 0
+            assert client.describe("rl")["counters"]["inserted_episodes"] == 6 and len(streamed) == 2
+        assert server.registry.worker_seats.taken == 0
     finally:
-        for thread in held:
+        for thread in threads:
             thread.join(timeout=30)
+        server.stop(grace=0)
+
+
+def test_open_streams_take_seats_and_leave_workers_for_short_calls() -> None:
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}streams", max_workers=4).start()
+    streams = []
+    try:
+        with ReplayClient(server.address, timeout=30) as client:
+            client.create_buffer("free", 1000, SCHEMA)
+            client.insert_episode("free", True, **_episode())
+            streams = [client.sample_stream("free", 4) for _ in range(3)]
+            for stream in streams:
+                next(stream)  # open, each holding a worker
+            assert server.registry.worker_seats.taken == 3
+            refused = client.sample_stream("free", 4, timeout=0.5)
+            with pytest.raises(grpc.RpcError) as busy:
+                next(refused)  # retried for its 0.5 s, then given up
+            assert busy.value.code() == grpc.StatusCode.UNAVAILABLE and "server is busy" in busy.value.details()
+            # The worker kept free still serves short calls at once.
+            assert client.describe("free")["episodes"] == 1 and len(client.sample("free", 4)["obs"]) == 4
+            streams.pop().close()
+            _poll(lambda: server.registry.worker_seats.taken == 2, "a closed stream's seat freed", [])
+            assert len(next(client.sample_stream("free", 4, timeout=10))["obs"]) == 4
+    finally:
+        for stream in streams:
+            stream.close()
         server.stop(grace=0)
 
 
 def test_samples_waiting_for_data_take_seats_too() -> None:
     buffer = EpisodicBuffer("empty", f"test{os.getpid()}", FIELDS, 1000)
-    buffer.wait_seats = WaitSeats(1)
+    buffer.worker_seats = WorkerSeats(1)
     result: dict[str, np.ndarray] = {}
     waiting = threading.Thread(target=lambda: result.update(buffer.sample(2, StatesMode(), wait_seconds=20)))
     try:
         waiting.start()
         deadline = time.monotonic() + 20
-        while buffer.wait_seats.taken < 1:
+        while buffer.worker_seats.taken < 1:
             assert time.monotonic() < deadline and waiting.is_alive()
             time.sleep(0.01)
         with pytest.raises(Unavailable, match="sample of buffer 'empty' \\(waiting for data\\): the server is busy"):
             buffer.sample(2, StatesMode(), wait_seconds=20)
         insert_episode(buffer, 5, 0)
         waiting.join(timeout=20)
-        assert len(result["obs"]) == 2 and buffer.wait_seats.taken == 0
+        assert len(result["obs"]) == 2 and buffer.worker_seats.taken == 0
         assert len(buffer.sample(2, StatesMode(), wait_seconds=20)["obs"]) == 2  # data there: no seat needed
     finally:
         waiting.join(timeout=20)

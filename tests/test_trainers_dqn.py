@@ -327,6 +327,8 @@ def test_transposed_layers_follow_updates_and_storage_swaps():
         torch.testing.assert_close(forward_from_views(), net(x))
         net.layers[1].weight.data = torch.randn_like(net.layers[1].weight)  # new storage
         torch.testing.assert_close(forward_from_views(), net(x))
+        net.layers[2].bias.data = torch.full_like(net.layers[2].bias, 100.0)  # a bias alone
+        torch.testing.assert_close(forward_from_views(), net(x))
         net.double()
         assert forward_from_views().dtype == torch.float64
         torch.testing.assert_close(forward_from_views(), net(x))

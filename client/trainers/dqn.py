@@ -59,7 +59,7 @@ class QNetwork(nn.Module):
         optimizer, ``load_state_dict``) and are rebuilt when a parameter's storage changes
         (``p.data = ...``, ``.to()``).
         """
-        storage = tuple(w.data_ptr() for w, _ in self.weights_and_biases)
+        storage = tuple(p.data_ptr() for layer in self.weights_and_biases for p in layer)
         if storage != self._transposed_storage:
             self._transposed = tuple((w.detach().t(), b.detach()) for w, b in self.weights_and_biases)
             self._transposed_storage = storage

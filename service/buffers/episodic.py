@@ -49,7 +49,7 @@ from service.buffers.ring import (
 )
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
-from service.limiters import RateLimiter, WaitSeats
+from service.limiters import RateLimiter, WorkerSeats
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers.kernels import REWARD_DTYPES
 from service.samplers.modes import BatchMode
@@ -203,7 +203,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         self.lock = threading.RLock()  # re-entrant: describe() reads info() and component state under one hold
         self.lifetime = Lifetime(self.lock, self.name)  # every use of the arrays enters it (live())
         self.inserted = threading.Condition(self.lock)  # wakes samplers waiting for data
-        self.wait_seats = WaitSeats()  # a server's registry shares its capped seats with every buffer it holds
+        self.worker_seats = WorkerSeats()  # a server's registry shares its capped seats with every buffer it holds
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
         self.counters: Counter[str] = Counter()
         self._open: dict[int, _Extent] = {}
@@ -768,7 +768,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
             if self.limiter is not None:
                 self.limiter.await_sample(self, batch_size, wait_seconds)
             elif wait_seconds is not None and self.sampleable_steps == 0:
-                with self.wait_seats.seat(f"sample of buffer {self.name!r} (waiting for data)"):
+                with self.worker_seats.seat(f"sample of buffer {self.name!r} (waiting for data)"):
                     if not self.inserted.wait_for(lambda: self.closed or self.sampleable_steps > 0,
                                                   timeout=wait_seconds):
                         raise DeadlineExceeded(

@@ -35,10 +35,12 @@ from service.grpc_server.servicer import (
     stream_rpc,
     wait_seconds,
 )
+from service.limiters import WorkerSeats
 from service.wire import replay_pb2 as pb
 
 log = logging.getLogger("replayd.sample_worker")
 
+WORKER_THREADS = 16  # gRPC threads of one sample-worker process
 _WAIT_POLL_SECONDS = (0.001, 0.1)  # a worker cannot wait on the writer's condition: it polls, backing off
 
 
@@ -48,6 +50,8 @@ class SampleWorkerServicer:
     def __init__(self, instance: str, max_message_bytes: int) -> None:
         self.instance = instance
         self.max_message_bytes = max_message_bytes
+        # Open streams and waiting samples may hold 3/4 of the worker threads (see WorkerSeats).
+        self.worker_seats = WorkerSeats(WORKER_THREADS - WORKER_THREADS // 4)
         self.rejected: dict[str, int] = {}
         self._rings: dict[str, tuple[int, EpisodicRing]] = {}
         self._lock = threading.Lock()
@@ -75,12 +79,15 @@ class SampleWorkerServicer:
                  deadline: float | None) -> bytes:
         check_sample_request(request, ring, self.max_message_bytes)
         mode = convert.mode_from_request(request)
-        delay = _WAIT_POLL_SECONDS[0]
-        while deadline is not None and ring.sampleable_steps == 0:
-            if time.monotonic() >= deadline:
-                raise errors.DeadlineExceeded(f"buffer {ring.name!r} got no sampleable steps before the deadline")
-            time.sleep(delay)
-            delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
+        if deadline is not None and ring.sampleable_steps == 0:
+            with self.worker_seats.seat(f"sample of buffer {ring.name!r} (waiting for data)"):
+                delay = _WAIT_POLL_SECONDS[0]
+                while ring.sampleable_steps == 0:
+                    if time.monotonic() >= deadline:
+                        raise errors.DeadlineExceeded(
+                            f"buffer {ring.name!r} got no sampleable steps before the deadline")
+                    time.sleep(delay)
+                    delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
         batch, _ = ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta)
         return sample_message(batch, self.max_message_bytes)
 
@@ -120,7 +127,7 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
         "SampleStream": grpc.unary_stream_rpc_method_handler(
             servicer.SampleStream, request_deserializer=lenient(pb.SampleStreamRequest.FromString)),
     }
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="replayd-sampler"),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKER_THREADS, thread_name_prefix="replayd-sampler"),
                          options=channel_options(max_message_bytes),
                          interceptors=[TokenAuthInterceptor(token)] if token else None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers),))

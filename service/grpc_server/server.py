@@ -16,7 +16,7 @@ from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.grpc_server.sample_workers import SampleWorkers
 from service.grpc_server.servicer import ReplayServicer, lenient
-from service.limiters import WaitSeats
+from service.limiters import WorkerSeats
 from service.recovery import recover_instance
 from service.registry import BufferRegistry
 from service.schema import check_instance_name
@@ -104,7 +104,7 @@ class ReplayServer:
             raise ValueError(f"max_workers: expected >= 2, got {max_workers}")
         # Calls blocked on a rate limiter or waiting for data may take at most this many of the workers;
         # the rest stay free for the samples and inserts that release them.
-        self.registry = BufferRegistry(self.instance, WaitSeats(max_workers - max(1, max_workers // 4)))
+        self.registry = BufferRegistry(self.instance, WorkerSeats(max_workers - max(1, max_workers // 4)))
         self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
         self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,
                                        metrics=self.metrics)

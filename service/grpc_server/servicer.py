@@ -23,6 +23,7 @@ from service.buffers.ring import EpisodicRing
 from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
 from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
+from service.limiters import WorkerSeats
 from service.registry import BufferRegistry
 from service.samplers.modes import BatchMode
 from service.schema import check_buffer_name
@@ -122,6 +123,8 @@ def _abort(self: ReplayServicer, method: Callable, exc: Exception, context: grpc
     """Ends the call: replayd errors with their status code, anything else as INTERNAL (logged with its trace)."""
     if isinstance(exc, errors.ReplayError | codec.CodecError):
         self.counters_rejected(method.__name__, exc)
+        if isinstance(exc, errors.Unavailable) and exc.retry_after_ms is not None:
+            context.set_trailing_metadata(((errors.RETRY_AFTER_METADATA, str(exc.retry_after_ms)),))
         context.abort(_status_of(exc), _message(exc))
     log.exception("%s failed", method.__name__)
     context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
@@ -160,8 +163,10 @@ class _Ahead:
     is advanced and closed on the producer thread only. `observe(seconds, message)` times each message's
     production."""
 
-    def __init__(self, messages: Iterator, depth: int, observe: Callable[[float, Any], None] | None) -> None:
+    def __init__(self, messages: Iterator, depth: int, observe: Callable[[float, Any], None] | None,
+                 seats: WorkerSeats) -> None:
         self._messages, self._depth, self._observe = messages, depth, observe
+        self._seats = seats  # the stream's seat covers its producer's waits
         self._ready: collections.deque = collections.deque()
         self._condition = threading.Condition()
         self._closed = False
@@ -169,6 +174,10 @@ class _Ahead:
         self._thread.start()
 
     def _produce(self) -> None:
+        with self._seats.lend():
+            self._produce_messages()
+
+    def _produce_messages(self) -> None:
         failure: BaseException | None = None
         try:
             while True:
@@ -253,10 +262,12 @@ def stream_rpc(method: Callable | None = None, *, ahead: Callable[[Any, Any], in
                 def observe(seconds: float, message: object) -> None:
                     metrics.observe_message(method.__name__, label, seconds, _sent_bytes(message))
 
-            depth = ahead(self, request) if ahead is not None else 0
-            produced = method(self, request, context)
-            messages = _Ahead(produced, depth, observe) if depth > 0 else _timed(produced, observe)
-            yield from messages
+            seats = self.worker_seats
+            with seats.seat(f"{method.__name__} on buffer {buffer_of(request)!r}"):  # held while the stream is open
+                depth = ahead(self, request) if ahead is not None else 0
+                produced = method(self, request, context)
+                messages = _Ahead(produced, depth, observe, seats) if depth > 0 else _timed(produced, observe)
+                yield from messages
             succeeded = True
         except Exception as exc:
             _abort(self, method, exc, context)
@@ -314,6 +325,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                  checkpoint_dir: str | None = None, metrics: CollectorRegistry | None = None) -> None:
         """`metrics`: the registry RPC latencies and payload bytes are reported in (None: not measured)."""
         self.registry = registry
+        self.worker_seats = registry.worker_seats  # open streams and blocked calls, across all buffers
         self.rpc_metrics = RpcMetrics(metrics, registry.__contains__) if metrics is not None else None
         self.checkpoint_dir = checkpoint_dir  # where Checkpoint writes when the request names no directory
         self.weights = WeightStore()
