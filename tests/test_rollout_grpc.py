@@ -145,3 +145,24 @@ def test_actor_push_is_retried_while_the_server_is_unreachable(
     assert len(attempts) == 2
     info = client.describe("retry")
     assert info["policy_version"] == 1 and info["rollout_complete"]
+
+
+def test_actor_push_ends_when_the_rollout_buffer_was_created_again(client: ReplayClient) -> None:
+    """A learner that restarted creates the buffer again at an older version: the actor's newer part can
+    never be taken, nor can the learner's older rollout complete without the actor. The push raises
+    instead of waiting on each other until the deadline; a deleted buffer raises too."""
+    rollout = Rollout(T, ENVS, (3,))
+    config = PPOActorConfig(address="unused", buffer="again", num_envs=ENVS, rollout_steps=T)
+    client.create_rollout_buffer("again", T, ENVS, SCHEMA)
+    client.finish_rollout("again", 2)
+    assert push(client, config, 2, rollout, np.zeros(ENVS, np.float32), time.monotonic() + 30, lambda: False)
+    client.delete_buffer("again")
+    with pytest.raises(grpc.RpcError) as gone:
+        push(client, config, 3, rollout, np.zeros(ENVS, np.float32), time.monotonic() + 30, lambda: False, 2)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    client.create_rollout_buffer("again", T, ENVS, SCHEMA)
+    client.finish_rollout("again", 1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="went back to policy version 1 after this actor pushed version 2"):
+        push(client, config, 3, rollout, np.zeros(ENVS, np.float32), time.monotonic() + 30, lambda: False, 2)
+    assert time.monotonic() - started < 10

@@ -100,6 +100,7 @@ def run_ppo_actor(config: PPOActorConfig, stop: StopEvent | None = None) -> Acto
     client = connect(config.address, config.buffer, stopped)
     if client is None:
         return report
+    pushed_before = 0  # the policy version of this actor's last push
     while True:
         newer = wait_until(lambda: client.fetch_weights(config.weights, newer_than=report.weights_version),
                            deadline, f"weights {config.weights!r} newer than {report.weights_version}", stopped)
@@ -108,21 +109,24 @@ def run_ppo_actor(config: PPOActorConfig, stop: StopEvent | None = None) -> Acto
         report.weights_version = load_weights(model, newer)
         obs, bootstrap = collect(envs, model, obs, rollout)
         report.env_steps += config.rollout_steps * config.num_envs
-        if push(client, config, report.weights_version, rollout, bootstrap, deadline, stopped):
+        if push(client, config, report.weights_version, rollout, bootstrap, deadline, stopped, pushed_before):
             report.pushed += 1
+            pushed_before = report.weights_version
     envs.close()
     client.close()
     return report
 
 
 def push(client: ReplayClient, config: PPOActorConfig, version: int, rollout: Rollout, bootstrap: np.ndarray,
-         deadline: float, stopped) -> bool:
+         deadline: float, stopped, pushed_before: int = 0) -> bool:
     """Pushes the actor's part; False when the learner has moved past `version` (the part is stale) or the
     actor is stopped first.
 
     If the buffer has not reached `version` yet (weights published before finish_rollout), waits for it.
-    While the server is unreachable (restarting), the push is retried with backoff until `deadline`: a
-    retry after a lost response is refused as "already pushed", which means the first attempt landed.
+    While the server is unreachable (UNAVAILABLE, DEADLINE_EXCEEDED), the push is retried with backoff
+    until `deadline`: a retry after a lost response is refused as "already pushed", which means the first
+    attempt landed. A buffer that is gone, or back below `pushed_before` (the version of this actor's last
+    push: the buffer was created again), raises: the learner restarted, and this actor's run with it ends.
     """
 
     def attempt() -> str | None:
@@ -132,13 +136,18 @@ def push(client: ReplayClient, config: PPOActorConfig, version: int, rollout: Ro
             return "pushed"
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise  # wait_until retries UNAVAILABLE / DEADLINE_EXCEEDED / NOT_FOUND
+                raise  # wait_until retries UNAVAILABLE and DEADLINE_EXCEEDED
             if "already pushed" in (exc.details() or ""):  # our cells of this version: an earlier push arrived
                 return "pushed"
-        if client.describe(config.buffer)["policy_version"] > version:
+        current = client.describe(config.buffer)["policy_version"]
+        if current < pushed_before:
+            raise RuntimeError(f"rollout buffer {config.buffer!r} went back to policy version {current} after this "
+                               f"actor pushed version {pushed_before}: it was created again (the learner restarted)")
+        if current > version:
             return "stale"
         return None  # refused as too new: push again once the learner has finished the current rollout
 
     outcome = wait_until(attempt, deadline, f"pushing the rollout part of policy version {version}", stopped,
+                         retry_codes=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
                          delay=0.005, max_delay=1.0)
     return outcome == "pushed"
