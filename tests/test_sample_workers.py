@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -100,3 +103,60 @@ def test_a_client_finds_the_workers_of_a_restarted_server() -> None:
                 second.stop(grace=0)
     finally:
         first.stop(grace=0)
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.add(int(entry))
+    return found
+
+
+def test_workers_of_a_killed_server_exit() -> None:
+    """SIGKILL gives the server no chance to stop its workers: they notice and exit on their own, rather
+    than serving on beside a restarted server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
+               f"{TEST_INSTANCE}orphan", "--http-port", "-1", "--sample-workers", "2"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    children: set[int] = set()
+    try:
+        with ReplayClient(f"127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=60)
+        deadline = time.monotonic() + 60
+        while len(children) < 2:  # both workers (and multiprocessing's resource tracker) started
+            assert time.monotonic() < deadline and server.poll() is None
+            children = _children(server.pid)
+            time.sleep(0.05)
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in children):
+            assert time.monotonic() < deadline, f"orphaned workers still running: {children}"
+            time.sleep(0.05)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -41,7 +41,8 @@ from service.wire import replay_pb2 as pb
 log = logging.getLogger("replayd.sample_worker")
 
 WORKER_THREADS = 16  # gRPC threads of one sample-worker process
-_WAIT_POLL_SECONDS = (0.001, 0.1)  # a worker cannot wait on the writer's condition: it polls, backing off
+_WAIT_POLL_SECONDS = (0.001, 0.1)
+_PARENT_POLL_SECONDS = 0.5  # a worker cannot wait on the writer's condition: it polls, backing off
 
 
 class SampleWorkerServicer:
@@ -132,10 +133,17 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
                          interceptors=[TokenAuthInterceptor(token)] if token else None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers),))
     port = server.add_insecure_port(address)
+    parent = os.getppid()
     server.start()
     if ports is not None:
         ports.put(port)
-    server.wait_for_termination()
+    # A server killed with SIGKILL cannot stop its workers: each notices it was orphaned and exits, so
+    # none keeps serving (and holding shared memory) beside the restarted server.
+    while not server.wait_for_termination(timeout=_PARENT_POLL_SECONDS):
+        if os.getppid() != parent:
+            log.warning("sample worker on port %d: the server process is gone; exiting", port)
+            server.stop(grace=0).wait()
+            return
 
 
 class SampleWorkers:
