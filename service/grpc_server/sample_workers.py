@@ -118,8 +118,9 @@ class SampleWorkerServicer:
 
 
 def serve_worker(instance: str, address: str, max_message_bytes: int, token: str | None,
-                 ports: mp.Queue | None) -> None:
-    """A worker process's main: serve until terminated; report the bound port on `ports`."""
+                 ports: mp.Queue | None, server_pid: int) -> None:
+    """A worker process's main: serve until terminated or until `server_pid` (its parent) is gone; report the
+    bound port on `ports`."""
     servicer = SampleWorkerServicer(instance, max_message_bytes)
     handlers = {
         # Both return serialized SampleResponse messages (servicer.sample_message).
@@ -133,14 +134,13 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
                          interceptors=[TokenAuthInterceptor(token)] if token else None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers),))
     port = server.add_insecure_port(address)
-    parent = os.getppid()
     server.start()
     if ports is not None:
         ports.put(port)
     # A server killed with SIGKILL cannot stop its workers: each notices it was orphaned and exits, so
     # none keeps serving (and holding shared memory) beside the restarted server.
-    while not server.wait_for_termination(timeout=_PARENT_POLL_SECONDS):
-        if os.getppid() != parent:
+    while server.wait_for_termination(timeout=_PARENT_POLL_SECONDS):  # True: timed out, still serving
+        if os.getppid() != server_pid:
             log.warning("sample worker on port %d: the server process is gone; exiting", port)
             server.stop(grace=0).wait()
             return
@@ -165,7 +165,8 @@ class SampleWorkers:
     def _spawn(self, port: int, timeout: float = 60.0) -> tuple[mp.process.BaseProcess, int]:
         ports = self._context.Queue()
         process = self._context.Process(
-            target=serve_worker, args=(self.instance, f"{self.host}:{port}", self.max_message_bytes, self.token, ports),
+            target=serve_worker,
+            args=(self.instance, f"{self.host}:{port}", self.max_message_bytes, self.token, ports, os.getpid()),
             daemon=True, name="replayd-sample-worker",
         )
         process.start()
