@@ -15,6 +15,7 @@ from service.errors import ReplayError
 from service.grpc_server.auth import check_bind
 from service.grpc_server.server import ReplayServer
 from service.schema import check_instance_name
+from service.storage.instance_lock import instance_in_use
 from service.storage.shared_arrays import remove_segment, segments
 
 
@@ -67,29 +68,37 @@ def report_stale_segments(instance: str | None, remove: bool) -> None:
 def list_segments(args: argparse.Namespace) -> None:
     prefix = f"rpd_{args.instance}_" if args.instance else "rpd_"
     found = segments(prefix)
+    live = {name.split("_")[1] for name in found if instance_in_use(name.split("_")[1])}
+    removed = 0
     for name in found:
-        print(name)
-        if args.remove:
+        instance = name.split("_")[1]
+        print(name + (f"  (in use: instance {instance} is being served)" if instance in live else ""))
+        if args.remove and instance not in live:
             remove_segment(name)
+            removed += 1
     if args.remove:
-        print(f"removed {len(found)} segment(s)")
+        kept = f"; kept those of running instance(s) {sorted(live)}" if live else ""
+        print(f"removed {removed} segment(s){kept}")
 
 
 def serve(args: argparse.Namespace) -> None:
     tune_allocator()
-    if not args.recover:
-        report_stale_segments(args.instance, args.remove_stale)
     http_address = None if args.http_port < 0 else f"{args.host}:{args.http_port}"
     tls_cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
     tls_key = Path(args.tls_key).read_bytes() if args.tls_key else None
     max_buffer_bytes = None if args.max_buffer_gb is None else int(args.max_buffer_gb * 2**30)
-    server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
-                          max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
-                          token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
-                          max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers, recover=args.recover,
-                          max_workers=args.max_workers,
-                          checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                          checkpoint_keep=args.checkpoint_keep or None, restore_from=args.restore)
+    try:  # takes the instance's lock: from here on, segments named after it are ours or a dead server's
+        server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
+                              max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
+                              token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
+                              max_buffer_bytes=max_buffer_bytes, sample_workers=args.sample_workers,
+                              recover=args.recover, max_workers=args.max_workers,
+                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                              checkpoint_keep=args.checkpoint_keep or None, restore_from=args.restore)
+    except (ReplayError, OSError) as exc:
+        raise SystemExit(f"replayd: {exc}") from None
+    if not args.recover:
+        report_stale_segments(args.instance, args.remove_stale)
     # Before start: a SIGTERM during a long restore (docker stop) must end in stop(), which unlinks.
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

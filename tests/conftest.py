@@ -1,6 +1,7 @@
 """Shared fixtures: an in-process server on a free port, and a check that no shared memory leaks.
 
-Every segment a test creates is named rpd_test<pid>..., so the leak check ignores other processes
+Every segment a test creates is named rpd_test<pid>... (and every instance lock replayd-test<pid>...), so
+the leak check ignores other processes
 (a benchmark or a second test run) working on the same machine.
 """
 
@@ -20,7 +21,9 @@ _servers = itertools.count()
 
 
 def _segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(f"rpd_{TEST_INSTANCE}")}
+    """This run's segments and instance lock files (a stopped server leaves neither)."""
+    return {name for name in os.listdir("/dev/shm")
+            if name.startswith((f"rpd_{TEST_INSTANCE}", f"replayd-{TEST_INSTANCE}"))}
 
 
 @pytest.fixture(autouse=True)

@@ -219,6 +219,7 @@ def test_inconsistent_segments_fall_back_to_the_latest_checkpoint(tmp_path) -> N
         # The server dies without unlinking, and its ring state is left corrupt.
         first._server.stop(0).wait()
         first.registry.get("b").storage.close()
+        first._instance_lock.release()  # as the kernel does when the process dies
         corrupt = SharedArrays.attach(f"rpd_{instance}_b", readonly=False)
         corrupt.arrays["state"][0] = -5  # head
         corrupt.close()

@@ -15,6 +15,7 @@ import pytest
 
 from client import ReplayClient
 from service.grpc_server.server import ReplayServer
+from service.storage.instance_lock import lock_path
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -125,8 +126,9 @@ def test_workers_of_a_killed_server_exit() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
-               f"{TEST_INSTANCE}orphan", "--http-port", "-1", "--sample-workers", "2"]
+    instance = f"{TEST_INSTANCE}orphan"
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
+               "--http-port", "-1", "--sample-workers", "2"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     children: set[int] = set()
     try:
@@ -152,6 +154,8 @@ def test_workers_of_a_killed_server_exit() -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if os.path.exists(lock_path(instance)):  # a killed server leaves its (released) instance lock file
+            os.unlink(lock_path(instance))
 
 
 def _state(pid: int) -> str:

@@ -13,9 +13,10 @@ import pytest
 
 from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer
-from service.errors import InvalidArgument
+from service.errors import FailedPrecondition, InvalidArgument
 from service.grpc_server.server import ReplayServer
 from service.schema import Field
+from service.storage.instance_lock import lock_path
 from service.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE
 
@@ -86,3 +87,30 @@ def test_instance_names_cannot_overlap_another_instances_segment_prefix(instance
     with pytest.raises(InvalidArgument, match="instance name"):
         EpisodicBuffer("b_c", instance, [Field("obs", "float32", (2,), observation=True)], 8)
     assert not segments(f"rpd_{instance}")
+
+
+def test_a_running_servers_instance_cannot_be_taken_nor_its_segments_removed() -> None:
+    """A second server under a live server's --instance would take its segments for a crashed server's:
+    it is refused, and `replayd segments --remove` keeps a running instance's segments."""
+    instance = f"{TEST_INSTANCE}live"
+    first = ReplayServer("127.0.0.1:0", instance=instance).start()
+    try:
+        with ReplayClient(first.address) as client:
+            client.create_buffer("b", 100, {"obs": ("float32", (2,)), "reward": ("float32", ())})
+        with pytest.raises(FailedPrecondition, match=f"instance '{instance}' is served by another running process"):
+            ReplayServer("127.0.0.1:0", instance=instance)
+        port = _free_port()
+        refused = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
+                                  instance, "--http-port", "-1", "--remove-stale"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "served by another running process" in refused.stderr
+        listed = subprocess.run([sys.executable, "-m", "service.cli", "segments", "--instance", instance, "--remove"],
+                                capture_output=True, text=True, timeout=60, check=True)
+        assert "in use" in listed.stdout and "removed 0 segment(s)" in listed.stdout
+        assert segments(f"rpd_{instance}_") == [f"rpd_{instance}_b", f"rpd_{instance}_b.data"]
+        with ReplayClient(first.address) as client:
+            client.insert_episode("b", True, obs=np.zeros((3, 2), np.float32), reward=np.ones(2, np.float32))
+    finally:
+        first.stop(grace=0)
+    assert not os.path.exists(lock_path(instance))
+    ReplayServer("127.0.0.1:0", instance=instance).start().stop(grace=0)  # free again once it stopped

@@ -20,6 +20,7 @@ from service.limiters import WorkerSeats
 from service.recovery import recover_instance
 from service.registry import BufferRegistry
 from service.schema import check_instance_name
+from service.storage.instance_lock import InstanceLock
 from service.wire import replay_pb2 as pb
 from service.wire.frames import InsertFrame
 
@@ -100,39 +101,44 @@ class ReplayServer:
         self._stop_checkpoints = threading.Event()
         self._checkpoint_thread: threading.Thread | None = None
         self.instance = check_instance_name(instance or secrets.token_hex(4))
-        if max_workers < 2:
-            raise ValueError(f"max_workers: expected >= 2, got {max_workers}")
-        # Calls blocked on a rate limiter or waiting for data may take at most this many of the workers;
-        # the rest stay free for the samples and inserts that release them.
-        self.registry = BufferRegistry(self.instance, WorkerSeats(max_workers - max(1, max_workers // 4)))
-        self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
-        self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,
-                                       metrics=self.metrics)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
-            options=channel_options(max_message_bytes),
-            interceptors=[TokenAuthInterceptor(token)] if token else None,
-        )
-        self._server.add_generic_rpc_handlers((_method_handlers(self.servicer),))
-        host = address.rsplit(":", 1)[0]
-        if tls_cert is not None:
-            credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
-            self.port = self._server.add_secure_port(address, credentials)
-        else:
-            self.port = self._server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"could not bind {address}")
-        self.address = f"{host}:{self.port}"
-        self.sample_workers = SampleWorkers(sample_workers, self.instance, host, max_message_bytes, token)
-        self.servicer.sample_endpoints = self.sample_workers.endpoints
-        self.http = None
-        if http_address is not None:
-            from service.http.app import HttpServer, create_app
+        self._instance_lock = InstanceLock(self.instance)  # segments named after it are this server's
+        try:
+            if max_workers < 2:
+                raise ValueError(f"max_workers: expected >= 2, got {max_workers}")
+            # Open streams and calls blocked on a rate limiter or waiting for data may take at most this many
+            # of the workers; the rest stay free for the short calls (samples that release waiting inserts).
+            self.registry = BufferRegistry(self.instance, WorkerSeats(max_workers - max(1, max_workers // 4)))
+            self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
+            self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,
+                                           metrics=self.metrics)
+            self._server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
+                options=channel_options(max_message_bytes),
+                interceptors=[TokenAuthInterceptor(token)] if token else None,
+            )
+            self._server.add_generic_rpc_handlers((_method_handlers(self.servicer),))
+            host = address.rsplit(":", 1)[0]
+            if tls_cert is not None:
+                credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+                self.port = self._server.add_secure_port(address, credentials)
+            else:
+                self.port = self._server.add_insecure_port(address)
+            if self.port == 0:
+                raise OSError(f"could not bind {address}")
+            self.address = f"{host}:{self.port}"
+            self.sample_workers = SampleWorkers(sample_workers, self.instance, host, max_message_bytes, token)
+            self.servicer.sample_endpoints = self.sample_workers.endpoints
+            self.http = None
+            if http_address is not None:
+                from service.http.app import HttpServer, create_app
 
-            http_host, http_port = http_address.rsplit(":", 1)
-            # uvicorn takes an IPv6 host without the brackets gRPC's address needs
-            self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics, token),
-                                   http_host.strip("[]"), int(http_port))
+                http_host, http_port = http_address.rsplit(":", 1)
+                # uvicorn takes an IPv6 host without the brackets gRPC's address needs
+                self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics, token),
+                                       http_host.strip("[]"), int(http_port))
+        except BaseException:
+            self._instance_lock.release()
+            raise
 
     def start(self, timeout: float = 30.0) -> ReplayServer:
         """Restores or recovers buffers, then serves. A failure on the way stops everything started and
@@ -202,6 +208,7 @@ class ReplayServer:
         if self.http is not None:
             self.http.stop()
         self.registry.close()
+        self._instance_lock.release()
 
     def __enter__(self) -> ReplayServer:
         return self.start()
