@@ -60,9 +60,11 @@ def report_stale_segments(instance: str | None, remove: bool) -> None:
             remove_segment(name)
         print(f"removed {len(stale)} stale shared-memory segment(s) of instance {instance}: {stale}", flush=True)
     else:
+        # No running server holds this instance (this one has its lock): a server that died left them.
         print(f"warning: {len(stale)} shared-memory segment(s) of instance {instance} survive a previous server "
-              f"(crashed?): {stale}. Buffers of those names cannot be created until they are removed "
-              "(--remove-stale, or `replayd segments --instance ... --remove`).", flush=True)
+              f"that died: {stale}. Buffers of those names cannot be created until they are removed "
+              "(--remove-stale, or `replayd segments --instance ... --remove`), or reattached (--recover).",
+              flush=True)
 
 
 def list_segments(args: argparse.Namespace) -> None:
