@@ -6,6 +6,8 @@ A generator over the call could only be closed by the thread running it: a Loade
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import threading
 import time
@@ -18,25 +20,28 @@ import numpy as np
 from client.retries import server_retry_after
 from service.wire import codec
 
+log = logging.getLogger("replayd.client")
+
 
 class BatchStream:
     """Decoded batches (numpy views of each message) of one server-streaming call.
 
     `close()` cancels the call, from any thread; iterating after it ends the iteration. A stream dropped
     without close() is cancelled when gRPC collects the call. A stream the server refused as busy before
-    its first message (nothing was sampled) is opened again after the server's retry-after hint, for up
-    to `busy_retry_seconds`.
+    its first message (nothing was sampled) is opened again after the server's retry-after hint, within
+    the stream's `timeout` (None: no deadline, so it keeps trying, with a warning in the log).
     """
 
-    def __init__(self, open_call: Callable[[], Any], on_unavailable: Callable[[], None] | None = None,
-                 busy_retry_seconds: float = 30.0) -> None:
-        self._open_call = open_call  # starts the grpc call: an iterator of payloads that can be cancelled
+    def __init__(self, open_call: Callable[[float | None], Any], timeout: float | None,
+                 on_unavailable: Callable[[], None] | None = None) -> None:
+        self._open_call = open_call  # open_call(seconds): the grpc call, an iterator of payloads that can be cancelled
         self._on_unavailable = on_unavailable  # e.g. the client forgetting a sample worker's address
-        self._give_up = time.monotonic() + busy_retry_seconds
+        self._timeout = timeout
+        self._deadline = math.inf if timeout is None else time.monotonic() + timeout
         self._lock = threading.Lock()  # close() and reopening never cross
-        self._closed = False
+        self._closed = threading.Event()  # also cuts short a busy retry's pause
         self._received = False
-        self._call = open_call()
+        self._call = open_call(timeout)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
@@ -48,14 +53,18 @@ class BatchStream:
                 payload = next(self._call)
                 break
             except grpc.RpcError as exc:
-                if self._closed and exc.code() == grpc.StatusCode.CANCELLED:
+                if self._closed.is_set():
                     raise StopIteration from None
                 retry_after = None if self._received else server_retry_after(exc)
                 if retry_after is not None:
+                    if delay == 0.05:  # the first refusal of this stream
+                        log.warning("stream refused: %s; opening it again", exc.details())
                     delay = max(delay, retry_after)
-                    if time.monotonic() + delay < self._give_up and self._reopen(delay):
+                    if self._reopen(delay):
                         delay = min(delay * 2, 2.0)
                         continue
+                    if self._closed.is_set():
+                        raise StopIteration from None
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and self._on_unavailable is not None:
                     self._on_unavailable()
                 raise
@@ -63,14 +72,19 @@ class BatchStream:
         return codec.decode(payload)
 
     def _reopen(self, delay: float) -> bool:
-        time.sleep(delay * (1 + random.random()))
+        """Opens the call again after a pause (False: the stream was closed, or its deadline came first)."""
+        if self._closed.wait(min(delay * (1 + random.random()), max(self._deadline - time.monotonic(), 0.0))):
+            return False
+        remaining = None if self._timeout is None else self._deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
         with self._lock:
-            if self._closed:
+            if self._closed.is_set():
                 return False
-            self._call = self._open_call()
+            self._call = self._open_call(remaining)
             return True
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            self._closed.set()
             self._call.cancel()

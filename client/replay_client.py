@@ -289,8 +289,9 @@ class ReplayClient:
             return self._server_sampling
         return calls[next(self._round_robin) % len(calls)]
 
-    def _deadline(self, timeout: float | None) -> float:
-        """A call's deadline in seconds: `timeout` as given (0 included), else the client's default."""
+    def _deadline(self, timeout: float | None) -> float | None:
+        """A call's deadline in seconds: `timeout` as given (0 included), else the client's default (which
+        may be None: no deadline)."""
         return self.timeout if timeout is None else timeout
 
     def _forget_sampling(self, buffer: str) -> None:
@@ -322,31 +323,37 @@ class ReplayClient:
 
     def _idempotent(self, call: Callable[..., T], request: Any, timeout: float | None) -> T:
         """Retries UNAVAILABLE with exponential backoff and jitter (safe only for idempotent calls)."""
-        deadline = self._deadline(timeout)
-        return self._with_retries(lambda: call(request, timeout=deadline), self.RETRYABLE, deadline)
+        return self._with_retries(lambda remaining: call(request, timeout=remaining), self.RETRYABLE,
+                                  self._deadline(timeout))
 
-    def _with_retries(self, attempt: Callable[[], T], codes: tuple[grpc.StatusCode, ...], timeout: float) -> T:
-        """`attempt()`, retried `self.retries` times on `codes` with exponential backoff and jitter.
+    def _with_retries(self, attempt: Callable[[float | None], T], codes: tuple[grpc.StatusCode, ...],
+                      timeout: float | None) -> T:
+        """`attempt(seconds)` with a deadline of `timeout` seconds (None: none), retried `self.retries` times
+        on `codes` with exponential backoff and jitter, each retry with a deadline of its own.
 
-        A call the server refused before doing anything (busy: every seat for long calls taken) is retried
-        whatever `codes` says, for as long as `timeout` (one attempt's deadline) allows: waiting for a
-        seat is part of waiting for the call."""
+        A call the server refused before doing anything (busy: see WorkerSeats) is retried whatever
+        `codes` says, within the same deadline: waiting for a seat is part of waiting for the call."""
         delay, tried = 0.05, 0
-        give_up = time.monotonic() + timeout
+        give_up = math.inf if timeout is None else time.monotonic() + timeout
+        seconds = timeout  # this attempt's deadline
         while True:
             try:
-                return attempt()
+                return attempt(seconds)
             except grpc.RpcError as exc:
                 retry_after = server_retry_after(exc)
                 if retry_after is not None:
                     delay = max(delay, retry_after)
-                    if time.monotonic() + delay > give_up:
+                    time.sleep(min(delay * (1 + random.random()), max(give_up - time.monotonic(), 0.0)))
+                    if time.monotonic() >= give_up:
                         raise
+                    seconds = None if timeout is None else give_up - time.monotonic()
                 elif exc.code() not in codes or tried == self.retries:
                     raise
                 else:
                     tried += 1
-                time.sleep(delay * (1 + random.random()))
+                    time.sleep(delay * (1 + random.random()))
+                    give_up = math.inf if timeout is None else time.monotonic() + timeout
+                    seconds = timeout
                 delay = min(delay * 2, 2.0)
 
     # ---------------------------------------------------------------- buffers
@@ -463,8 +470,7 @@ class ReplayClient:
                                                normalize_advantages=normalize_advantages, drop_last=drop_last)
         if seed is not None:
             request.seed = seed
-        return BatchStream(lambda: self._rollout_minibatches(request, timeout=timeout),
-                           busy_retry_seconds=self._deadline(timeout))
+        return BatchStream(lambda remaining: self._rollout_minibatches(request, timeout=remaining), timeout)
 
     def finish_rollout(self, buffer: str, next_version: int) -> dict[str, Any]:
         """Starts the next rollout under `next_version`; pushes for older versions are rejected from now on."""
@@ -503,8 +509,8 @@ class ReplayClient:
         if not retry:
             return self._insert(iter(requests), timeout=self._deadline(timeout))
         frames = requests if isinstance(requests, list | tuple) else list(requests)
-        deadline = self._deadline(timeout)
-        return self._with_retries(lambda: self._insert(iter(frames), timeout=deadline), self.INSERT_RETRYABLE, deadline)
+        return self._with_retries(lambda remaining: self._insert(iter(frames), timeout=remaining),
+                                  self.INSERT_RETRYABLE, self._deadline(timeout))
 
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
                        **columns: np.ndarray) -> int:
@@ -553,11 +559,9 @@ class ReplayClient:
         """One batch as read-only numpy arrays (views into the received bytes)."""
         request = self.sample_request(buffer, batch_size, mode, **options)
 
-        deadline = self._deadline(timeout)
-
-        def attempt() -> bytes:
+        def attempt(remaining: float | None) -> bytes:
             try:
-                return self._sampling(buffer).sample(request, timeout=deadline)
+                return self._sampling(buffer).sample(request, timeout=remaining)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._forget_sampling(buffer)  # the retry asks the server where its workers are now
@@ -566,7 +570,7 @@ class ReplayClient:
         # A lost response after the server drew would count the draws twice: only side-effect-free
         # sampling is retried.
         codes = () if self._sampling_changes_state(buffer) else self.RETRYABLE
-        return codec.decode(self._with_retries(attempt, codes, deadline))
+        return codec.decode(self._with_retries(attempt, codes, self._deadline(timeout)))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -586,6 +590,5 @@ class ReplayClient:
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
-        return BatchStream(lambda: self._sampling(buffer).stream(request, timeout=timeout),
-                           on_unavailable=lambda: self._forget_sampling(buffer),
-                           busy_retry_seconds=self._deadline(timeout))
+        return BatchStream(lambda remaining: self._sampling(buffer).stream(request, timeout=remaining), timeout,
+                           on_unavailable=lambda: self._forget_sampling(buffer))

@@ -43,8 +43,8 @@ def instance_name(text: str) -> str:
 
 def worker_count(text: str) -> int:
     count = int(text)
-    if count < 2:
-        raise argparse.ArgumentTypeError(f"expected at least 2 worker threads, got {count}")
+    if count < 3:
+        raise argparse.ArgumentTypeError(f"expected at least 3 worker threads, got {count}")
     return count
 
 
@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--sample-workers", type=int, default=0,
                               help="extra processes serving Sample/SampleStream from the shared memory "
                                    "(sampling then scales with cores; inserts stay with this process)")
-    serve_parser.add_argument("--max-workers", type=worker_count, default=32,
-                              help="gRPC worker threads: one per call in progress (an open stream holds one); "
-                                   "calls blocked on a rate limiter or waiting for data may take at most 3/4 of "
-                                   "them, further ones get UNAVAILABLE (retried by clients)")
+    serve_parser.add_argument("--max-workers", type=worker_count, default=64,
+                              help="gRPC worker threads: one per call in progress. Open streams may hold 3/8 of "
+                                   "them and calls blocked on a rate limiter or waiting for data 3/8; one more gets "
+                                   "UNAVAILABLE (retried by clients), so a quarter stays free for short calls")
     serve_parser.add_argument("--http-port", type=int, default=8080,
                               help="health, /metrics and the status page; 0 picks a free port, -1 turns it off")
     serve_parser.add_argument("--max-buffer-gb", type=float, default=None,

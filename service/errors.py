@@ -25,6 +25,10 @@ class DeadlineExceeded(ReplayError):
     pass
 
 
+class Cancelled(ReplayError):
+    """The call ended (cancelled by its client) while the server waited on its behalf."""
+
+
 # Trailing metadata of a call the server refused before doing anything: the same call may be retried after
 # this many milliseconds, whatever its kind (a refused sample has drawn nothing).
 RETRY_AFTER_METADATA = "replayd-retry-after-ms"

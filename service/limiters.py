@@ -28,61 +28,84 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from service.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
 
 
-class WorkerSeats:
-    """Caps the calls that may hold one of a server's gRPC worker threads for long: open server streams
-    (sample streams, rollout minibatches) and calls blocked on a rate limiter or waiting for data.
+def call_ended(ended: threading.Event | None) -> bool:
+    return ended is not None and ended.is_set()
 
-    Were every worker held so (say, more actors held back by a rate limiter than the server has workers,
-    beside the learners' open streams), the sample that would release them could never be served. A
-    call that would take a seat while all are taken fails at once with UNAVAILABLE and a retry-after
-    hint instead (clients retry it until its deadline). A thread that holds a seat does not take a
-    second one when it waits (a stream's own samples), nor does a thread working for it (`lend`).
-    `seats=None`: no cap (in-process use).
+
+class WorkerSeats:
+    """Caps the calls that may hold one of a server's gRPC worker threads for long, in two pools: calls
+    blocked on a rate limiter or waiting for data (`waits`), and open server streams (`streams`: sample
+    streams, rollout minibatches).
+
+    Were every worker held so (more actors held back by a rate limiter than the server has workers, or
+    open streams beside them), the sample that would release them could never be served. Separate pools
+    keep a learner's stream able to open however many inserts wait, and the workers outside both pools
+    free for short calls. A call that would take a seat while its pool is full fails at once with
+    UNAVAILABLE and a retry-after hint instead (clients retry it until its deadline). A thread counts
+    once: one holding a seat takes no second one when it waits (a stream's own samples), nor does a
+    thread working for it (`lend`). None: no cap (in-process use).
     """
 
     RETRY_AFTER_MS = 100
 
-    def __init__(self, seats: int | None = None) -> None:
-        if seats is not None and seats < 1:
-            raise ValueError(f"seats: expected >= 1 or None, got {seats}")
-        self.seats = seats
-        self.taken = 0
+    def __init__(self, waits: int | None = None, streams: int | None = None) -> None:
+        for name, cap in (("waits", waits), ("streams", streams)):
+            if cap is not None and cap < 1:
+                raise ValueError(f"{name}: expected >= 1 or None, got {cap}")
+        self.caps = {"waits": waits, "streams": streams}
+        self.taken = {"waits": 0, "streams": 0}
         self._lock = threading.Lock()
         self._held = threading.local()  # .count: seats (or lent seats) the current thread is inside
 
+    @classmethod
+    def for_workers(cls, max_workers: int) -> WorkerSeats:
+        """A quarter of the workers (at least one) stays free for short calls; the rest is split in two."""
+        long_calls = max_workers - max(1, max_workers // 4)
+        if long_calls < 2:
+            raise ValueError(f"max_workers: expected >= 3, got {max_workers}")
+        return cls(waits=long_calls - long_calls // 2, streams=long_calls // 2)
+
+    def wait_seat(self, what: str) -> AbstractContextManager[None]:
+        return self._seat("waits", what)
+
+    def stream_seat(self, what: str) -> AbstractContextManager[None]:
+        return self._seat("streams", what)
+
     @contextmanager
-    def seat(self, what: str) -> Iterator[None]:
-        """Holds a seat for the duration (none if this thread already holds one); `what` names the call."""
+    def _seat(self, pool: str, what: str) -> Iterator[None]:
+        """Holds a seat of `pool` for the duration (none if this thread holds one); `what` names the call."""
         if getattr(self._held, "count", 0):
             with self.lend():
                 yield
             return
         with self._lock:
-            if self.seats is not None and self.taken >= self.seats:
+            cap = self.caps[pool]
+            if cap is not None and self.taken[pool] >= cap:
+                kind = "open streams" if pool == "streams" else "calls waiting on rate limiters or for data"
                 raise Unavailable(
-                    f"{what}: the server is busy: {self.taken} calls hold worker threads for long (open streams, "
-                    f"calls waiting on rate limiters or for data), the most it allows so that workers stay free "
-                    f"for the calls that release them; retry later, or start the server with more --max-workers",
+                    f"{what}: the server is busy: {self.taken[pool]} {kind} hold worker threads, the most it "
+                    f"allows so that workers stay free for the calls that release them; retry later, or start "
+                    f"the server with more --max-workers",
                     retry_after_ms=self.RETRY_AFTER_MS,
                 )
-            self.taken += 1
+            self.taken[pool] += 1
         try:
             with self.lend():
                 yield
         finally:
             with self._lock:
-                self.taken -= 1
+                self.taken[pool] -= 1
 
     @contextmanager
     def lend(self) -> Iterator[None]:
@@ -149,17 +172,20 @@ class RateLimiter:
         return self.samples_per_insert == 0 or self.diff - batch_size >= self.min_diff
 
     # ---------------------------------------------------------------- called with ring.lock held
-    def await_insert(self, ring: EpisodicBuffer, timeout: float | None) -> None:
-        """Waits (releasing ring.lock) until an insert may proceed; None = no deadline."""
-        if not self._wait(ring, lambda: self.can_insert(ring), timeout, "insert"):
+    def await_insert(self, ring: EpisodicBuffer, timeout: float | None, ended: threading.Event | None = None) -> None:
+        """Waits (releasing ring.lock) until an insert may proceed; None = no deadline. `ended`: set when the
+        call ends (its client cancelled it): the wait stops at once (Cancelled)."""
+        if not self._wait(ring, lambda: self.can_insert(ring), timeout, "insert", ended):
             raise DeadlineExceeded(
                 f"insert: rate limiter of buffer {ring.name!r} kept the insert waiting past its deadline "
                 f"({timeout:.3g}s): samples are behind (diff={self.diff:g} > max_diff - samples_per_insert="
                 f"{self.max_diff - self.samples_per_insert:g})"
             )
 
-    def await_sample(self, ring: EpisodicBuffer, batch_size: int, timeout: float | None) -> None:
-        """Waits (releasing ring.lock) until a sample may proceed; timeout None = fail at once."""
+    def await_sample(self, ring: EpisodicBuffer, batch_size: int, timeout: float | None,
+                     ended: threading.Event | None = None) -> None:
+        """Waits (releasing ring.lock) until a sample may proceed; timeout None = fail at once; `ended` as in
+        await_insert."""
         if self.samples_per_insert > 0 and batch_size + self.samples_per_insert > self.max_diff - self.min_diff:
             raise InvalidArgument(
                 f"sample: batch_size={batch_size} can never pass the rate limiter of buffer {ring.name!r}: "
@@ -169,7 +195,7 @@ class RateLimiter:
             if not self.can_sample(ring, batch_size):
                 raise FailedPrecondition(f"sample: rate limiter of buffer {ring.name!r} blocks it: {self._why(ring)}")
             return
-        if not self._wait(ring, lambda: self.can_sample(ring, batch_size), timeout, "sample"):
+        if not self._wait(ring, lambda: self.can_sample(ring, batch_size), timeout, "sample", ended):
             raise DeadlineExceeded(
                 f"sample: rate limiter of buffer {ring.name!r} kept the sample waiting past its deadline "
                 f"({timeout:.3g}s): {self._why(ring)}"
@@ -180,14 +206,15 @@ class RateLimiter:
             return f"sampleable_steps={ring.sampleable_steps} < min_size_to_sample={self.min_size_to_sample}"
         return f"inserts are behind (diff={self.diff:g}, min_diff={self.min_diff:g})"
 
-    def _wait(self, ring: EpisodicBuffer, ready: Callable[[], bool], timeout: float | None, side: str) -> bool:
+    def _wait(self, ring: EpisodicBuffer, ready: Callable[[], bool], timeout: float | None, side: str,
+              ended: threading.Event | None) -> bool:
         if ready():
             return True
         start = time.monotonic()
-        with ring.worker_seats.seat(f"{side} on buffer {ring.name!r} (held back by its rate limiter)"):
+        with ring.worker_seats.wait_seat(f"{side} on buffer {ring.name!r} (held back by its rate limiter)"):
             self._waiting(side, 1)
-            try:
-                ok = ring.inserted.wait_for(lambda: ring.closed or ready(), timeout=timeout)  # closed: caller raises
+            try:  # closed: the caller raises NotFound
+                ok = ring.inserted.wait_for(lambda: ring.closed or call_ended(ended) or ready(), timeout=timeout)
             finally:
                 self._waiting(side, -1)  # wait_for returns (or raises) with ring.lock held again
         waited = time.monotonic() - start
@@ -197,6 +224,8 @@ class RateLimiter:
         else:
             self.sample_waits += 1
             self.sample_wait_seconds += waited
+        if call_ended(ended) and not ready():
+            raise Cancelled(f"{side} on buffer {ring.name!r}: the call ended while its rate limiter held it back")
         return ok
 
     def _waiting(self, side: str, change: int) -> None:

@@ -140,25 +140,24 @@ def _in_thread(call, failures: list) -> threading.Thread:
 
 
 def test_blocked_calls_never_take_every_server_worker() -> None:
-    """More inserts held back by a rate limiter than the server has spare workers: one more long call
-    (an insert that would wait, a stream) is refused at once with a retry-after hint, and a sample is still
-    served (it releases the held inserts). Clients retry the refused calls until their deadline: they land
-    once seats free up. Without the cap, the held inserts took every worker and the sample could only
-    queue behind them until their deadlines."""
-    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}seats", max_workers=4).start()
+    """More inserts held back by a rate limiter than the server lets wait: one more is refused at once with
+    a retry-after hint, while a learner's stream still opens (streams have seats of their own) and unary
+    samples are still served; they release the held inserts, and the refused insert, retried by the client
+    until its deadline, lands once a seat frees up. Without the cap, the held inserts took every worker and
+    the samples could only queue behind them until their deadlines."""
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}seats", max_workers=8).start()
     threads: list[threading.Thread] = []
     failures: list[BaseException] = []
     try:
-        assert server.registry.worker_seats.seats == 3  # 4 workers, one kept free
+        seats = server.registry.worker_seats
+        assert seats.caps == {"waits": 3, "streams": 3}  # 8 workers: 2 kept free for short calls
         with ReplayClient(server.address, timeout=30) as client:
             # diff = inserted - sampled items; an insert waits while diff + 1 > max_diff = 1 + 5, so after
             # two 5-step episodes (diff 10) every further one waits until samples bring diff down to 5.
             client.create_buffer("rl", 1000, SCHEMA,
                                  rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
-            client.create_buffer("free", 1000, SCHEMA)
             client.insert_episode("rl", True, **_episode())
             client.insert_episode("rl", True, **_episode())
-            client.insert_episode("free", True, **_episode())
             threads = [_in_thread(lambda: client.insert_episode("rl", True, **_episode()), failures)
                        for _ in range(3)]
             _poll(lambda: client.describe("rl")["counters"]["rate_limiter.insert_waiting"] == 3, "3 held", failures)
@@ -171,28 +170,24 @@ def test_blocked_calls_never_take_every_server_worker() -> None:
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "server is busy" in refused.value.details() and "'rl'" in refused.value.details()
             assert server_retry_after(refused.value) == 0.1
-            # A stream needs a seat for as long as it is open: it is refused too, and reopened by the client.
-            streamed: list[dict] = []
-            stream = client.sample_stream("free", 4, num_batches=2, timeout=30)
-            streaming = _in_thread(lambda: streamed.extend(stream), failures)
             threads.append(_in_thread(lambda: client.insert_episode("rl", True, **_episode()), failures))
-            _poll(lambda: server.servicer.rejected.get("SampleStream", 0) >= 1
-                  and server.servicer.rejected.get("Insert", 0) >= 2, "stream and insert refused", failures)
+            _poll(lambda: server.servicer.rejected.get("Insert", 0) >= 2, "the retried insert refused", failures)
 
-            # The worker kept free serves samples; they let the held inserts through, and the refused one in
-            # (sampled only while an insert waits: sampling further ahead would hold the samples back).
+            # The learner's stream opens at once and its samples let the held inserts through, and the refused
+            # one in (one batch per held insert: sampling further ahead would hold the samples back).
+            stream = client.sample_stream("rl", 4, wait=True, timeout=30)
             deadline = time.monotonic() + 20
             while any(thread.is_alive() for thread in threads):
                 assert time.monotonic() < deadline and not failures, failures
                 if client.describe("rl")["counters"]["rate_limiter.insert_waiting"]:
-                    client.sample("rl", 4)
+                    assert next(stream)["obs"].shape == (4, 4)
                 else:
                     time.sleep(0.01)
-            threads.append(streaming)
-            streaming.join(timeout=20)  # seats are free now: the client's next reopening gets one
+            stream.close()
             assert not failures, failures
-            assert client.describe("rl")["counters"]["inserted_episodes"] == 6 and len(streamed) == 2
-        assert server.registry.worker_seats.taken == 0
+            assert client.describe("rl")["counters"]["inserted_episodes"] == 6
+            assert server.servicer.rejected.get("SampleStream", 0) == 0
+        _poll(lambda: seats.taken == {"waits": 0, "streams": 0}, "every seat back", failures)
     finally:
         for thread in threads:
             thread.join(timeout=30)
@@ -200,24 +195,37 @@ def test_blocked_calls_never_take_every_server_worker() -> None:
 
 
 def test_open_streams_take_seats_and_leave_workers_for_short_calls() -> None:
-    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}streams", max_workers=4).start()
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}streams", max_workers=8).start()
     streams = []
     try:
+        seats = server.registry.worker_seats
         with ReplayClient(server.address, timeout=30) as client:
             client.create_buffer("free", 1000, SCHEMA)
             client.insert_episode("free", True, **_episode())
             streams = [client.sample_stream("free", 4) for _ in range(3)]
             for stream in streams:
                 next(stream)  # open, each holding a worker
-            assert server.registry.worker_seats.taken == 3
-            refused = client.sample_stream("free", 4, timeout=0.5)
+            assert seats.taken == {"waits": 0, "streams": 3}
+            started = time.monotonic()
+            refused = client.sample_stream("free", 4, timeout=1.0)
             with pytest.raises(grpc.RpcError) as busy:
-                next(refused)  # retried for its 0.5 s, then given up
+                next(refused)  # reopened within its 1 s, then given up
             assert busy.value.code() == grpc.StatusCode.UNAVAILABLE and "server is busy" in busy.value.details()
-            # The worker kept free still serves short calls at once.
+            assert 0.9 < time.monotonic() - started < 1.5  # its deadline, kept
+            # Closed while it waits to be reopened: the iteration ends at once, without an error.
+            refusals = server.servicer.rejected["SampleStream"]
+            waiting = client.sample_stream("free", 4, timeout=30)
+            ended: list = []
+            reader = _in_thread(lambda: ended.append(list(waiting)), [])
+            _poll(lambda: server.servicer.rejected["SampleStream"] > refusals, "refused too", [])
+            closed_at = time.monotonic()
+            waiting.close()
+            reader.join(timeout=10)
+            assert ended == [[]] and time.monotonic() - closed_at < 1
+            # The workers kept free still serve short calls at once.
             assert client.describe("free")["episodes"] == 1 and len(client.sample("free", 4)["obs"]) == 4
             streams.pop().close()
-            _poll(lambda: server.registry.worker_seats.taken == 2, "a closed stream's seat freed", [])
+            _poll(lambda: seats.taken["streams"] == 2, "a closed stream's seat freed", [])
             assert len(next(client.sample_stream("free", 4, timeout=10))["obs"]) == 4
     finally:
         for stream in streams:
@@ -227,21 +235,65 @@ def test_open_streams_take_seats_and_leave_workers_for_short_calls() -> None:
 
 def test_samples_waiting_for_data_take_seats_too() -> None:
     buffer = EpisodicBuffer("empty", f"test{os.getpid()}", FIELDS, 1000)
-    buffer.worker_seats = WorkerSeats(1)
+    buffer.worker_seats = WorkerSeats(waits=1)
     result: dict[str, np.ndarray] = {}
     waiting = threading.Thread(target=lambda: result.update(buffer.sample(2, StatesMode(), wait_seconds=20)))
     try:
         waiting.start()
         deadline = time.monotonic() + 20
-        while buffer.worker_seats.taken < 1:
+        while buffer.worker_seats.taken["waits"] < 1:
             assert time.monotonic() < deadline and waiting.is_alive()
             time.sleep(0.01)
         with pytest.raises(Unavailable, match="sample of buffer 'empty' \\(waiting for data\\): the server is busy"):
             buffer.sample(2, StatesMode(), wait_seconds=20)
         insert_episode(buffer, 5, 0)
         waiting.join(timeout=20)
-        assert len(result["obs"]) == 2 and buffer.worker_seats.taken == 0
+        assert len(result["obs"]) == 2 and buffer.worker_seats.taken["waits"] == 0
         assert len(buffer.sample(2, StatesMode(), wait_seconds=20)["obs"]) == 2  # data there: no seat needed
     finally:
         waiting.join(timeout=20)
         buffer.close()
+
+
+def test_a_cancelled_call_stops_waiting_and_gives_its_worker_back() -> None:
+    """A learner that closes its stream (or an actor that gives up) while the server waits on its behalf:
+    the wait ends at once, not at the call's deadline, so its worker and seat are free again."""
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}cancel", max_workers=8).start()
+    failures: list[BaseException] = []
+    try:
+        seats = server.registry.worker_seats
+        with ReplayClient(server.address, timeout=60) as client:
+            client.create_buffer("empty", 1000, SCHEMA)
+            client.create_buffer("rl", 1000, SCHEMA,
+                                 rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
+            client.insert_episode("rl", True, **_episode())
+            client.insert_episode("rl", True, **_episode())
+            stream = client.sample_stream("empty", 4, wait=True, timeout=60)  # waits for data
+            reader = _in_thread(lambda: list(stream), failures)
+            frames = spans_requests("rl", [episode_span(_episode(), True, ("obs",))], 2**20)
+            held = client._insert.future(iter(frames), timeout=60)  # held back by the rate limiter
+            _poll(lambda: seats.taken == {"waits": 1, "streams": 1}, "both waiting", failures)
+            started = time.monotonic()
+            stream.close()
+            held.cancel()
+            _poll(lambda: seats.taken == {"waits": 0, "streams": 0}, "seats given back", failures)
+            assert time.monotonic() - started < 10  # not the calls' 60 s deadlines
+            reader.join(timeout=10)
+            assert not reader.is_alive() and not failures, failures
+            assert client.describe("rl")["counters"]["inserted_episodes"] == 2  # the cancelled insert stored nothing
+            assert server.servicer.rejected == {}  # cancelled calls are not counted as rejected
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_client_without_a_default_deadline_works() -> None:
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}nodeadline").start()
+    try:
+        with ReplayClient(server.address, timeout=None) as client:
+            client.create_buffer("b", 1000, SCHEMA)
+            client.insert_episode("b", True, **_episode())
+            assert client.describe("b")["episodes"] == 1
+            assert client.sample("b", 4)["obs"].shape == (4, 4)
+            assert len(list(client.sample_stream("b", 4, num_batches=2))) == 2
+    finally:
+        server.stop(grace=0)

@@ -48,8 +48,8 @@ from service.buffers.ring import (
     shm_name,
 )
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
-from service.limiters import RateLimiter, WorkerSeats
+from service.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.limiters import RateLimiter, WorkerSeats, call_ended
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers.kernels import REWARD_DTYPES
 from service.samplers.modes import BatchMode
@@ -371,8 +371,8 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         """
         return self.insert_result(columns, spans, timeout).completed
 
-    def insert_result(self, columns: Mapping[str, np.ndarray], spans: Spans,
-                      timeout: float | None = None) -> InsertResult:
+    def insert_result(self, columns: Mapping[str, np.ndarray], spans: Spans, timeout: float | None = None,
+                      ended: threading.Event | None = None) -> InsertResult:
         """`insert`, exactly once per span name (service/dedup.py): spans this buffer already stored are
         acknowledged and counted in `duplicate_spans`, the others are stored all-or-nothing."""
         rows = check_columns(self.fields, columns, "insert")
@@ -383,7 +383,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         with self.live():
             keep = self.dedup.screen(spans, offsets, self._landed)
             if keep.any() and self.limiter is not None:
-                self.limiter.await_insert(self, timeout)
+                self.limiter.await_insert(self, timeout, ended)
                 self.check_live()
                 keep = self.dedup.screen(spans, offsets, self._landed)  # the wait released the lock
             duplicates = len(keep) - int(np.count_nonzero(keep))
@@ -757,22 +757,25 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
     # ------------------------------------------------------------------ sampling
     def sample(self, batch_size: int, mode: BatchMode, rng: np.random.Generator | None = None,
                include_keys: bool = False, wait_seconds: float | None = None,
-               importance_beta: float = 0.0) -> dict[str, np.ndarray]:
+               importance_beta: float = 0.0, ended: threading.Event | None = None) -> dict[str, np.ndarray]:
         """One batch: indices from the sampler, columns from the mode, gathered under the lock.
 
         With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back) is waited on
-        (a condition, not a spin) for that long; without, it fails at once.
+        (a condition, not a spin) for that long, or until `ended` is set (the call was cancelled:
+        Cancelled); without, it fails at once.
         """
         mode.check(self)  # a request this buffer can never serve fails now, not after waiting for data
         with self.live():
             if self.limiter is not None:
-                self.limiter.await_sample(self, batch_size, wait_seconds)
+                self.limiter.await_sample(self, batch_size, wait_seconds, ended)
             elif wait_seconds is not None and self.sampleable_steps == 0:
-                with self.worker_seats.seat(f"sample of buffer {self.name!r} (waiting for data)"):
-                    if not self.inserted.wait_for(lambda: self.closed or self.sampleable_steps > 0,
-                                                  timeout=wait_seconds):
-                        raise DeadlineExceeded(
-                            f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
+                with self.worker_seats.wait_seat(f"sample of buffer {self.name!r} (waiting for data)"):
+                    self.inserted.wait_for(lambda: self.closed or call_ended(ended) or self.sampleable_steps > 0,
+                                           timeout=wait_seconds)
+                if not self.closed and self.sampleable_steps == 0:  # closed: unmapped, check_live raises below
+                    if call_ended(ended):
+                        raise Cancelled(f"sample of buffer {self.name!r}: the call ended while it waited for data")
+                    raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
             self.check_live()  # the waits released the lock
             draw, batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
             self.counters["sampled_batches"] += 1
@@ -795,6 +798,11 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
             return self.sampler.update_priorities(self, keys, priorities)
 
     # ------------------------------------------------------------------ lifetime
+    def wake_waiters(self) -> None:
+        """Wakes the calls waiting on this buffer to check their conditions again (one may have ended)."""
+        with self.lock:
+            self.inserted.notify_all()
+
     def check_live(self) -> None:
         """For code that waited on `inserted` inside `with self.live():` (the wait released the lock)."""
         self.lifetime.check()

@@ -52,7 +52,7 @@ class SampleWorkerServicer:
         self.instance = instance
         self.max_message_bytes = max_message_bytes
         # Open streams and waiting samples may hold 3/4 of the worker threads (see WorkerSeats).
-        self.worker_seats = WorkerSeats(WORKER_THREADS - WORKER_THREADS // 4)
+        self.worker_seats = WorkerSeats.for_workers(WORKER_THREADS)
         self.rejected: dict[str, int] = {}
         self._rings: dict[str, tuple[int, EpisodicRing]] = {}
         self._lock = threading.Lock()
@@ -77,13 +77,15 @@ class SampleWorkerServicer:
             return ring
 
     def _message(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
-                 deadline: float | None) -> bytes:
+                 deadline: float | None, context: grpc.ServicerContext) -> bytes:
         check_sample_request(request, ring, self.max_message_bytes)
         mode = convert.mode_from_request(request)
         if deadline is not None and ring.sampleable_steps == 0:
-            with self.worker_seats.seat(f"sample of buffer {ring.name!r} (waiting for data)"):
+            with self.worker_seats.wait_seat(f"sample of buffer {ring.name!r} (waiting for data)"):
                 delay = _WAIT_POLL_SECONDS[0]
                 while ring.sampleable_steps == 0:
+                    if not context.is_active():  # cancelled: give the worker (and its seat) back now
+                        raise errors.Cancelled(f"sample of buffer {ring.name!r}: the call ended while it waited")
                     if time.monotonic() >= deadline:
                         raise errors.DeadlineExceeded(
                             f"buffer {ring.name!r} got no sampleable steps before the deadline")
@@ -103,7 +105,8 @@ class SampleWorkerServicer:
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context: grpc.ServicerContext) -> bytes:
-        return self._message(self.ring(request.buffer), request, self._rng(request), self._deadline(request, context))
+        return self._message(self.ring(request.buffer), request, self._rng(request), self._deadline(request, context),
+                             context)
 
     @stream_rpc(ahead=lambda servicer, request: SAMPLE_AHEAD)  # workers serve side-effect-free buffers only
     def SampleStream(self, request: pb.SampleStreamRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -113,7 +116,7 @@ class SampleWorkerServicer:
         ring, rng = self.ring(inner.buffer), self._rng(inner)
         sent = 0
         while request.num_batches == 0 or sent < request.num_batches:  # see ReplayServicer.SampleStream
-            yield self._message(ring, inner, rng, self._deadline(inner, context))
+            yield self._message(ring, inner, rng, self._deadline(inner, context), context)
             sent += 1
 
 

@@ -74,7 +74,7 @@ class ReplayServer:
         address: str = "127.0.0.1:50051",
         instance: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_workers: int = 32,
+        max_workers: int = 64,
         http_address: str | None = None,
         token: str | None = None,
         tls_cert: bytes | None = None,
@@ -103,11 +103,9 @@ class ReplayServer:
         self.instance = check_instance_name(instance or secrets.token_hex(4))
         self._instance_lock = InstanceLock(self.instance)  # segments named after it are this server's
         try:
-            if max_workers < 2:
-                raise ValueError(f"max_workers: expected >= 2, got {max_workers}")
-            # Open streams and calls blocked on a rate limiter or waiting for data may take at most this many
-            # of the workers; the rest stay free for the short calls (samples that release waiting inserts).
-            self.registry = BufferRegistry(self.instance, WorkerSeats(max_workers - max(1, max_workers // 4)))
+            # Open streams and calls blocked on a rate limiter or waiting for data each have a share of the
+            # workers; the rest stay free for the short calls (samples that release waiting inserts).
+            self.registry = BufferRegistry(self.instance, WorkerSeats.for_workers(max_workers))
             self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
             self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,
                                            metrics=self.metrics)

@@ -51,6 +51,7 @@ STATUS = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
 }
 
 
@@ -122,7 +123,8 @@ def rpc(method: Callable) -> Callable:
 def _abort(self: ReplayServicer, method: Callable, exc: Exception, context: grpc.ServicerContext) -> None:
     """Ends the call: replayd errors with their status code, anything else as INTERNAL (logged with its trace)."""
     if isinstance(exc, errors.ReplayError | codec.CodecError):
-        self.counters_rejected(method.__name__, exc)
+        if not isinstance(exc, errors.Cancelled):  # the client ended the call: nothing was rejected
+            self.counters_rejected(method.__name__, exc)
         if isinstance(exc, errors.Unavailable) and exc.retry_after_ms is not None:
             context.set_trailing_metadata(((errors.RETRY_AFTER_METADATA, str(exc.retry_after_ms)),))
         context.abort(_status_of(exc), _message(exc))
@@ -262,8 +264,8 @@ def stream_rpc(method: Callable | None = None, *, ahead: Callable[[Any, Any], in
                 def observe(seconds: float, message: object) -> None:
                     metrics.observe_message(method.__name__, label, seconds, _sent_bytes(message))
 
-            seats = self.worker_seats
-            with seats.seat(f"{method.__name__} on buffer {buffer_of(request)!r}"):  # held while the stream is open
+            seats = self.worker_seats  # a stream holds its seat while it is open
+            with seats.stream_seat(f"{method.__name__} on buffer {buffer_of(request)!r}"):
                 depth = ahead(self, request) if ahead is not None else 0
                 produced = method(self, request, context)
                 messages = _Ahead(produced, depth, observe, seats) if depth > 0 else _timed(produced, observe)
@@ -283,6 +285,32 @@ def stream_rpc(method: Callable | None = None, *, ahead: Callable[[Any, Any], in
                 metrics.observe_latency(method.__name__, label, time.perf_counter() - start)
 
     return wrapper
+
+
+class CallEnd:
+    """An event set when the RPC ends (its client cancelled it, or it finished), which also wakes the
+    buffers the call waits on: a cancelled call must not keep its worker (and seat) until its deadline."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.event = threading.Event()
+        self._buffers: list[EpisodicBuffer] = []
+        self._lock = threading.Lock()
+        if not context.add_callback(self._end):  # the call has ended already
+            self.event.set()
+
+    def on(self, buffer: EpisodicBuffer) -> threading.Event:
+        """The event, for a wait on `buffer`."""
+        with self._lock:
+            if buffer not in self._buffers:
+                self._buffers.append(buffer)
+        return self.event
+
+    def _end(self) -> None:
+        self.event.set()
+        with self._lock:
+            buffers = list(self._buffers)
+        for buffer in buffers:
+            buffer.wake_waiters()
 
 
 def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
@@ -403,6 +431,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @rpc
     def Insert(self, frames: Iterator[InsertFrame], context) -> pb.InsertResponse:
         requests = spans = rows = completed = duplicates = 0
+        call_end: CallEnd | None = None  # made when a rate limiter could hold an insert back
         for frame in frames:
             if isinstance(frame, MalformedRequest):
                 raise errors.InvalidArgument(f"{frame.error} (request {requests} of the stream)")
@@ -411,7 +440,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             try:
                 columns = codec.decode(frame.steps)
                 spans_of_request = convert.spans_from_request(request)
-                result = buffer.insert_result(columns, spans_of_request, timeout=context.time_remaining())
+                if buffer.limiter is not None and call_end is None:
+                    call_end = CallEnd(context)
+                ended = call_end.on(buffer) if buffer.limiter is not None else None
+                result = buffer.insert_result(columns, spans_of_request, timeout=context.time_remaining(),
+                                              ended=ended)
             except (errors.ReplayError, codec.CodecError) as exc:
                 if requests:
                     exc.args = (f"{exc.args[0]} (request {requests} of the stream; the {requests} before it "
@@ -431,17 +464,19 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return convert.mode_from_request(request)
 
     def _sample_message(self, buffer: EpisodicBuffer, request: pb.SampleRequest, mode: BatchMode,
-                        rng: np.random.Generator | None, wait_seconds: float | None) -> bytes:
+                        rng: np.random.Generator | None, wait_seconds: float | None,
+                        ended: threading.Event | None) -> bytes:
         batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds,
-                              importance_beta=request.importance_beta)
+                              importance_beta=request.importance_beta, ended=ended)
         return sample_message(batch, self.max_message_bytes)
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context) -> bytes:
         buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
+        ended = CallEnd(context).on(buffer) if request.wait else None
         return self._sample_message(buffer, request, self._sample_mode(buffer, request), rng,
-                                    wait_seconds(request, context))
+                                    wait_seconds(request, context), ended)
 
     @rpc
     def UpdatePriorities(self, request: pb.UpdatePrioritiesRequest, context) -> pb.UpdatePrioritiesResponse:
@@ -470,12 +505,13 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         mode = self._sample_mode(buffer, inner)
         # One generator for the whole stream: seeded streams are reproducible batch after batch.
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
+        ended = CallEnd(context).on(buffer) if inner.wait else None  # a cancelled stream stops waiting
         sent = 0
         # No context.is_active() here: gRPC asks for a batch only while the call is active, a stream sampling
         # ahead is stopped by stream_rpc, and is_active() waits for the call's lock, which gRPC holds while it
         # hands the previous batch to the transport (it would serialize sampling ahead with sending).
         while request.num_batches == 0 or sent < request.num_batches:
-            yield self._sample_message(buffer, inner, mode, rng, wait_seconds(inner, context))
+            yield self._sample_message(buffer, inner, mode, rng, wait_seconds(inner, context), ended)
             sent += 1
 
     # ---------------------------------------------------------------- rollout
