@@ -224,7 +224,7 @@ class RateLimiter:
         else:
             self.sample_waits += 1
             self.sample_wait_seconds += waited
-        if call_ended(ended) and not ready():
+        if not ring.closed and call_ended(ended) and not ready():  # closed: unmapped; the caller raises NotFound
             raise Cancelled(f"{side} on buffer {ring.name!r}: the call ended while its rate limiter held it back")
         return ok
 

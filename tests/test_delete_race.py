@@ -17,6 +17,7 @@ import pytest
 from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import NotFound
+from service.limiters import RateLimiter
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 
@@ -103,3 +104,44 @@ def test_close_wakes_a_waiting_sampler_with_not_found() -> None:
     assert len(errors) == 1 and isinstance(errors[0], NotFound)
     with pytest.raises(NotFound, match="was deleted"):
         buffer.insert({"obs": np.zeros(3, np.float32)}, Spans.whole_episodes(np.array([2]), [1], [True]))
+
+
+@pytest.mark.parametrize("side", ["sample", "insert"])
+def test_a_cancelled_wait_woken_after_the_buffer_closed_reads_nothing(side: str) -> None:
+    """Stopping a server cancels its calls (their waits wake) and closes the buffers: a waiter that gets
+    the lock back only after the close must not read the unmapped arrays (it crashed the server)."""
+    fields = [Field("obs", "float32", (), observation=True), Field("reward", "float32", ())]
+    limiter = RateLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=2.0)
+    buffer = EpisodicBuffer("cancelled", f"test{os.getpid()}", fields, 64, limiter=limiter)
+    episode = {"obs": np.zeros(3, np.float32), "reward": np.ones(3, np.float32)}  # rows as the server gets them
+    if side == "insert":  # two 2-step episodes: diff 4, and an insert waits while diff + 1 > max_diff = 3
+        buffer.insert(episode, Spans.whole_episodes(np.array([2]), [1], [True]))
+        buffer.insert(episode, Spans.whole_episodes(np.array([2]), [2], [True]))
+    ended = threading.Event()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            if side == "sample":  # empty: the limiter holds the sample back
+                buffer.sample(1, TransitionsMode(1, 0.9), wait_seconds=60, ended=ended)
+            else:
+                buffer.insert_result(episode, Spans.whole_episodes(np.array([2]), [3], [True]), timeout=60, ended=ended)
+        except BaseException as exc:  # the test inspects it
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not buffer.inserted._waiters:
+            assert thread.is_alive() and time.monotonic() < deadline, errors
+            thread.join(timeout=0.001)
+        with buffer.lock:  # the call ends and the buffer closes before the waiter gets the lock back
+            ended.set()
+            buffer.inserted.notify_all()
+            buffer.close()
+    finally:
+        buffer.close()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], NotFound)

@@ -287,7 +287,10 @@ def test_a_cancelled_call_stops_waiting_and_gives_its_worker_back() -> None:
 
 
 def test_a_client_without_a_default_deadline_works() -> None:
+    """gRPC reports a huge time_remaining() for calls without a deadline: a held insert waits without one
+    (it failed with OverflowError, INTERNAL), and a sample asking to wait is told it needs a deadline."""
     server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}nodeadline").start()
+    failures: list[BaseException] = []
     try:
         with ReplayClient(server.address, timeout=None) as client:
             client.create_buffer("b", 1000, SCHEMA)
@@ -295,5 +298,19 @@ def test_a_client_without_a_default_deadline_works() -> None:
             assert client.describe("b")["episodes"] == 1
             assert client.sample("b", 4)["obs"].shape == (4, 4)
             assert len(list(client.sample_stream("b", 4, num_batches=2))) == 2
+            client.create_buffer("rl", 1000, SCHEMA,
+                                 rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
+            client.insert_episode("rl", True, **_episode())
+            client.insert_episode("rl", True, **_episode())
+            held = _in_thread(lambda: client.insert_episode("rl", True, **_episode()), failures)
+            _poll(lambda: client.describe("rl")["counters"]["rate_limiter.insert_waiting"] == 1, "held", failures)
+            client.sample("rl", 4)
+            client.sample("rl", 4)
+            held.join(timeout=20)
+            assert not failures and client.describe("rl")["episodes"] == 3, failures
+            with pytest.raises(grpc.RpcError) as no_deadline:
+                client.sample("b", 4, wait=True)
+            assert no_deadline.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "needs a call deadline" in no_deadline.value.details()
     finally:
         server.stop(grace=0)

@@ -313,14 +313,20 @@ class CallEnd:
             buffer.wake_waiters()
 
 
+def time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left before the call's deadline; None if it has none (gRPC then reports a huge number)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > threading.TIMEOUT_MAX else max(0.0, remaining)
+
+
 def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
     """How long a sample may wait for data: None unless the request asks to wait (up to its deadline)."""
     if not request.wait:
         return None
-    remaining = context.time_remaining()
+    remaining = time_remaining(context)
     if remaining is None:
         raise errors.InvalidArgument("sample: wait=true needs a call deadline (timeout)")
-    return max(0.0, remaining)
+    return remaining
 
 
 def check_sample_request(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes: int) -> None:
@@ -443,7 +449,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 if buffer.limiter is not None and call_end is None:
                     call_end = CallEnd(context)
                 ended = call_end.on(buffer) if buffer.limiter is not None else None
-                result = buffer.insert_result(columns, spans_of_request, timeout=context.time_remaining(),
+                result = buffer.insert_result(columns, spans_of_request, timeout=time_remaining(context),
                                               ended=ended)
             except (errors.ReplayError, codec.CodecError) as exc:
                 if requests:
