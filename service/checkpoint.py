@@ -135,12 +135,16 @@ def _ring_rows_overlap(lo: int, hi: int, row_lo: int, row_hi: int, capacity: int
 def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
                     on_chunk: Callable[[], None] | None) -> dict[str, Any]:
     arrays = buffer.storage.arrays
+    config = buffer.config()
     field_names = [f"field.{f.name}" for f in buffer.fields]
     capacity = buffer.capacity
     rows_per_chunk = max(1, chunk_bytes // max(1, buffer.row_bytes))
     for attempt in range(1, SNAPSHOT_ATTEMPTS + 1):
         whole = attempt == SNAPSHOT_ATTEMPTS
         with buffer.live():
+            # The layout is read under the lock: a delete racing the chunks below empties `arrays`.
+            entries = _array_entries(arrays)
+            dtypes = {name: arrays[name].dtype for name in field_names}
             small = {name: array.copy() for name, array in arrays.items() if name not in field_names}
             state = buffer.python_state()
             tail, head = int(arrays["state"][TAIL_POS]), int(arrays["state"][HEAD])
@@ -149,7 +153,7 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
         if columns is not None:  # last attempt: everything was copied under one hold of the lock
             _write_whole(directory, columns)
             break
-        outputs = {name: _ArrayFile(directory / f"{name}.arrow", name, arrays[name].dtype) for name in field_names}
+        outputs = {name: _ArrayFile(directory / f"{name}.arrow", name, dtypes[name]) for name in field_names}
         torn = False
         try:
             for row_lo in range(0, capacity, rows_per_chunk):
@@ -172,8 +176,7 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
             break
         log.info("checkpoint of buffer %r raced with evictions (attempt %d); taking the snapshot again",
                  buffer.name, attempt)
-    return {"kind": "episodic", "config": buffer.config(), "arrays": _array_entries(arrays),
-            "state": state, "snapshot_attempts": attempt}
+    return {"kind": "episodic", "config": config, "arrays": entries, "state": state, "snapshot_attempts": attempt}
 
 
 def _rollout_config(buffer: RolloutBuffer) -> dict[str, Any]:
@@ -185,8 +188,8 @@ def _rollout_config(buffer: RolloutBuffer) -> dict[str, Any]:
 def _write_rollout(buffer: RolloutBuffer, directory: Path) -> dict[str, Any]:
     copies, state = buffer.snapshot()
     _write_whole(directory, copies)
-    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": _array_entries(buffer.shared.arrays),
-            "state": state}
+    # The copies' layout, not the shared arrays': a delete after the snapshot empties those.
+    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": _array_entries(copies), "state": state}
 
 
 def _complete(root: Path) -> list[Path]:

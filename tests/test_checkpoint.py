@@ -371,3 +371,31 @@ def test_a_server_that_cannot_start_its_http_side_unlinks_what_it_restored(tmp_p
             server.start()
         assert time.monotonic() - started < 15  # not the 30 s start timeout
     assert segments(f"rpd_{instance}_") == []
+
+
+def test_a_buffer_deleted_after_its_last_chunk_is_saved_whole(tmp_path: Path) -> None:
+    """A delete landing after a buffer's last chunk was copied: the snapshot is complete, so it is saved
+    (its manifest entry used to list no arrays, which made the whole checkpoint unrestorable)."""
+    registry = BufferRegistry(new_instance())
+    try:
+        registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 64))
+        insert(registry.episodic("b"), [1, 2, 3], 9)
+        row_bytes = registry.episodic("b").row_bytes
+        chunks = []
+
+        def delete_after_the_last_chunk() -> None:
+            chunks.append(1)
+            if len(chunks) == 4:  # 64 rows in chunks of 16
+                registry.delete("b")
+
+        manifest = write_checkpoint(registry, tmp_path, chunk_bytes=16 * row_bytes,
+                                    on_chunk=delete_after_the_last_chunk)
+        assert len(chunks) == 4 and "b" not in registry
+        other = BufferRegistry(new_instance())
+        try:
+            assert restore_checkpoint(manifest.parent, other) == ["b"]
+            assert other.episodic("b").episodes == 3
+        finally:
+            other.close()
+    finally:
+        registry.close()

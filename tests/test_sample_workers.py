@@ -164,3 +164,25 @@ def _state(pid: int) -> str:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_a_worker_stream_of_a_recreated_buffer_ends_with_not_found(worker_server: ReplayServer) -> None:
+    """A buffer deleted and created again (larger) while a worker streams it: the stream ends with NOT_FOUND
+    (the worker used to unmap the old ring under it and die of SIGSEGV), and the new buffer is served."""
+    with ReplayClient(worker_server.address, retries=0) as client:
+        fill(client, "b")
+        stream = client.sample_stream("b", 8, timeout=60)
+        assert next(stream)["obs"].shape == (8, 4)
+        client.delete_buffer("b")
+        client.create_buffer("b", 200_000, SCHEMA)
+        fill_rows = {"obs": np.ones((6, 4), np.float32), "action": np.zeros(5, np.int64),
+                     "reward": np.ones(5, np.float32)}
+        client.insert_episode("b", True, **fill_rows)
+        for _ in range(2):  # each worker attaches the new buffer, dropping its old ring
+            assert client.sample("b", 4)["obs"].shape == (4, 4)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in range(100_000):  # batches sampled ahead before the delete may still arrive
+                next(stream)
+        assert ended.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (client.sample("b", 16)["obs"] == 1).all()
+    assert worker_server.sample_workers.restarts == 0

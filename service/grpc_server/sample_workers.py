@@ -70,20 +70,27 @@ class SampleWorkerServicer:
             cached = self._rings.get(buffer)
             if cached is not None and cached[0] == inode:
                 return cached[1]
-            if cached is not None:  # deleted and created again under the same name
-                cached[1].close()
+            # A buffer deleted (and maybe created again): calls still holding the old ring stop at their next
+            # batch (current); it is unmapped once none holds it (closing it here would unmap it under them).
             ring = EpisodicRing.attach(header)
             self._rings[buffer] = (inode, ring)
             return ring
 
+    def current(self, buffer: str, ring: EpisodicRing) -> None:
+        """NotFound once `buffer` was deleted (or deleted and created again) since `ring` was attached."""
+        if self.ring(buffer) is not ring:
+            raise errors.NotFound(f"buffer {buffer!r} was deleted or created again while this call sampled it")
+
     def _message(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
                  deadline: float | None, context: grpc.ServicerContext) -> bytes:
+        self.current(request.buffer, ring)
         check_sample_request(request, ring, self.max_message_bytes)
         mode = convert.mode_from_request(request)
         if deadline is not None and ring.sampleable_steps == 0:
             with self.worker_seats.wait_seat(f"sample of buffer {ring.name!r} (waiting for data)"):
                 delay = _WAIT_POLL_SECONDS[0]
                 while ring.sampleable_steps == 0:
+                    self.current(request.buffer, ring)
                     if not context.is_active():  # cancelled: give the worker (and its seat) back now
                         raise errors.Cancelled(f"sample of buffer {ring.name!r}: the call ended while it waited")
                     if time.monotonic() >= deadline:
