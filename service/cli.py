@@ -11,11 +11,11 @@ import signal
 import threading
 from pathlib import Path
 
-from service.errors import ReplayError
+from service.errors import FailedPrecondition, ReplayError
 from service.grpc_server.auth import check_bind
 from service.grpc_server.server import ReplayServer
 from service.schema import check_instance_name
-from service.storage.instance_lock import instance_in_use
+from service.storage.instance_lock import InstanceLock
 from service.storage.shared_arrays import remove_segment, segments
 
 
@@ -69,17 +69,25 @@ def report_stale_segments(instance: str | None, remove: bool) -> None:
 
 def list_segments(args: argparse.Namespace) -> None:
     prefix = f"rpd_{args.instance}_" if args.instance else "rpd_"
-    found = segments(prefix)
-    live = {name.split("_")[1] for name in found if instance_in_use(name.split("_")[1])}
-    removed = 0
-    for name in found:
-        instance = name.split("_")[1]
-        print(name + (f"  (in use: instance {instance} is being served)" if instance in live else ""))
-        if args.remove and instance not in live:
-            remove_segment(name)
-            removed += 1
+    by_instance: dict[str, list[str]] = {}
+    for name in segments(prefix):  # rpd_<instance>_<buffer>[.data]; instance names have no "_"
+        by_instance.setdefault(name.split("_")[1], []).append(name)
+    removed, live = 0, []
+    for instance, names in by_instance.items():
+        lock = None
+        try:  # held while removing: a server starting under this instance meanwhile waits, then is refused
+            lock = InstanceLock(instance, wait_seconds=0)
+        except FailedPrecondition:
+            live.append(instance)
+        for name in names:
+            print(name + (f"  (in use: instance {instance} is being served)" if lock is None else ""))
+            if args.remove and lock is not None:
+                remove_segment(name)
+                removed += 1
+        if lock is not None:
+            lock.release()
     if args.remove:
-        kept = f"; kept those of running instance(s) {sorted(live)}" if live else ""
+        kept = f"; kept those of running instance(s) {live}" if live else ""
         print(f"removed {removed} segment(s){kept}")
 
 

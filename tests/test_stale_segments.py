@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -16,7 +17,7 @@ from service.buffers.episodic import EpisodicBuffer
 from service.errors import FailedPrecondition, InvalidArgument
 from service.grpc_server.server import ReplayServer
 from service.schema import Field
-from service.storage.instance_lock import lock_path
+from service.storage.instance_lock import InstanceLock, lock_path
 from service.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE
 
@@ -114,3 +115,16 @@ def test_a_running_servers_instance_cannot_be_taken_nor_its_segments_removed() -
         first.stop(grace=0)
     assert not os.path.exists(lock_path(instance))
     ReplayServer("127.0.0.1:0", instance=instance).start().stop(grace=0)  # free again once it stopped
+
+
+def test_a_server_starting_while_segments_are_listed_waits_for_the_lock() -> None:
+    """`replayd segments` holds each instance's lock for a moment while it looks: a server starting under
+    that instance then waits for it instead of being refused as if the instance were served."""
+    instance = f"{TEST_INSTANCE}probe"
+    probe = InstanceLock(instance)
+    releaser = threading.Timer(0.2, probe.release)
+    releaser.start()
+    try:
+        ReplayServer("127.0.0.1:0", instance=instance).start().stop(grace=0)
+    finally:
+        releaser.join()

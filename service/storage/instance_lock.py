@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 from service.errors import FailedPrecondition
 from service.storage.shared_arrays import SHM_DIR
@@ -21,16 +22,21 @@ def lock_path(instance: str) -> str:
 
 
 class InstanceLock:
-    """Held from construction to `release()`; FailedPrecondition if a running process holds it."""
+    """Held from construction to `release()`; FailedPrecondition if another process still holds it after
+    `wait_seconds` (a `replayd segments` run holds it for a moment while it looks)."""
 
-    def __init__(self, instance: str) -> None:
+    def __init__(self, instance: str, wait_seconds: float = 1.0) -> None:
         self.instance, self.path = instance, lock_path(instance)
+        give_up = time.monotonic() + wait_seconds
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
+                if time.monotonic() < give_up:
+                    time.sleep(0.01)
+                    continue
                 raise FailedPrecondition(
                     f"instance {instance!r} is served by another running process (it holds {self.path}): "
                     "start this server under another --instance, or stop that one first") from None
@@ -51,11 +57,3 @@ class InstanceLock:
         os.close(self._fd)
         self._fd = None
 
-
-def instance_in_use(instance: str) -> bool:
-    """Whether a running process holds `instance`'s lock (checked by taking and dropping it)."""
-    try:
-        InstanceLock(instance).release()
-    except FailedPrecondition:
-        return True
-    return False
