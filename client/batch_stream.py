@@ -47,7 +47,7 @@ class BatchStream:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        delay = 0.05
+        delay, warned = 0.05, False
         while True:
             try:
                 payload = next(self._call)
@@ -57,8 +57,9 @@ class BatchStream:
                     raise StopIteration from None
                 retry_after = None if self._received else server_retry_after(exc)
                 if retry_after is not None:
-                    if delay == 0.05:  # the first refusal of this stream
+                    if not warned:
                         log.warning("stream refused: %s; opening it again", exc.details())
+                        warned = True
                     delay = max(delay, retry_after)
                     if self._reopen(delay):
                         delay = min(delay * 2, 2.0)

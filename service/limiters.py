@@ -43,6 +43,25 @@ def call_ended(ended: threading.Event | None) -> bool:
     return ended is not None and ended.is_set()
 
 
+def wait_on(ring: EpisodicBuffer, ready: Callable[[], bool], timeout: float | None, ended: threading.Event | None,
+            what: str, waiting: Callable[[int], None] | None = None) -> bool:
+    """Waits (releasing ring.lock, in a wait seat) until `ready()`, the ring closes or `ended` is set (the
+    call was cancelled: Cancelled). False: `timeout` passed first. `waiting(+1)` / `waiting(-1)` bracket the
+    wait itself (not a refusal for want of a seat). The caller checks `closed` before it touches the arrays
+    again (a closed ring is unmapped)."""
+    with ring.worker_seats.wait_seat(what):
+        if waiting is not None:
+            waiting(1)
+        try:
+            ok = ring.inserted.wait_for(lambda: ring.closed or call_ended(ended) or ready(), timeout=timeout)
+        finally:
+            if waiting is not None:
+                waiting(-1)  # wait_for returns (or raises) with ring.lock held again
+    if not ring.closed and call_ended(ended) and not ready():
+        raise Cancelled(f"{what}: the call ended while it waited")
+    return ok
+
+
 class WorkerSeats:
     """Caps the calls that may hold one of a server's gRPC worker threads for long, in two pools: calls
     blocked on a rate limiter or waiting for data (`waits`), and open server streams (`streams`: sample
@@ -211,28 +230,21 @@ class RateLimiter:
         if ready():
             return True
         start = time.monotonic()
-        with ring.worker_seats.wait_seat(f"{side} on buffer {ring.name!r} (held back by its rate limiter)"):
-            self._waiting(side, 1)
-            try:  # closed: the caller raises NotFound
-                ok = ring.inserted.wait_for(lambda: ring.closed or call_ended(ended) or ready(), timeout=timeout)
-            finally:
-                self._waiting(side, -1)  # wait_for returns (or raises) with ring.lock held again
-        waited = time.monotonic() - start
-        if side == "insert":
-            self.insert_waits += 1
-            self.insert_wait_seconds += waited
-        else:
-            self.sample_waits += 1
-            self.sample_wait_seconds += waited
-        if not ring.closed and call_ended(ended) and not ready():  # closed: unmapped; the caller raises NotFound
-            raise Cancelled(f"{side} on buffer {ring.name!r}: the call ended while its rate limiter held it back")
-        return ok
+        # closed: wait_on returns True and the caller raises NotFound
+        return wait_on(ring, ready, timeout, ended, f"{side} on buffer {ring.name!r} (held back by its rate limiter)",
+                       lambda change: self._waiting(side, change, start))
 
-    def _waiting(self, side: str, change: int) -> None:
+    def _waiting(self, side: str, change: int, since: float) -> None:
+        """The held-back gauge; a wait that ends (change -1) is counted with its length."""
+        seconds = time.monotonic() - since if change < 0 else 0.0
         if side == "insert":
             self.insert_waiting += change
+            self.insert_waits += int(change < 0)
+            self.insert_wait_seconds += seconds
         else:
             self.sample_waiting += change
+            self.sample_waits += int(change < 0)
+            self.sample_wait_seconds += seconds
 
     def record_insert(self, items: int) -> None:
         self.inserts += items

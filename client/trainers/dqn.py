@@ -167,19 +167,13 @@ def q_loss_manual_grad(
 
     # Online forward, keeping each layer's input (s rows) for the backward.  Double DQN: one pass
     # over [s; s_boot] (the s_boot half only picks the bootstrap action).
-    x = torch.cat([obs, boot_obs]) if double else obs  # (B or 2B, obs_dim)
-    layer_inputs = [obs]  # (B, in) per layer
-    for w_t, b in online_t[:-1]:
-        x = torch.addmm(b, x, w_t).relu_()  # (B or 2B, hidden)
-        layer_inputs.append(x[:B] if double else x)
-    q = torch.addmm(online_t[-1][1], x, online_t[-1][0])  # (B or 2B, A)
+    layer_inputs, q = _relu_mlp(torch.cat([obs, boot_obs]) if double else obs, online_t)  # q (B or 2B, A)
+    if double:
+        layer_inputs = [x[:B] for x in layer_inputs]  # (B, in) per layer: the s rows
     q_taken = q.gather(1, action).view(B)  # (B,) Q(s, a); the (B, 1) index reads the s rows only
 
     # n-step target from the target network (no gradient by construction).
-    h = boot_obs
-    for w_t, b in target_t[:-1]:
-        h = torch.addmm(b, h, w_t).relu_()  # (B, hidden)
-    q_next = torch.addmm(target_t[-1][1], h, target_t[-1][0])  # (B, A)
+    _, q_next = _relu_mlp(boot_obs, target_t)  # (B, A)
     if double:
         boot_value = q_next.gather(1, q[B:].argmax(1, keepdim=True)).view(B)  # (B,) Q_target(s', argmax Q_online)
     else:
@@ -216,6 +210,16 @@ def q_loss_manual_grad(
             # ReLU backward: zero where the layer input (a ReLU output) is 0 (autograd's own op).
             g = torch.ops.aten.threshold_backward(torch.mm(g, w), x_in, 0.0)  # (B, in)
     return loss, td, q_taken
+
+
+def _relu_mlp(x: Tensor, layers_t: Sequence[tuple[Tensor, Tensor]]) -> tuple[list[Tensor], Tensor]:
+    """A Linear/ReLU stack on (W^T, b) views, graph-free: (each layer's input, the output)."""
+    inputs = []
+    for w_t, b in layers_t[:-1]:
+        inputs.append(x)
+        x = torch.addmm(b, x, w_t).relu_()  # (N, hidden)
+    inputs.append(x)
+    return inputs, torch.addmm(layers_t[-1][1], x, layers_t[-1][0])
 
 
 def _as(x: Tensor | None, dtype: torch.dtype) -> Tensor | None:

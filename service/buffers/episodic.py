@@ -48,8 +48,8 @@ from service.buffers.ring import (
     shm_name,
 )
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
-from service.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
-from service.limiters import RateLimiter, WorkerSeats, call_ended
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.limiters import RateLimiter, WorkerSeats, wait_on
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers.kernels import REWARD_DTYPES
 from service.samplers.modes import BatchMode
@@ -768,14 +768,11 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         with self.live():
             if self.limiter is not None:
                 self.limiter.await_sample(self, batch_size, wait_seconds, ended)
-            elif wait_seconds is not None and self.sampleable_steps == 0:
-                with self.worker_seats.wait_seat(f"sample of buffer {self.name!r} (waiting for data)"):
-                    self.inserted.wait_for(lambda: self.closed or call_ended(ended) or self.sampleable_steps > 0,
-                                           timeout=wait_seconds)
-                if not self.closed and self.sampleable_steps == 0:  # closed: unmapped, check_live raises below
-                    if call_ended(ended):
-                        raise Cancelled(f"sample of buffer {self.name!r}: the call ended while it waited for data")
-                    raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
+            elif wait_seconds is not None and self.sampleable_steps == 0 and not wait_on(
+                self, lambda: self.sampleable_steps > 0, wait_seconds, ended,
+                f"sample of buffer {self.name!r} (waiting for data)",
+            ):
+                raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
             self.check_live()  # the waits released the lock
             draw, batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
             self.counters["sampled_batches"] += 1
