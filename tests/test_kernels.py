@@ -23,19 +23,26 @@ def test_draw_uniform_rows_stay_on_the_ring_when_the_range_exceeds_it() -> None:
     row_end = np.full(CAPACITY, 10**9, np.int64)  # every row a step of a far-away episode
     tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0)
-    (positions, rows, _), _ = kernels.draw_uniform(np.linspace(0, 0.999, 50), 5, 5 + 4 * CAPACITY, 50,
-                                                 *tables)
-    assert len(positions) == 50
+    located, closed = np.empty((3, 50), np.int64), np.empty(50, bool)
+    assert kernels.draw_uniform(np.linspace(0, 0.999, 50), 5, 5 + 4 * CAPACITY, located, closed, 0, *tables) == 50
+    positions, rows, _ = located
     np.testing.assert_array_equal(rows, positions % CAPACITY)
+
+
+def transition_outputs(count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """transition_targets' outputs (target rows, flags, targets), filled with values it must overwrite."""
+    return np.full((2, count), -7, np.int64), np.ones((2, count), bool), np.full((2, count), np.nan, np.float32)
 
 
 def test_transition_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
     positions = np.array([3, 7, 9, 25], np.int64)
     rows = positions % CAPACITY
     bounds = np.array([10**6, kernels.HOLE, 9 + 3 * CAPACITY, 24], np.int64)  # torn, hole, torn, behind
-    target_rows, _, _ = kernels.transition_targets(
+    target_rows, flags, targets = transition_outputs(4)
+    kernels.transition_targets(
         positions, rows, bounds, np.ones(4, bool), 1000, 0.9 ** np.arange(1001), CAPACITY,
-        np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7)
+        np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
+        target_rows, flags, targets)
     assert np.all((target_rows >= 0) & (target_rows < CAPACITY))  # next and bootstrap rows
 
 
@@ -43,8 +50,10 @@ def test_geometric_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
     positions = np.array([3, 7, 9, 25], np.int64)
     bounds = np.array([10**6, kernels.HOLE, 9 + 3 * CAPACITY, 24], np.int64)
     for discount in (0.0, 0.5, 1.0):
-        _, future_rows = kernels.geometric_offsets(np.full(4, 0.999), discount, positions, positions % CAPACITY,
-                                                   bounds, CAPACITY)
+        offsets_and_future_rows = np.empty((2, 4), np.int64)
+        kernels.geometric_offsets(np.full(4, 0.999), discount, positions, positions % CAPACITY, bounds, CAPACITY,
+                                  offsets_and_future_rows)
+        future_rows = offsets_and_future_rows[1]
         assert np.all((future_rows >= 0) & (future_rows < CAPACITY)), discount
 
 
@@ -56,8 +65,10 @@ def test_geometric_offsets_stay_in_the_episode_for_extreme_draws(discount: float
     positions = np.arange(count, dtype=np.int64) * 10
     bounds = positions + np.array([1, 2, 3, 7, 1000, 10**9])  # M per sample
     exponentials = np.array([0.0, 1e-300, 0.7, 40.0, 745.0, 1e30])  # -ln of the smallest double: 745
-    offsets, future_rows = kernels.geometric_offsets(exponentials, discount, positions, positions % CAPACITY,
-                                                     bounds, CAPACITY)
+    offsets_and_future_rows = np.empty((2, count), np.int64)
+    kernels.geometric_offsets(exponentials, discount, positions, positions % CAPACITY, bounds, CAPACITY,
+                              offsets_and_future_rows)
+    offsets, future_rows = offsets_and_future_rows
     assert np.all((offsets >= 1) & (offsets <= bounds - positions)), offsets
     np.testing.assert_array_equal(future_rows, (positions + offsets) % CAPACITY)
 
@@ -103,10 +114,11 @@ def test_uniform_draw_tops_up_when_a_round_falls_short() -> None:
 
 def test_transition_targets_stay_in_their_tables_for_a_far_position_on_a_hole() -> None:
     positions = np.array([10**9 + 3], np.int64)  # bound - position is about -1e9
-    target_rows, _, targets = kernels.transition_targets(
+    target_rows, flags, targets = transition_outputs(1)
+    kernels.transition_targets(
         positions, positions % CAPACITY, np.array([kernels.HOLE], np.int64), np.ones(1, bool), 3,
         0.9 ** np.arange(4), CAPACITY, np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64),
-        np.zeros(7, np.int64), 7)
+        np.zeros(7, np.int64), 7, target_rows, flags, targets)
     assert np.all((target_rows >= 0) & (target_rows < CAPACITY))
     assert np.all(np.isfinite(targets))
 

@@ -27,9 +27,11 @@ class GeometricMode:
         """Any episodic ring has observations to pair."""
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        offsets, future_rows = kernels.geometric_offsets(rng.standard_exponential(len(draw.positions)),
-                                                         self.discount, draw.positions, draw.rows, draw.bounds,
-                                                         ring.capacity)
+        count = draw.rows.size
+        offsets_and_future_rows = np.empty((2, count), np.int64)
+        kernels.geometric_offsets(rng.standard_exponential(count), self.discount, draw.positions, draw.rows,
+                                  draw.bounds, ring.capacity, offsets_and_future_rows)
+        offsets, future_rows = offsets_and_future_rows
         batch = {f.name: ring.columns[f.name].take(draw.rows, axis=0) for f in ring.observation_fields}
         batch.update(
             {f"future_{f.name}": ring.columns[f.name].take(future_rows, axis=0) for f in ring.observation_fields}

@@ -46,9 +46,11 @@ def _bounds_of_rows(rows: np.ndarray, row_end: np.ndarray, row_seq: np.ndarray, 
     bounds = np.empty(count, np.int64)
     closed = np.ones(count, np.bool_)
     retires = times_sampled.size > 0
+    for i in range(count):  # the random reads alone: a tight loop keeps many cache misses in flight
+        bounds[i] = row_end[rows[i]]
     for i in range(count):
         row = rows[i]
-        bound = row_end[row]
+        bound = bounds[i]
         if bound == OPEN:  # the open episode's bound is its last landed row, kept in the extent table
             bound = extent_last[row_seq[row] % extent_slots]
             closed[i] = False
@@ -72,56 +74,56 @@ def episode_bounds(positions: np.ndarray, capacity: int, row_end: np.ndarray, ro
 
 
 @_jit
-def draw_uniform(uniforms: np.ndarray, low: int, high: int, batch_size: int, capacity: int, row_end: np.ndarray,
-                 row_seq: np.ndarray, extent_last: np.ndarray, extent_slots: int, times_sampled: np.ndarray,
-                 max_times_sampled: int) -> tuple[np.ndarray, np.ndarray]:
+def draw_uniform(uniforms: np.ndarray, low: int, high: int, located: np.ndarray, closed: np.ndarray, filled: int,
+                 capacity: int, row_end: np.ndarray, row_seq: np.ndarray, extent_last: np.ndarray, extent_slots: int,
+                 times_sampled: np.ndarray, max_times_sampled: int) -> int:
     """Rejection sampling over [low, high): one candidate per uniform, kept when it is a step.
 
-    Returns (positions_rows_bounds (3, k), closed (k,)) of up to k = `batch_size` accepted candidates, in
-    draw order; fewer when the uniforms ran out (the caller draws the rest). Two arrays, not four: each
-    array numba hands back costs about 0.5 µs.
+    Writes the accepted candidates, in draw order, into columns `filled`.. of `located` (3, B)
+    (positions, rows, bounds) and `closed` (B,) until they are full or the uniforms ran out (the caller
+    draws more); returns the columns now filled. (Outputs come from the caller: each array numba hands
+    back costs about 0.5 µs.)
     """
     span = high - low
     low_row = low % capacity
-    located = np.empty((3, uniforms.size), np.int64)
-    positions, rows = located[0], located[1]
-    for i in range(uniforms.size):
-        offset = np.int64(uniforms[i] * span)
-        positions[i] = low + offset
-        rows[i] = _wrap(low_row + offset, capacity)
-    bounds, closed = _bounds_of_rows(rows, row_end, row_seq, extent_last, extent_slots, times_sampled,
-                                     max_times_sampled)
-    accepted = 0
-    for i in range(uniforms.size):
-        if accepted == batch_size:
+    count = uniforms.size
+    rows = np.empty(count, np.int64)
+    for i in range(count):
+        rows[i] = _wrap(low_row + np.int64(uniforms[i] * span), capacity)
+    bounds, candidate_closed = _bounds_of_rows(rows, row_end, row_seq, extent_last, extent_slots, times_sampled,
+                                               max_times_sampled)
+    for i in range(count):
+        if filled == closed.size:
             break
-        if positions[i] < bounds[i]:  # a step: it has a successor in its episode
-            positions[accepted], rows[accepted], located[2, accepted] = positions[i], rows[i], bounds[i]
-            closed[accepted] = closed[i]
-            accepted += 1
-    return located[:, :accepted], closed[:accepted]
+        position = low + np.int64(uniforms[i] * span)
+        if position < bounds[i]:  # a step: it has a successor in its episode
+            located[0, filled], located[1, filled], located[2, filled] = position, rows[i], bounds[i]
+            closed[filled] = candidate_closed[i]
+            filled += 1
+    return filled
 
 
 @_jit
 def transition_targets(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarray, closed: np.ndarray, n_step: int,
                        powers: np.ndarray, capacity: int, reward: np.ndarray, row_seq: np.ndarray,
-                       extent_flags: np.ndarray, extent_slots: int
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(next_and_bootstrap_rows (2, B), terminated_and_truncated (2, B), return_and_discount (2, B)): the
-    rows of t + 1 and t + n_eff, the 1-step flags, n_step_return and bootstrap_discount (see TransitionsMode).
-    Three arrays, not six: each array numba hands back costs about 0.5 µs.
+                       extent_flags: np.ndarray, extent_slots: int, target_rows: np.ndarray, flags: np.ndarray,
+                       targets: np.ndarray) -> None:
+    """Fills next_and_bootstrap `target_rows` (2, B) int64, terminated_and_truncated `flags` (2, B) bool and
+    return_and_discount `targets` (2, B) float32: the rows of t + 1 and t + n_eff, the 1-step flags,
+    n_step_return and bootstrap_discount (see TransitionsMode). (Outputs come from the caller: each array
+    numba hands back costs about 0.5 µs.)
 
     `powers` = gamma^0 .. gamma^n_step; `reward` is the reward column (empty: no reward field, and then
-    n_step_return and bootstrap_discount are not computed).
+    `targets` is not written).
     """
     count = positions.size
-    target_rows = np.empty((2, count), np.int64)
     next_rows, bootstrap_rows = target_rows[0], target_rows[1]
-    flags = np.zeros((2, count), np.bool_)
     terminated, truncated = flags[0], flags[1]
-    targets = np.zeros((2, count), np.float32)
     n_step_return, bootstrap_discount = targets[0], targets[1]
     has_reward = reward.size > 0
+    first_reward = np.empty(count if has_reward else 0)  # r_t, float64 like the sums below
+    for i in range(first_reward.size):  # the random reads alone: a tight loop keeps many cache misses in flight
+        first_reward[i] = reward[rows[i]]
     for i in range(count):
         position, row = positions[i], rows[i]
         # A position at or past its bound is no step (a torn or hole bound a reader will redraw); 0 keeps
@@ -133,16 +135,15 @@ def transition_targets(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarr
         episode_terminated = False
         if closed[i] and bounds[i] == position + n_eff:
             episode_terminated = (extent_flags[row_seq[row] % extent_slots] & TERMINATED) != 0
-            if n_eff == 1:  # the 1-step transition is the episode's last
-                terminated[i] = episode_terminated
-                truncated[i] = not episode_terminated
+        last_step = closed[i] and bounds[i] == position + 1  # the 1-step transition ends the episode
+        terminated[i] = last_step and episode_terminated
+        truncated[i] = last_step and not episode_terminated
         if has_reward:
-            total = 0.0
-            for k in range(n_eff):
+            total = first_reward[i] if n_eff > 0 else 0.0  # powers[0] = 1
+            for k in range(1, n_eff):
                 total += powers[k] * reward[_wrap(row + k, capacity)]
             n_step_return[i] = total
             bootstrap_discount[i] = 0.0 if episode_terminated else powers[n_eff]
-    return target_rows, flags, targets
 
 
 @_jit
@@ -156,8 +157,9 @@ def drawn_whole(positions: np.ndarray, bounds: np.ndarray, tail: int) -> bool:
 
 @_jit
 def geometric_offsets(exponentials: np.ndarray, discount: float, positions: np.ndarray, rows: np.ndarray,
-                      bounds: np.ndarray, capacity: int) -> np.ndarray:
-    """offsets_and_future_rows (2, B): d in 1..M with P(d) proportional to discount^(d-1), M = bound - position.
+                      bounds: np.ndarray, capacity: int, offsets_and_future_rows: np.ndarray) -> None:
+    """Fills offsets_and_future_rows (2, B) int64: d in 1..M with P(d) proportional to discount^(d-1),
+    M = bound - position, and the row of t + d.
 
     From E ~ Exp(1) (`exponentials`), K = floor(E / -ln g) is geometric on 0, 1, ... with P(K = k) =
     (1 - g) g^k, and K mod M follows that law truncated to 0..M-1, because P(K mod M = j) =
@@ -166,7 +168,6 @@ def geometric_offsets(exponentials: np.ndarray, discount: float, positions: np.n
     1 - exp(-E) ~ U[0, 1).
     """
     count = positions.size
-    offsets_and_future_rows = np.empty((2, count), np.int64)
     offsets, future_rows = offsets_and_future_rows[0], offsets_and_future_rows[1]
     scale = -1.0 / np.log(discount) if 0.0 < discount < 1.0 else 0.0  # 1 / lambda
     for i in range(count):
@@ -182,7 +183,6 @@ def geometric_offsets(exponentials: np.ndarray, discount: float, positions: np.n
             offset = np.int64(k) + 1
         offsets[i] = offset
         future_rows[i] = _wrap(rows[i] + offset, capacity)
-    return offsets_and_future_rows
 
 
 def _compile_ahead() -> None:
@@ -202,15 +202,17 @@ def _compile_ahead() -> None:
         capacity, row_end, row_seq, extent_last, slots, counts, max_times = tables(readonly)
         for keys in (positions, read_only_positions):
             episode_bounds(keys, capacity, row_end, row_seq, extent_last, slots, counts, max_times)
-        draw_uniform(np.zeros(2), 0, 2, 2, capacity, row_end, row_seq, extent_last, slots, counts, max_times)
+        draw_uniform(np.zeros(2), 0, 2, np.empty((3, 2), np.int64), np.empty(2, np.bool_), 0, capacity, row_end,
+                     row_seq, extent_last, slots, counts, max_times)
         extent_flags = np.zeros(4, np.uint8)  # the ring's extent.flags column
         extent_flags.flags.writeable = not readonly
         for dtype in REWARD_DTYPES:
             reward = np.zeros(4, dtype)
             reward.flags.writeable = not readonly
             transition_targets(positions, positions, positions + 1, closed, 1, np.ones(2), capacity, reward,
-                               row_seq, extent_flags, slots)
-        geometric_offsets(np.zeros(2), 0.5, positions, positions, positions + 1, capacity)
+                               row_seq, extent_flags, slots, np.empty((2, 2), np.int64), np.empty((2, 2), np.bool_),
+                               np.empty((2, 2), np.float32))
+        geometric_offsets(np.zeros(2), 0.5, positions, positions, positions + 1, capacity, np.empty((2, 2), np.int64))
     drawn_whole(positions, positions + 1, 0)
 
 

@@ -42,15 +42,20 @@ class TransitionsMode:
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         columns, rows = ring.columns, draw.rows
         reward = _NO_REWARD if ring.reward_field is None else columns[ring.reward_field]
-        targets = kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,
-                                             ring.capacity, reward, ring.row_seq, ring.extent_flags, ring.extent_slots)
-        (next_rows, bootstrap_rows), (terminated, truncated), (n_step_return, bootstrap_discount) = targets
+        count = rows.size
+        target_rows = np.empty((2, count), np.int64)  # next, bootstrap
+        flags = np.empty((2, count), np.bool_)  # terminated, truncated
+        targets = np.empty((2, count), np.float32)  # n_step_return, bootstrap_discount
+        kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,
+                                   ring.capacity, reward, ring.row_seq, ring.extent_flags, ring.extent_slots,
+                                   target_rows, flags, targets)
+        next_rows, bootstrap_rows = target_rows
         batch = {f.name: columns[f.name].take(rows, axis=0) for f in ring.observation_fields + ring.step_fields}
         batch.update({f"next_{f.name}": columns[f.name].take(next_rows, axis=0) for f in ring.observation_fields})
-        batch["terminated"], batch["truncated"] = terminated, truncated
+        batch["terminated"], batch["truncated"] = flags
         if ring.reward_field is None:
             return batch
-        batch["n_step_return"], batch["bootstrap_discount"] = n_step_return, bootstrap_discount
+        batch["n_step_return"], batch["bootstrap_discount"] = targets
         for f in ring.observation_fields:
             batch[f"bootstrap_{f.name}"] = (batch[f"next_{f.name}"] if self.n_step == 1
                                             else columns[f.name].take(bootstrap_rows, axis=0))

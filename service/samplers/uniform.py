@@ -55,15 +55,13 @@ class UniformSampler:
         # observations and holes are dropped. One oversampled round almost always yields enough; a
         # second round tops up.
         candidates_per_step = 1.0625 * (high - low) / max(sampleable, 1)  # <= 17: dense enough
-        parts = []  # (located (3, k): positions, rows, bounds; closed (k,)) per round
-        needed = batch_size
+        located = np.empty((3, batch_size), np.int64)  # positions, rows, bounds
+        closed = np.empty(batch_size, np.bool_)
+        filled = 0
         for _ in range(_MAX_ROUNDS):
-            parts.append(kernels.draw_uniform(rng.random(int(needed * candidates_per_step) + 8), low, high,
-                                              needed, *ring.bound_tables))
-            needed -= parts[-1][1].size
-            if not needed:
-                located, closed = parts[0] if len(parts) == 1 else (
-                    np.concatenate([p[0] for p in parts], axis=1), np.concatenate([p[1] for p in parts]))
+            filled = kernels.draw_uniform(rng.random(int((batch_size - filled) * candidates_per_step) + 8), low, high,
+                                          located, closed, filled, *ring.bound_tables)
+            if filled == batch_size:
                 return Draw(located[0], located[1], located[2], closed)
         raise FailedPrecondition(
             f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
