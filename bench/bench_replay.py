@@ -4,9 +4,10 @@
     .venv/bin/python -m bench.bench_replay --quick --grpc [--profile atari,cartpole]   # section 2 and 3 only
 
 1. In-process `EpisodicBuffer.sample` (transitions n=1, n=3, geometric) per profile, median and p90 µs
-   per call, beside (a) the bare numpy gather of the same rows from precomputed random indices (fresh
-   each call; fancy indexing and np.take both timed, the faster one is the baseline), (b) seed 000's
-   per-sample loop and (c) its vectorized sampler, on the seed's own (episodes, max_len + 1) layout.
+   per call, beside (a) the bare numpy gather of the same rows: the columns a batch holds, gathered at
+   rows our sampler drew beforehand (a fresh set each call; fancy indexing and np.take both timed, the
+   faster one is the baseline), (b) seed 000's per-sample loop and (c) its vectorized sampler, on the
+   seed's own (episodes, max_len + 1) layout. Ours, the gathers and (c) are timed round-robin.
    The rings are filled past wrap-around; `wrong_bound_fraction` counts samples whose episode bound is
    wrong there (seed 000's vectorized terminal table is never cleared when a slot is reused).
 2. gRPC sampling over loopback from a server subprocess (separate GIL): one client, `sample_stream` and
@@ -80,17 +81,22 @@ def record(case: str, metric: str, value: float, unit: str, baseline: str = "", 
             "baseline": baseline, "baseline_value": float(baseline_value), "speedup": float(speedup)}
 
 
-def time_calls(fn: Callable[[], object], calls: int, warmup: int = 20) -> tuple[float, float]:
-    """(median, p90) µs per call over `calls` individually timed calls."""
-    for _ in range(warmup):
-        fn()
-    times = np.empty(calls)
+def time_calls(fns: dict[str, Callable[[], object]], calls: int, warmup: int = 20, rounds: int = 10
+               ) -> dict[str, tuple[float, float]]:
+    """(median, p90) µs per call of each function over `calls` individually timed calls, taken round-robin
+    in `rounds` blocks so that background load on the shared machine hits every function alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: np.empty(calls) for name in fns}
     clock = time.perf_counter
-    for i in range(calls):
-        start = clock()
-        fn()
-        times[i] = clock() - start
-    return float(np.median(times)) * 1e6, float(np.percentile(times, 90)) * 1e6
+    for block in np.array_split(np.arange(calls), rounds):
+        for name, fn in fns.items():
+            for i in block:
+                start = clock()
+                fn()
+                times[name][i] = clock() - start
+    return {name: (float(np.median(t)) * 1e6, float(np.percentile(t, 90)) * 1e6) for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------- episodes
@@ -175,65 +181,86 @@ def ours_wrong_bounds(buffer: EpisodicBuffer, starts: np.ndarray, batch: int, ba
     return wrong, total
 
 
+def drawn_rows(buffer: EpisodicBuffer, batch: int, mode: TransitionsMode | GeometricMode, sets: int,
+               rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
+    """The ring rows each column gather of a batch reads, for `sets` batches our sampler drew: (rows, next
+    rows[, bootstrap rows]) for transitions, (rows, future rows) for geometric pairs. The baseline takes one
+    set per call and reuses none, so it reaches memory as coldly as the sample it is compared with."""
+    capacity, out = buffer.capacity, []
+    for _ in range(sets):
+        sample = buffer.sample(batch, mode, rng, include_keys=True)
+        keys = sample["key"]
+        rows = keys % capacity
+        if isinstance(mode, GeometricMode):
+            out.append((rows, (keys + sample["offset"]) % capacity))
+            continue
+        index_set = (rows, (rows + 1) % capacity)
+        if mode.n_step > 1:
+            _, bounds, _ = buffer.episode_bounds(keys)
+            index_set += ((rows + np.minimum(mode.n_step, bounds - keys)) % capacity,)
+        out.append(index_set)
+    return out
+
+
+def bare_gathers(columns: dict[str, np.ndarray], pairs: bool, index_sets: list[tuple[np.ndarray, ...]]
+                 ) -> dict[str, Callable[[], object]]:
+    """Fancy indexing and np.take of the columns a batch holds, on the next index set each call: obs and
+    future obs (`pairs`), or obs, action, reward, next obs (and bootstrap obs)."""
+    obs, action, reward = (columns[n] for n in ("obs", "action", "reward"))
+    counter = [0]
+
+    def next_set() -> tuple[np.ndarray, ...]:
+        counter[0] = (counter[0] + 1) % len(index_sets)
+        return index_sets[counter[0]]
+
+    def fancy() -> object:
+        rows, *later_rows = next_set()
+        steps = () if pairs else (action[rows], reward[rows])
+        return obs[rows], *steps, *(obs[r] for r in later_rows)
+
+    def take() -> object:
+        rows, *later_rows = next_set()
+        steps = () if pairs else (action.take(rows), reward.take(rows))
+        return obs.take(rows, axis=0), *steps, *(obs.take(r, axis=0) for r in later_rows)
+
+    return {"bare_gather_fancy_index": fancy, "bare_gather_np.take": take}
+
+
 def bench_in_process(profile: Profile, quick: bool) -> list[dict]:
     capacity = profile.quick_capacity if quick else profile.capacity
     rng = np.random.default_rng(0)
     calls = 300 if quick else 3000
+    warmup = 20
     loop_calls = 20 if quick else 150
     batch = profile.batch
     out = []
     buffer, starts = fill_ours(profile, capacity, rng)
     try:
-        obs, action, reward = (buffer.columns[n] for n in ("obs", "action", "reward"))
-        index_sets = [rng.integers(0, capacity - 1, batch) for _ in range(256)]
-        offset_sets = [np.minimum(idx + rng.geometric(1 - DISCOUNT, batch), capacity - 1) for idx in index_sets]
-        counter = [0]
-
-        def next_index() -> tuple[np.ndarray, np.ndarray]:
-            counter[0] = (counter[0] + 1) % len(index_sets)
-            return index_sets[counter[0]], offset_sets[counter[0]]
-
-        def gather_fancy() -> object:
-            idx, _ = next_index()
-            return obs[idx], obs[idx + 1], action[idx], reward[idx]
-
-        def gather_take() -> object:
-            idx, _ = next_index()
-            return obs.take(idx, axis=0), obs.take(idx + 1, axis=0), action.take(idx), reward.take(idx)
-
-        def geo_fancy() -> object:
-            idx, fut = next_index()
-            return obs[idx], obs[fut]
-
-        def geo_take() -> object:
-            idx, fut = next_index()
-            return obs.take(idx, axis=0), obs.take(fut, axis=0)
-
         seed = fill_seed(profile, capacity, rng)
         sample_rng = np.random.default_rng(2)
         cases = [
-            ("transitions n_step=1", TransitionsMode(1, DISCOUNT), gather_fancy, gather_take,
+            ("transitions n_step=1", TransitionsMode(1, DISCOUNT),
              lambda: seed.sample_transitions_loop(batch), lambda: seed.sample_transitions_vectorized(batch)),
-            ("transitions n_step=3", TransitionsMode(3, DISCOUNT), gather_fancy, gather_take,
+            ("transitions n_step=3", TransitionsMode(3, DISCOUNT),
              lambda: seed.sample_transitions_loop(batch), lambda: seed.sample_transitions_vectorized(batch)),
-            (f"geometric discount={DISCOUNT}", GeometricMode(DISCOUNT), geo_fancy, geo_take,
+            (f"geometric discount={DISCOUNT}", GeometricMode(DISCOUNT),
              lambda: seed.sample_loop(batch, DISCOUNT), lambda: seed.sample_vectorized(batch, DISCOUNT)),
         ]
-        for label, mode, fancy, take, seed_loop, seed_vec in cases:
+        for label, mode, seed_loop, seed_vec in cases:
             case = f"{profile.name} {label} batch={batch} cap={capacity}"
-            ours_med, ours_p90 = time_calls(lambda m=mode: buffer.sample(batch, m, sample_rng), calls)
-            fancy_med, _ = time_calls(fancy, calls)
-            take_med, _ = time_calls(take, calls)
-            bare_name, bare = ("bare_gather_np.take", take_med) if take_med <= fancy_med else \
-                ("bare_gather_fancy_index", fancy_med)
-            vec_med, vec_p90 = time_calls(seed_vec, calls)
-            loop_med, _ = time_calls(seed_loop, loop_calls, warmup=2)
+            bare = bare_gathers(buffer.columns, isinstance(mode, GeometricMode),
+                                drawn_rows(buffer, batch, mode, calls + warmup, np.random.default_rng(7)))
+            timed = time_calls({"ours": lambda m=mode: buffer.sample(batch, m, sample_rng), **bare,
+                                "seed000_vectorized": seed_vec}, calls, warmup)
+            (ours_med, ours_p90), (vec_med, vec_p90) = timed["ours"], timed["seed000_vectorized"]
+            bare_med = {name: timed[name][0] for name in bare}
+            loop_med, _ = time_calls({"loop": seed_loop}, loop_calls, warmup=2, rounds=1)["loop"]
             target = " (target: speedup >= 0.5)" if profile.name == "cartpole" else ""
+            for name in sorted(bare_med, key=bare_med.get):  # the faster gather first: it is the target's
+                out.append(record(case + target, "sample_us", ours_med, "us", name, bare_med[name],
+                                  bare_med[name] / ours_med))
+                target = ""
             out += [
-                record(case + target, "sample_us", ours_med, "us", bare_name, bare, bare / ours_med),
-                record(case, "sample_us", ours_med, "us",
-                       "bare_gather_fancy_index" if bare_name.endswith("take") else "bare_gather_np.take",
-                       max(fancy_med, take_med), max(fancy_med, take_med) / ours_med),
                 record(case + (" (target: speedup >= 4)" if profile.name == "cartpole" else ""), "sample_us",
                        ours_med, "us", "seed000_vectorized", vec_med, vec_med / ours_med),
                 record(case, "sample_us_p90", ours_p90, "us", "seed000_vectorized", vec_p90, vec_p90 / ours_p90),
