@@ -21,15 +21,25 @@ _DONE = object()
 
 
 def to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's arrays as tensors on `device`, without copying on the CPU. A field the batch aliases
+    (`bootstrap_obs` is `next_obs` for 1-step samples) stays one tensor: it is staged and copied once."""
+    tensors: dict[str, torch.Tensor] = {}
+    by_array: dict[int, torch.Tensor] = {}
     with warnings.catch_warnings():
         # Decoded arrays are read-only views of the received message; the trainers never write to them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        tensors = {name: torch.from_numpy(array) for name, array in batch.items()}
-    if device.type == "cuda":
-        return {name: t.pin_memory().to(device, non_blocking=True) for name, t in tensors.items()}
-    if device.type != "cpu":
-        return {name: t.to(device) for name, t in tensors.items()}
+        for name, array in batch.items():
+            tensor = by_array.get(id(array))
+            if tensor is None:
+                tensor = by_array[id(array)] = _on_device(torch.from_numpy(array), device)
+            tensors[name] = tensor
     return tensors
+
+
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 class Loader:

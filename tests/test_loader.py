@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from client import ReplayClient
-from client.loader import Loader
+from client.loader import Loader, to_tensors
 
 
 def test_loader_delivers_every_batch_in_order_once() -> None:
@@ -27,6 +27,17 @@ def test_loader_over_a_server_stream_is_zero_copy(client: ReplayClient) -> None:
     expected = list(client.sample_stream("b", 32, num_batches=10, seed=1))
     for got, want in zip(batches, expected, strict=True):
         np.testing.assert_array_equal(got["obs"].numpy(), want["obs"])
+        assert got["bootstrap_obs"] is got["next_obs"]  # sent once for 1-step samples, and kept one tensor
+
+
+def test_an_aliased_field_is_moved_to_the_device_once() -> None:
+    next_obs = np.ones((4, 3), np.float32)
+    batch = {"obs": np.zeros((4, 3), np.float32), "next_obs": next_obs, "bootstrap_obs": next_obs}
+    for device in ("cpu", "meta"):  # meta: a device other than the CPU, without one
+        tensors = to_tensors(batch, torch.device(device))
+        assert tensors["bootstrap_obs"] is tensors["next_obs"]
+        assert tensors["obs"] is not tensors["next_obs"]
+        assert {t.device.type for t in tensors.values()} == {device}
 
 
 def test_loader_raises_source_errors_in_the_consumer() -> None:
