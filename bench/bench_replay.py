@@ -27,6 +27,7 @@ TCP (atari); insert >= 1.2 GB/s (atari), >= 1.5M steps/s (cartpole).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -184,8 +185,9 @@ def ours_wrong_bounds(buffer: EpisodicBuffer, starts: np.ndarray, batch: int, ba
 def drawn_rows(buffer: EpisodicBuffer, batch: int, mode: TransitionsMode | GeometricMode, sets: int,
                rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
     """The ring rows each column gather of a batch reads, for `sets` batches our sampler drew: (rows, next
-    rows[, bootstrap rows]) for transitions, (rows, future rows) for geometric pairs. The baseline takes one
-    set per call and reuses none, so it reaches memory as coldly as the sample it is compared with."""
+    rows[, bootstrap rows]) for transitions, (rows, future rows) for geometric pairs. Each baseline gather
+    takes the next set per call and reuses none, so it reaches memory as coldly as the sample it is
+    compared with."""
     capacity, out = buffer.capacity, []
     for _ in range(sets):
         sample = buffer.sample(batch, mode, rng, include_keys=True)
@@ -207,19 +209,15 @@ def bare_gathers(columns: dict[str, np.ndarray], pairs: bool, index_sets: list[t
     """Fancy indexing and np.take of the columns a batch holds, on the next index set each call: obs and
     future obs (`pairs`), or obs, action, reward, next obs (and bootstrap obs)."""
     obs, action, reward = (columns[n] for n in ("obs", "action", "reward"))
-    counter = [0]
-
-    def next_set() -> tuple[np.ndarray, ...]:
-        counter[0] = (counter[0] + 1) % len(index_sets)
-        return index_sets[counter[0]]
+    fancy_sets, take_sets = itertools.cycle(index_sets), itertools.cycle(index_sets)  # each goes through them once
 
     def fancy() -> object:
-        rows, *later_rows = next_set()
+        rows, *later_rows = next(fancy_sets)
         steps = () if pairs else (action[rows], reward[rows])
         return obs[rows], *steps, *(obs[r] for r in later_rows)
 
     def take() -> object:
-        rows, *later_rows = next_set()
+        rows, *later_rows = next(take_sets)
         steps = () if pairs else (action.take(rows), reward.take(rows))
         return obs.take(rows, axis=0), *steps, *(obs.take(r, axis=0) for r in later_rows)
 

@@ -21,18 +21,19 @@ _DONE = object()
 
 
 def to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch's arrays as tensors on `device`, without copying on the CPU. A field the batch aliases
-    (`bootstrap_obs` is `next_obs` for 1-step samples) stays one tensor: it is staged and copied once."""
+    """The batch's arrays as tensors on `device` (on the CPU, views of the arrays: no copy). A field the
+    batch aliases (`bootstrap_obs` is `next_obs` for 1-step samples) stays one tensor: it is staged and
+    copied once."""
     tensors: dict[str, torch.Tensor] = {}
-    by_array: dict[int, torch.Tensor] = {}
+    by_array: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # the array is held: its id stays its own
     with warnings.catch_warnings():
         # Decoded arrays are read-only views of the received message; the trainers never write to them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, array in batch.items():
-            tensor = by_array.get(id(array))
-            if tensor is None:
-                tensor = by_array[id(array)] = _on_device(torch.from_numpy(array), device)
-            tensors[name] = tensor
+            seen = by_array.get(id(array))
+            if seen is None:
+                seen = by_array[id(array)] = (array, _on_device(torch.from_numpy(array), device))
+            tensors[name] = seen[1]
     return tensors
 
 
