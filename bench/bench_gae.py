@@ -165,7 +165,7 @@ def memory_child(store: str, rollouts: int) -> dict:
                     RolloutField("log_prob", "float32")),
             num_steps=STEPS, num_envs=ACTORS * ENVS_PER_ACTOR, gamma=GAMMA, gae_lambda=LAMBDA,
         )
-        buffer = RolloutBuffer.create(f"rpd_bench_{uuid.uuid4().hex[:8]}", config)
+        buffer = RolloutBuffer.create("rollout", f"bench{uuid.uuid4().hex[:8]}", config)
         shm_bytes = buffer.info()["bytes"]
     else:
         seed_store = ListRolloutStore()

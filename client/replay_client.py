@@ -102,7 +102,6 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 # across a server restart) would wait seconds for a server that is up. 0.1 s, at most 1 s apart, instead.
 _RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
               ("grpc.max_reconnect_backoff_ms", 1000)]
-_FRAMING_ROOM = 64 * 2**10  # Arrow schema, span metadata and protobuf framing around a request's rows
 
 
 def _piece(span: Span, lo: int, hi: int, rows: int) -> Span:
@@ -239,7 +238,7 @@ class ReplayClient:
         self.address = address
         # Inserts of more are split into several requests. A long episode's first chunk may reach twice the
         # request size (split_spans), which must still fit a message with room for the framing.
-        self.max_request_bytes = max(1, min(max_request_bytes, (max_message_bytes - _FRAMING_ROOM) // 2))
+        self.max_request_bytes = max(1, min(max_request_bytes, (max_message_bytes - codec.FRAMING_BYTES) // 2))
         self.timeout = timeout
         self.retries = retries
         self._options = channel_options(max_message_bytes) + _RECONNECT

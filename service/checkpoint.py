@@ -52,7 +52,7 @@ import numpy as np
 import pyarrow as pa
 
 from service.buffers.episodic import EpisodicBuffer
-from service.buffers.ring import HEAD, TAIL_POS, shm_name
+from service.buffers.ring import HEAD, TAIL_POS
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.errors import FailedPrecondition, NotFound, ReplayError
 from service.registry import BufferRegistry
@@ -65,7 +65,7 @@ MANIFEST = "manifest.json"
 LATEST = "LATEST"
 CHUNK_BYTES = 64 * 2**20
 SNAPSHOT_ATTEMPTS = 3
-_NAME = re.compile(r"^ckpt-(\d+)$")
+_NAME = re.compile(r"ckpt-(\d+)")
 _write_lock = threading.Lock()  # one checkpoint at a time per process (RPC and periodic thread)
 
 
@@ -196,7 +196,7 @@ def _complete(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     found = []
     for path in root.iterdir() if root.is_dir() else ():
-        match = _NAME.match(path.name)
+        match = _NAME.fullmatch(path.name)
         if match and (path / MANIFEST).is_file():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
@@ -212,7 +212,7 @@ def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, kee
     root = Path(directory)
     with _write_lock:
         root.mkdir(parents=True, exist_ok=True)
-        numbers = [int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name))]
+        numbers = [int(m.group(1)) for p in root.iterdir() if (m := _NAME.fullmatch(p.name))]
         final = root / f"ckpt-{max(numbers, default=0) + 1:06d}"
         tmp = root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
@@ -276,7 +276,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path:
     pointer = path / LATEST
     if pointer.is_file():
         name = pointer.read_text().strip()
-        if _NAME.match(name) and (path / name / MANIFEST).is_file():
+        if _NAME.fullmatch(name) and (path / name / MANIFEST).is_file():
             return path / name
         log.warning("restore: %s names %r, which is not a complete checkpoint; using the newest complete one",
                     pointer, name)
@@ -332,8 +332,8 @@ def _build_rollout(name: str, entry: dict[str, Any], instance: str, max_bytes: i
     fields = tuple(RolloutField(f, dtype, tuple(shape)) for f, dtype, shape in config["fields"])
     rollout_config = RolloutConfig(fields, int(config["num_steps"]), int(config["num_envs"]),
                                    gamma=config["gamma"], gae_lambda=config["gae_lambda"])
-    return RolloutBuffer.create(shm_name(instance, name), rollout_config,
-                                policy_version=int(entry["state"]["policy_version"]), max_bytes=max_bytes)
+    return RolloutBuffer.create(name, instance, rollout_config, policy_version=int(entry["state"]["policy_version"]),
+                                max_bytes=max_bytes)
 
 
 def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,

@@ -12,10 +12,10 @@ import numpy as np
 from service.errors import InvalidArgument
 from service.wire.codec import ALLOWED_DTYPES
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # No underscore: segments are named rpd_<instance>_<buffer>, and buffer names may contain one, so an
 # instance "a_b" would own instance "a"'s buffer "b_c" (recovery and stale-segment removal match prefixes).
-_INSTANCE = re.compile(r"^[A-Za-z0-9]{1,32}$")
+_INSTANCE = re.compile(r"[A-Za-z0-9]{1,32}")
 # Column names the samplers add to batches; a stored field may not shadow them.
 RESERVED_NAMES = frozenset(
     ["terminated", "truncated", "n_step_return", "bootstrap_discount", "offset", "key", "episode_id",
@@ -44,19 +44,19 @@ class Field:
 
 
 def check_buffer_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidArgument(f"buffer name {name!r} must match {_NAME.pattern}")
     return name
 
 
 def check_instance_name(instance: str) -> str:
-    if not isinstance(instance, str) or not _INSTANCE.match(instance):
+    if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
         raise InvalidArgument(f"instance name {instance!r} must match {_INSTANCE.pattern} (letters and digits)")
     return instance
 
 
 def check_field_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidArgument(f"field name {name!r} must match {_NAME.pattern}")
     return name
 

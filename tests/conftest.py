@@ -11,6 +11,7 @@ import itertools
 import os
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from client import ReplayClient
@@ -48,3 +49,10 @@ def server() -> Iterator[ReplayServer]:
 def client(server: ReplayServer) -> Iterator[ReplayClient]:
     with ReplayClient(server.address, timeout=20) as replay_client:
         yield replay_client
+
+
+def rpc_status(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of the gRPC error that `call(*args, **kwargs)` must raise."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value.code(), info.value.details()

@@ -12,12 +12,17 @@ import pytest
 from client import EpisodeWriter, ReplayClient
 from client.replay_client import Span, spans_request, split_spans
 from service import errors
+from service.buffers.episodic import EpisodicBuffer, Spans
 from service.grpc_server.server import ReplayServer
-from service.grpc_server.servicer import _Ahead
+from service.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode
 from service.limiters import WorkerSeats
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.uniform import UniformSampler
+from service.schema import Field
 from service.storage.shared_arrays import SharedArrays
 from service.wire import codec
 from service.wire import replay_pb2 as pb
+from tests.conftest import TEST_INSTANCE, rpc_status
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 
@@ -139,12 +144,6 @@ def test_episode_writer_chunks_long_episodes(client: ReplayClient) -> None:
     assert (batch["truncated"] == (batch["next_obs"][:, 0] == 105)).all()
 
 
-def _code(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        call(*args, **kwargs)
-    return info.value.code(), info.value.details()
-
-
 def test_errors_return_their_codes_and_leave_buffers_untouched(server: ReplayServer, client: ReplayClient) -> None:
     rng = np.random.default_rng(1)
     created = client.create_buffer("e", 100, SCHEMA)
@@ -152,33 +151,33 @@ def test_errors_return_their_codes_and_leave_buffers_untouched(server: ReplaySer
     reader = SharedArrays.attach(created["shm_name"])
     before = {name: array.tobytes() for name, array in reader.arrays.items()}
 
-    code, details = _code(client.sample, "missing", 4)
+    code, details = rpc_status(client.sample, "missing", 4)
     assert code == grpc.StatusCode.NOT_FOUND and "missing" in details
     bad = episode(rng, 10)
     bad["obs"] = bad["obs"].astype(np.float64)
-    code, details = _code(client.insert_episode, "e", True, **bad)
+    code, details = rpc_status(client.insert_episode, "e", True, **bad)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "'obs'" in details and "float32" in details and "float64" in details
     bad = episode(rng, 10)
     bad["obs"] = np.zeros((11, 5), np.float32)
-    code, details = _code(client.insert_episode, "e", True, **bad)
+    code, details = rpc_status(client.insert_episode, "e", True, **bad)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "(4,)" in details and "(5,)" in details
-    code, details = _code(client.insert_episode, "e", True, **episode(rng, 150))
+    code, details = rpc_status(client.insert_episode, "e", True, **episode(rng, 150))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "capacity_steps=100" in details
-    code, details = _code(client.insert, [pb.InsertRequest(buffer="e", steps=b"not arrow", episode_ids=[1],
+    code, details = rpc_status(client.insert, [pb.InsertRequest(buffer="e", steps=b"not arrow", episode_ids=[1],
                                                            span_rows=[2], begins=[True], ends=[True])])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "Arrow" in details
-    code, details = _code(client.create_buffer, "e", 100, SCHEMA)
+    code, details = rpc_status(client.create_buffer, "e", 100, SCHEMA)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "already exists" in details
-    code, details = _code(client.create_buffer, "bad", 100, {"obs": ("complex64", (2,))})
+    code, details = rpc_status(client.create_buffer, "bad", 100, {"obs": ("complex64", (2,))})
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "complex64" in details
-    code, details = _code(client.sample, "e", 0)
+    code, details = rpc_status(client.sample, "e", 0)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "batch_size" in details
-    code, details = _code(client.sample, "e", 4, n_step=-1)
+    code, details = rpc_status(client.sample, "e", 4, n_step=-1)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "n_step" in details
-    code, details = _code(client.sample, "e", 4, mode="geometric", discount=1.5)
+    code, details = rpc_status(client.sample, "e", 4, mode="geometric", discount=1.5)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "discount" in details
-    code, details = _code(client.sample, "e", 5_000_000, mode="states")
+    code, details = rpc_status(client.sample, "e", 5_000_000, mode="states")
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_message_bytes" in details
 
     after = {name: array.tobytes() for name, array in reader.arrays.items()}
@@ -189,9 +188,9 @@ def test_errors_return_their_codes_and_leave_buffers_untouched(server: ReplaySer
 
 def test_empty_buffer_fails_fast_or_waits_for_data(client: ReplayClient) -> None:
     client.create_buffer("empty", 100, SCHEMA)
-    code, details = _code(client.sample, "empty", 4)
+    code, details = rpc_status(client.sample, "empty", 4)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no sampleable steps" in details
-    code, _ = _code(client.sample, "empty", 4, wait=True, timeout=0.3)
+    code, _ = rpc_status(client.sample, "empty", 4, wait=True, timeout=0.3)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     result: dict = {}
     waiter = threading.Thread(target=lambda: result.update(client.sample("empty", 4, wait=True, timeout=20)))
@@ -208,7 +207,7 @@ def test_stream_insert_reports_what_was_stored(client: ReplayClient) -> None:
                                      "reward": np.zeros(5, np.float32)}, 1)])
     bad = pb.InsertRequest(buffer="s", steps=good.steps, episode_ids=[2], span_rows=[4], begins=[True], ends=[True],
                            terminated=[False])
-    code, details = _code(client.insert, [good, bad])
+    code, details = rpc_status(client.insert, [good, bad])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "1 before it were stored" in details
     assert client.describe("s")["episodes"] == 1
 
@@ -261,9 +260,9 @@ def test_cancelled_stream_stops_its_producer(client: ReplayClient) -> None:
     while any(t.name == "replayd-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not any(t.name == "replayd-ahead" for t in threading.enumerate())
-    code, details = _code(lambda: list(client.sample_stream("c", 8, num_batches=-1)))
+    code, details = rpc_status(lambda: list(client.sample_stream("c", 8, num_batches=-1)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_batches" in details
-    code, details = _code(lambda: list(client.sample_stream("missing", 8, num_batches=2)))
+    code, details = rpc_status(lambda: list(client.sample_stream("missing", 8, num_batches=2)))
     assert code == grpc.StatusCode.NOT_FOUND
 
 
@@ -360,3 +359,85 @@ def test_split_spans_bounds_every_request() -> None:
     assert offsets == sorted(offsets) and offsets[0] == 0
     assert [s.begins for request in requests for s in request].count(True) == 1
     assert requests[-1][-1].ends and requests[-1][-1].terminated
+
+
+def test_an_oversized_sample_is_refused_before_it_is_drawn() -> None:
+    """A batch over max_message_bytes is refused from the request alone: its draw would count (here a
+    max_times_sampled=1 remover would retire the steps it drew, and the client would get nothing)."""
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}big", max_message_bytes=2**20).start()
+    try:
+        with ReplayClient(server.address, timeout=20, max_message_bytes=2**20) as client:
+            # The step field `blob` dominates the batch; observations alone would fit many times over.
+            schema = {"obs": ("float32", (1,)), "blob": ("uint8", (8192,)), "reward": ("float32", ())}
+            client.create_buffer("big", 400, schema, remover="max_times_sampled", max_times_sampled=1)
+            length = 150
+            client.insert_episodes("big", [{"obs": np.zeros((length + 1, 1), np.float32),
+                                            "blob": np.zeros((length, 8192), np.uint8),
+                                            "reward": np.ones(length, np.float32)}] * 2, [True, True])
+            before = client.describe("big")
+            for sample in (lambda: client.sample("big", 200),
+                           lambda: next(iter(client.sample_stream("big", 200, num_batches=1)))):
+                code, details = rpc_status(sample)
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+                assert "batch_size=200" in details and "max_message_bytes=1048576" in details
+            after = client.describe("big")
+            assert after["sampleable_steps"] == before["sampleable_steps"] == 2 * length
+            assert after["counters"] == before["counters"]
+            assert client.sample("big", 64)["blob"].shape == (64, 8192)  # a batch that fits is served
+    finally:
+        server.stop(grace=0)
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_the_size_check_counts_every_column_a_batch_holds(sampler: str) -> None:
+    """sample_mode's bytes per item are the batch's column bytes exactly, framing within FRAMING_BYTES."""
+    fields = [Field("obs", "float32", (3, 2), observation=True), Field("pixels", "uint8", (5,), observation=True),
+              Field("action", "int64", ()), Field("reward", "float32", ()), Field("extra", "float16", (7,))]
+    no_reward = [f for f in fields if f.name != "reward"]
+    requests = [pb.SampleRequest(batch_size=32, transitions=pb.TransitionsMode(n_step=1)),
+                pb.SampleRequest(batch_size=32, transitions=pb.TransitionsMode(n_step=3)),
+                pb.SampleRequest(batch_size=32, geometric=pb.GeometricMode(discount=0.9)),
+                pb.SampleRequest(batch_size=32, states=pb.StatesMode())]
+    for schema, reward_field in ((fields, "reward"), (no_reward, None)):
+        buffer = EpisodicBuffer("sized", f"{TEST_INSTANCE}sz", schema, 200, reward_field=reward_field,
+                                sampler=PrioritizedSampler(0.6) if sampler == "prioritized" else UniformSampler())
+        try:
+            rng = np.random.default_rng(0)
+            columns = {f.name: rng.integers(0, 9, (41, *f.shape)).astype(f.dtype) for f in schema}
+            buffer.insert(columns, Spans.whole_episodes(np.array([40]), np.array([1]), np.array([True])))
+            for request in [r for r in requests if reward_field or r.transitions.n_step != 3]:
+                for include_keys in (False, True):
+                    request.include_keys = include_keys
+                    mode = sample_mode(request, buffer, 2**30)
+                    item_bytes = (mode.item_bytes(buffer) + buffer.sampler.extra_item_bytes
+                                  + (KEY_ITEM_BYTES if include_keys else 0))
+                    batch = buffer.sample(32, mode, rng, include_keys=include_keys, importance_beta=0.4)
+                    unique = {id(a): a.nbytes for a in batch.values()}  # an aliased column is sent once
+                    assert sum(unique.values()) == 32 * item_bytes, (request, include_keys, reward_field)
+                    encoded = codec.encoded_size(codec.encode_parts(batch))
+                    assert 32 * item_bytes < encoded <= 32 * item_bytes + codec.FRAMING_BYTES
+        finally:
+            buffer.close()
+
+
+def test_a_buffer_deleted_while_the_list_is_made_is_left_out(server: ReplayServer, client: ReplayClient,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    client.create_buffer("kept", 100, SCHEMA)
+    client.create_buffer("gone", 100, SCHEMA)
+    listed = server.registry.all()  # the list's snapshot, taken before the delete lands
+    client.delete_buffer("gone")
+    monkeypatch.setattr(server.registry, "all", lambda: listed)
+    assert [b["name"] for b in client.list_buffers()] == ["kept"]
+
+
+@pytest.mark.parametrize("name", ["abc\n", "abc\r", "a b", ""])
+def test_names_with_a_line_break_or_space_are_refused(client: ReplayClient, name: str) -> None:
+    code, details = rpc_status(client.create_buffer, name, 100, SCHEMA)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "buffer name" in details
+    code, details = rpc_status(client.create_buffer, "b", 100, {**SCHEMA, name: ("float32", ())})
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "field name" in details
+    code, details = rpc_status(client.create_rollout_buffer, name, 4, 2, {"obs": ("float32", (2,))})
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "buffer name" in details
+    code, details = rpc_status(client.publish_weights, name, 1, b"")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "name" in details
+    assert client.list_buffers() == []

@@ -110,6 +110,10 @@ def test_config_is_validated() -> None:
         RateLimiter(1, samples_per_insert=4.0, error_buffer=1.0)
     with pytest.raises(InvalidArgument, match="samples_per_insert"):
         RateLimiter(1, samples_per_insert=-1.0)
+    # A min size the ring can never hold would leave the buffer unsampleable forever.
+    with pytest.raises(InvalidArgument, match=r"min_size_to_sample=16 can never be reached.*capacity_steps=16"):
+        new_buffer(RateLimiter(16), capacity=16)
+    new_buffer(RateLimiter(15), capacity=16).close()
 
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}

@@ -13,7 +13,8 @@ from service.errors import FailedPrecondition, InvalidArgument, NotFound
 from service.gae import GaeWorkspace, compute_gae
 
 T, N, OBS = 8, 6, 3
-PREFIX = f"rpd_test{os.getpid()}_"
+INSTANCE = f"test{os.getpid()}"
+PREFIX = f"rpd_{INSTANCE}_"
 
 
 def leftover_segments() -> list[str]:
@@ -35,7 +36,7 @@ def make_buffer():
             fields=(RolloutField("obs", "float32", (OBS,)), RolloutField("action", "int64")),
             num_steps=num_steps, num_envs=num_envs, **kw,
         )
-        buffer = RolloutBuffer.create(PREFIX + uuid.uuid4().hex[:8], config, policy_version=version)
+        buffer = RolloutBuffer.create(f"b{uuid.uuid4().hex[:8]}", INSTANCE, config, policy_version=version)
         created.append(buffer)
         return buffer
 
@@ -98,7 +99,7 @@ def test_calls_on_a_deleted_buffer_get_not_found(make_buffer):
     buffer = make_buffer()
     full, _ = fill(buffer, np.random.default_rng(0))
     buffer.close()
-    with pytest.raises(NotFound, match="was deleted"):
+    with pytest.raises(NotFound, match=f"buffer {buffer.name!r} was deleted"):  # its name, not its segment's
         buffer.push(0, 0, 0, {k: v[:1, :1] for k, v in full.items()}, None)
     with pytest.raises(NotFound, match="was deleted"):
         next(buffer.minibatches(4))
@@ -202,6 +203,8 @@ def test_malformed_push_names_field_and_changes_nothing(make_buffer, mutate, mes
         (0, T - 2, np.zeros(2, np.float64), "bootstrap_value: expected dtype float32, got float64"),
         (0, T - 2, np.zeros(3, np.float32), r"bootstrap_value: expected shape \(2,\), got \(3,\)"),
         (0, 0, np.zeros(2, np.float32), "bootstrap_value: only valid"),
+        (0, T - 2, np.array([0, np.nan], np.float32), "bootstrap_value: expected finite values, got nan at env 1"),
+        (0, T - 2, np.array([np.inf, 0], np.float32), "bootstrap_value: expected finite values, got inf at env 0"),
     ],
 )
 def test_bad_ranges_and_bootstrap_rejected(make_buffer, env_start, step_start, bootstrap, message):
@@ -300,5 +303,5 @@ def test_config_validation():
         RolloutConfig(fields=(), num_steps=2, num_envs=0)
     with pytest.raises(InvalidArgument, match=r"'obs'.*not supported"):
         RolloutConfig(fields=(RolloutField("obs", "complex64"),), num_steps=2, num_envs=2)
-    with pytest.raises(InvalidArgument, match="shm_name"):
-        RolloutBuffer.create("nope", RolloutConfig(fields=(), num_steps=2, num_envs=2))
+    with pytest.raises(InvalidArgument, match="buffer name 'no/pe'"):
+        RolloutBuffer.create("no/pe", INSTANCE, RolloutConfig(fields=(), num_steps=2, num_envs=2))

@@ -11,6 +11,8 @@ import pytest
 from client import ReplayClient
 from client.actors.ppo import PPOActorConfig, Rollout, push
 from service.gae import compute_gae
+from service.grpc_server.server import ReplayServer
+from tests.conftest import TEST_INSTANCE, rpc_status
 
 T, N = 16, 8
 ENVS = 2  # one actor's slots in the push race test
@@ -166,3 +168,24 @@ def test_actor_push_ends_when_the_rollout_buffer_was_created_again(client: Repla
     with pytest.raises(RuntimeError, match="went back to policy version 1 after this actor pushed version 2"):
         push(client, config, 3, rollout, np.zeros(ENVS, np.float32), time.monotonic() + 30, lambda: False, 2)
     assert time.monotonic() - started < 10
+
+
+def test_an_oversized_minibatch_is_refused_before_any_is_cut() -> None:
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}mb", max_message_bytes=2**20).start()
+    try:
+        with ReplayClient(server.address, timeout=20, max_message_bytes=2**20) as client:
+            steps, envs = 8, 4
+            client.create_rollout_buffer("wide", steps, envs, {"obs": ("float32", (16384,))})  # 64 KiB per cell
+            rng = np.random.default_rng(0)
+            columns = {k: v for k, v in part(rng, steps, envs).items() if k not in ("obs", "action", "log_prob")}
+            for env in range(envs):  # one env per push: each request stays under the message limit
+                client.push_rollout("wide", 0, env, 0, bootstrap_value=np.zeros(1, np.float32),
+                                    obs=np.zeros((steps, 1, 16384), np.float32),
+                                    **{k: v[:, env:env + 1] for k, v in columns.items()})
+            code, details = rpc_status(lambda: list(client.rollout_minibatches("wide", 32)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "minibatch_size=32" in details and "max_message_bytes=1048576" in details
+            assert client.describe("wide")["counters"]["minibatches_served"] == 0
+            assert [b["obs"].shape for b in client.rollout_minibatches("wide", 8)] == [(8, 16384)] * 4
+    finally:
+        server.stop(grace=0)

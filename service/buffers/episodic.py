@@ -131,6 +131,11 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         if not isinstance(capacity_steps, int | np.integer) or capacity_steps < 2:
             raise InvalidArgument(f"capacity_steps must be an integer >= 2, got {capacity_steps!r}")
         self.capacity = int(capacity_steps)
+        if limiter is not None and limiter.min_size_to_sample > self.capacity - 1:
+            raise InvalidArgument(
+                f"rate_limiter.min_size_to_sample={limiter.min_size_to_sample} can never be reached: a buffer of "
+                f"capacity_steps={self.capacity} holds at most {self.capacity - 1} sampleable steps"
+            )
         self.observation_fields = tuple(f for f in self.fields if f.observation)
         self.step_fields = tuple(f for f in self.fields if not f.observation)
         if not self.observation_fields:

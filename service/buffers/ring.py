@@ -13,6 +13,8 @@ with an eviction and is drawn again. (x86 keeps stores in program order, which t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
@@ -47,6 +49,11 @@ def shared_sampling(components: dict) -> bool:
     counting draws, a rate limiter). Prioritized readers descend the shared sum tree; priority updates
     still go to the writer."""
     return components["remover"]["kind"] == "fifo" and not components["rate_limited"]
+
+
+def check_importance_beta(importance_beta: float) -> None:
+    if not (math.isfinite(importance_beta) and importance_beta >= 0):
+        raise InvalidArgument(f"importance_beta must be finite and >= 0, got {float(importance_beta)}")
 
 
 class EpisodicRing:
@@ -154,6 +161,7 @@ class EpisodicRing:
         """
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        check_importance_beta(importance_beta)
         if self.sampleable_steps == 0:
             raise FailedPrecondition(
                 f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"

@@ -23,6 +23,7 @@ concurrent gRPC handler threads can share a buffer.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -31,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from service.buffers.lifetime import Lifetime, LiveBuffer
+from service.buffers.ring import shm_name
 from service.errors import FailedPrecondition, InvalidArgument
 from service.gae import GaeWorkspace, compute_gae
-from service.schema import MAX_FIELDS, check_field_name, check_shape
+from service.schema import MAX_FIELDS, check_buffer_name, check_field_name, check_shape
 from service.storage.shared_arrays import ArraySpec, SharedArrays
 from service.wire.codec import CodecError, check_dtype
 
@@ -142,7 +144,8 @@ def _describe_missing(filled: np.ndarray, limit: int = 4) -> str:
 class RolloutBuffer(LiveBuffer):
     """A (T, N) rollout in shared memory with GAE advantages and returns computed in place."""
 
-    def __init__(self, shared: SharedArrays, config: RolloutConfig, policy_version: int) -> None:
+    def __init__(self, name: str, shared: SharedArrays, config: RolloutConfig, policy_version: int) -> None:
+        self.name = name
         self.config = config
         self.shared = shared
         self.columns = {spec.name: shared.arrays[spec.name] for spec in config.columns}  # (T, N, ...)
@@ -152,7 +155,7 @@ class RolloutBuffer(LiveBuffer):
         self._filled = shared.arrays[_FILLED]  # (T, N) bool
         self._workspace = GaeWorkspace(config.num_steps, config.num_envs)
         self._lock = threading.Lock()
-        self.lifetime = Lifetime(self._lock, shared.header_name)  # every use of the arrays enters it (live())
+        self.lifetime = Lifetime(self._lock, name)  # every use of the arrays enters it (live())
         self._version = policy_version
         self._missing = config.num_steps * config.num_envs
         self._gae_done = False
@@ -168,19 +171,25 @@ class RolloutBuffer(LiveBuffer):
         }
 
     @classmethod
-    def create(cls, shm_name: str, config: RolloutConfig, policy_version: int = 0,
+    def create(cls, name: str, instance: str, config: RolloutConfig, policy_version: int = 0,
                max_bytes: int | None = None) -> RolloutBuffer:
-        """Allocates every column once; `shm_name` must start with `rpd_` (e.g. rpd_{instance}_{buffer}).
+        """Allocates every column once, in shared memory named after the server instance and the buffer.
         More than `max_bytes` (or the free shared memory) is refused with ResourceExhausted."""
-        if not shm_name.startswith("rpd_"):
-            raise InvalidArgument(f"shm_name: expected a name starting with 'rpd_', got {shm_name!r}")
+        check_buffer_name(name)
         T, N = config.num_steps, config.num_envs
         specs = [ArraySpec(s.name, s.dtype, (T, N, *s.shape)) for s in config.columns]
         specs += [ArraySpec(name, "float32", (T, N)) for name in COMPUTED_FIELDS]
         specs += [ArraySpec(_BOOTSTRAP, "float32", (N,)), ArraySpec(_FILLED, "bool", (T, N))]
         meta = {"kind": "rollout", "num_steps": T, "num_envs": N, "gamma": config.gamma,
                 "gae_lambda": config.gae_lambda}
-        return cls(SharedArrays.create(shm_name, specs, meta, max_bytes), config, policy_version)
+        return cls(name, SharedArrays.create(shm_name(instance, name), specs, meta, max_bytes), config,
+                   policy_version)
+
+    @property
+    def sample_bytes(self) -> int:
+        """Bytes of one sample of a minibatch: every column's cell, and advantage and return (float32)."""
+        cells = sum(np.dtype(spec.dtype).itemsize * math.prod(spec.shape) for spec in self.config.columns)
+        return cells + len(COMPUTED_FIELDS) * 4
 
     @property
     def policy_version(self) -> int:
@@ -277,8 +286,8 @@ class RolloutBuffer(LiveBuffer):
             finite = np.isfinite(columns[name])
             if not finite.all():
                 t, e = np.argwhere(~finite)[0]
-                raise InvalidArgument(f"field {name!r}: expected finite values, got {columns[name][t, e]} at "
-                                      f"(step {t}, env {e}) of the part")
+                raise InvalidArgument(f"field {name!r}: expected finite values, got {float(columns[name][t, e])} "
+                                      f"at (step {t}, env {e}) of the part")
         T, N = self.config.num_steps, self.config.num_envs
         if steps < 1 or envs < 1:
             raise InvalidArgument(f"push: expected >= 1 step and env, got (steps, envs) = {(steps, envs)}")
@@ -300,6 +309,11 @@ class RolloutBuffer(LiveBuffer):
                 raise InvalidArgument(
                     f"bootstrap_value: expected shape {(envs,)}, got {bootstrap_value.shape}"
                 )
+            finite = np.isfinite(bootstrap_value)
+            if not finite.all():
+                e = int(np.argmin(finite))
+                raise InvalidArgument(f"bootstrap_value: expected finite values, got {float(bootstrap_value[e])} "
+                                      f"at env {e} of the part")
         elif bootstrap_value is not None:
             raise InvalidArgument(
                 f"bootstrap_value: only valid in a part reaching the last step {T - 1}, this part ends at"

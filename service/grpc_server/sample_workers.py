@@ -23,15 +23,14 @@ import numpy as np
 
 from service import errors
 from service.buffers.ring import EpisodicRing, shm_name
-from service.grpc_server import convert
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import channel_options
 from service.grpc_server.servicer import (
     SAMPLE_AHEAD,
-    check_sample_request,
     lenient,
     rpc,
     sample_message,
+    sample_mode,
     stream_rpc,
     wait_seconds,
 )
@@ -84,8 +83,7 @@ class SampleWorkerServicer:
     def _message(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
                  deadline: float | None, context: grpc.ServicerContext) -> bytes:
         self.current(request.buffer, ring)
-        check_sample_request(request, ring, self.max_message_bytes)
-        mode = convert.mode_from_request(request)
+        mode = sample_mode(request, ring, self.max_message_bytes)
         if deadline is not None and ring.sampleable_steps == 0:
             with self.worker_seats.wait_seat(f"sample of buffer {ring.name!r} (waiting for data)"):
                 delay = _WAIT_POLL_SECONDS[0]

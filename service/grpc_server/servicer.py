@@ -18,15 +18,14 @@ from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry
 
 from service import checkpoint, errors
-from service.buffers.episodic import EpisodicBuffer, shm_name
-from service.buffers.ring import EpisodicRing
+from service.buffers.episodic import EpisodicBuffer
+from service.buffers.ring import EpisodicRing, check_importance_beta
 from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
 from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
 from service.limiters import WorkerSeats
 from service.registry import BufferRegistry
 from service.samplers.modes import BatchMode
-from service.schema import check_buffer_name
 from service.weights import WeightStore
 from service.wire import codec
 from service.wire import replay_pb2 as pb
@@ -37,6 +36,7 @@ log = logging.getLogger("replayd")
 
 # Far above any learner's batch; keeps a hostile batch_size from allocating before the size check.
 MAX_BATCH_SIZE = 2**24
+KEY_ITEM_BYTES = 8 + 8  # include_keys: key (int64) and episode_id (uint64) per item
 # Sampling streams of side-effect-free buffers sample and encode this many batches ahead of gRPC (see _Ahead).
 SAMPLE_AHEAD = 1
 # Status messages travel as trailing metadata, which clients cap at 8-16 KiB; messages quote request
@@ -329,16 +329,23 @@ def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> fl
     return remaining
 
 
-def check_sample_request(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes: int) -> None:
+def sample_mode(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes: int) -> BatchMode:
+    """The request's batch mode, once the request is checked: a batch that could not be sent is refused
+    before it is drawn (a draw counts: removers, rate limiters, the buffer's counters)."""
     if not 1 <= request.batch_size <= MAX_BATCH_SIZE:
         raise errors.InvalidArgument(f"sample: batch_size expected 1..{MAX_BATCH_SIZE}, got {request.batch_size}")
-    # Every mode sends each observation field once per item at least: refuse before gathering.
-    least = request.batch_size * sum(f.row_bytes for f in ring.observation_fields)
-    if least > max_message_bytes:
+    check_importance_beta(request.importance_beta)
+    mode = convert.mode_from_request(request)
+    mode.check(ring)
+    item_bytes = (mode.item_bytes(ring) + ring.sampler.extra_item_bytes
+                  + (KEY_ITEM_BYTES if request.include_keys else 0))
+    needed = request.batch_size * item_bytes + codec.FRAMING_BYTES
+    if needed > max_message_bytes:
         raise errors.ResourceExhausted(
-            f"sample: batch_size={request.batch_size} needs at least {least} bytes, over the server's "
-            f"max_message_bytes={max_message_bytes}; lower batch_size or raise --max-message-mb"
+            f"sample: batch_size={request.batch_size} needs up to {needed} bytes ({item_bytes} per item), over "
+            f"the server's max_message_bytes={max_message_bytes}; lower batch_size or raise --max-message-mb"
         )
+    return mode
 
 
 def sample_message(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
@@ -392,8 +399,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             raise errors.InvalidArgument(f"create: kind must be episodic or rollout, got {kind}")
         self.registry.reserve_check(request.name)
         if kind == "rollout":
-            check_buffer_name(request.name)
-            rollout = RolloutBuffer.create(shm_name(self.registry.instance, request.name),
+            rollout = RolloutBuffer.create(request.name, self.registry.instance,
                                            convert.rollout_config_from_proto(request.rollout),
                                            max_bytes=self.max_buffer_bytes)
             self.registry.add(request.name, rollout)
@@ -427,7 +433,13 @@ class ReplayServicer(pb_grpc.ReplayServicer):
 
     @rpc
     def ListBuffers(self, request: pb.ListBuffersRequest, context) -> pb.ListBuffersResponse:
-        return pb.ListBuffersResponse(buffers=[self._info(n, b) for n, b in self.registry.all()])
+        infos = []
+        for name, buffer in self.registry.all():
+            try:
+                infos.append(self._info(name, buffer))
+            except errors.NotFound:  # deleted after the list was taken: no longer a buffer to list
+                continue
+        return pb.ListBuffersResponse(buffers=infos)
 
     @rpc
     def DescribeBuffer(self, request: pb.DescribeBufferRequest, context) -> pb.BufferInfo:
@@ -465,9 +477,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                                  duplicate_spans=duplicates)
 
     def _sample_mode(self, buffer: EpisodicBuffer, request: pb.SampleRequest) -> BatchMode:
-        """The request's batch mode, once its size is checked (modes hold no state: one serves a whole stream)."""
-        check_sample_request(request, buffer, self.max_message_bytes)
-        return convert.mode_from_request(request)
+        """The request's batch mode, once it is checked (modes hold no state: one serves a whole stream)."""
+        return sample_mode(request, buffer, self.max_message_bytes)
 
     def _sample_message(self, buffer: EpisodicBuffer, request: pb.SampleRequest, mode: BatchMode,
                         rng: np.random.Generator | None, wait_seconds: float | None,
@@ -550,6 +561,13 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             request.minibatch_size, request.epochs or 1, request.normalize_advantages, request.drop_last,
             request.seed if request.HasField("seed") else None,
         )
+        needed = request.minibatch_size * buffer.sample_bytes + codec.FRAMING_BYTES
+        if needed > self.max_message_bytes:  # refused before a minibatch is cut (and counted)
+            raise errors.ResourceExhausted(
+                f"rollout_minibatches: minibatch_size={request.minibatch_size} needs up to {needed} bytes "
+                f"({buffer.sample_bytes} per sample), over the server's max_message_bytes={self.max_message_bytes}; "
+                "lower minibatch_size or raise --max-message-mb"
+            )
         for batch in minibatches:
             if not context.is_active():
                 return

@@ -26,6 +26,9 @@ class GeometricMode:
     def check(self, ring: EpisodicBuffer) -> None:
         """Any episodic ring has observations to pair."""
 
+    def item_bytes(self, ring: EpisodicBuffer) -> int:
+        return 2 * sum(f.row_bytes for f in ring.observation_fields) + np.dtype(np.int64).itemsize  # offset
+
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         count = draw.rows.size
         offsets_and_future_rows = np.empty((2, count), np.int64)

@@ -16,4 +16,8 @@ class BatchMode(Protocol):
     def check(self, ring: EpisodicBuffer) -> None:
         """Raises InvalidArgument when this mode cannot sample `ring` (called before any wait for data)."""
 
+    def item_bytes(self, ring: EpisodicBuffer) -> int:
+        """Bytes per item of the columns `build` returns (an aliased column once), to size a batch before
+        drawing it."""
+
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]: ...

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 class PrioritizedSampler:
     name = "prioritized"
+    extra_item_bytes = 8 + 4  # columns draw adds to a batch, per item: probability (float64), weight (float32)
 
     def __init__(self, alpha: float) -> None:
         if not np.isfinite(alpha) or alpha < 0:
@@ -97,8 +98,6 @@ class PrioritizedSampler:
     # ---------------------------------------------------------------- sampling
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0) -> Draw:
-        if not np.isfinite(importance_beta) or importance_beta < 0:
-            raise InvalidArgument(f"importance_beta must be finite and >= 0, got {importance_beta}")
         total = self.tree.total
         if total <= 0:
             raise FailedPrecondition(

@@ -16,5 +16,8 @@ class StatesMode:
     def check(self, ring: EpisodicBuffer) -> None:
         """Any episodic ring has states."""
 
+    def item_bytes(self, ring: EpisodicBuffer) -> int:
+        return sum(f.row_bytes for f in ring.observation_fields)
+
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {f.name: ring.columns[f.name].take(draw.rows, axis=0) for f in ring.observation_fields}

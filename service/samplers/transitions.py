@@ -39,6 +39,15 @@ class TransitionsMode:
         if ring.reward_field is None and self.n_step > 1:
             raise InvalidArgument("transitions.n_step > 1 needs a reward field; the buffer has none")
 
+    def item_bytes(self, ring: EpisodicBuffer) -> int:
+        observations = sum(f.row_bytes for f in ring.observation_fields)
+        steps = sum(f.row_bytes for f in ring.step_fields)
+        flags = 2  # terminated, truncated (bool)
+        if ring.reward_field is None:
+            return 2 * observations + steps + flags  # obs, next obs
+        # bootstrap obs is next obs when n = 1 (sent once); n_step_return and bootstrap_discount are float32
+        return (2 if self.n_step == 1 else 3) * observations + steps + flags + 2 * 4
+
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         columns, rows = ring.columns, draw.rows
         reward = _NO_REWARD if ring.reward_field is None else columns[ring.reward_field]

@@ -25,6 +25,7 @@ _MAX_ROUNDS = 64
 
 class UniformSampler:
     name = "uniform"
+    extra_item_bytes = 0  # columns draw adds to a batch, per item
 
     def array_specs(self, capacity: int) -> list[ArraySpec]:
         return []  # no per-row state: validity comes from the ring's bounds

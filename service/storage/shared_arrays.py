@@ -23,7 +23,7 @@ from service.errors import FailedPrecondition, ResourceExhausted
 LAYOUT_VERSION = 1
 MAGIC = "replayd-shm"
 _ALIGN = 64
-_NAME_OK = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_NAME_OK = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class SharedArrays:
                max_bytes: int | None = None) -> SharedArrays:
         """Creates both segments (zero-filled). Fails with FileExistsError if the name is taken, and with
         ResourceExhausted (nothing created) past `max_bytes` or the free shared memory."""
-        if not _NAME_OK.match(header_name):
+        if not _NAME_OK.fullmatch(header_name):
             raise ValueError(f"shared-memory name {header_name!r} must match {_NAME_OK.pattern}")
         entries, offset = [], 0
         for spec in specs:

@@ -46,6 +46,9 @@ _PARTS_MIN_BYTES = 256 * 2**10
 # A row travels as one Arrow fixed-size list, whose size is an int32; numpy allows at most 64 dimensions.
 _MAX_ROW_VALUES = 2**31 - 1
 _MAX_RANK = 32
+# Room around a payload's column bytes: the Arrow schema (names, shapes, dtypes), buffer padding and
+# protobuf framing; a few KB for any batch replayd builds.
+FRAMING_BYTES = 64 * 2**10
 
 
 class CodecError(ValueError):
