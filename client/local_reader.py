@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 
 from client.polling import wait_until
@@ -23,7 +24,7 @@ from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
 from service.samplers.states import StatesMode
 from service.samplers.transitions import TransitionsMode
-from service.storage.shared_arrays import segment_exists, segment_identity
+from service.storage.shared_arrays import segment_identity
 
 CHECK_EVERY = 0.05  # seconds between checks that the buffer still exists on the server
 
@@ -40,6 +41,16 @@ def batch_mode(mode: str, n_step: int = 1, gamma: float = 0.99, discount: float 
     raise ValueError(f"mode must be transitions, geometric or states, got {mode!r}")
 
 
+def _on_server(client: ReplayClient, buffer: str) -> bool:
+    try:
+        client.describe(buffer)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        return False
+    return True
+
+
 class LocalReader:
     """Read-only view of one episodic buffer of a server on this host."""
 
@@ -50,15 +61,21 @@ class LocalReader:
                 f"buffer {buffer!r} lives on host {info['host']!r}, not on this host ({socket.gethostname()!r}): "
                 "sample it over gRPC"
             )
-        if not segment_exists(info["shm_name"]):
-            raise RuntimeError(
-                f"buffer {buffer!r}: shared-memory segment {info['shm_name']!r} is not visible here (another "
-                "container or IPC namespace?); sample it over gRPC"
-            )
         self.buffer = buffer
         self._segment = info["shm_name"]
         self._identity = segment_identity(self._segment)  # before attaching: a segment replaced later differs
-        self.ring = EpisodicRing.attach(info["shm_name"])
+        deleted = NotFound(f"buffer {buffer!r} was deleted on the server while this reader attached")
+        if self._identity is None:
+            if not _on_server(client, buffer):
+                raise deleted
+            raise RuntimeError(
+                f"buffer {buffer!r}: shared-memory segment {self._segment!r} is not visible here (another "
+                "container or IPC namespace?); sample it over gRPC"
+            )
+        try:
+            self.ring = EpisodicRing.attach(self._segment)
+        except FileNotFoundError:
+            raise deleted from None
         self.torn_redraws = 0
         self._rng = np.random.default_rng()
         self._checked = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -11,6 +12,7 @@ import pytest
 
 from client import EpisodeWriter, ReplayClient
 from client.replay_client import Span, spans_request, split_spans
+from client.replay_client import episode_span as client_episode_span
 from service import errors
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.grpc_server.server import ReplayServer
@@ -441,3 +443,33 @@ def test_names_with_a_line_break_or_space_are_refused(client: ReplayClient, name
     code, details = rpc_status(client.publish_weights, name, 1, b"")
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "name" in details
     assert client.list_buffers() == []
+
+
+def test_an_insert_stream_its_client_abandons_is_not_a_server_error(server: ReplayServer, client: ReplayClient,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A client whose deadline passes mid-stream ends the call: the server neither logs an error nor counts
+    a rejected insert; the requests it had read are stored."""
+    client.create_buffer("e", 1000, SCHEMA)
+    span = client_episode_span(episode(np.random.default_rng(0), 10), True, ("obs",), episode_id=7)
+    abandoned = threading.Event()
+
+    def requests():
+        yield spans_request("e", [span])
+        abandoned.wait(10)  # the client's deadline passes while the stream waits for its next request
+
+    def inserts_finished() -> float:
+        labels = {"method": "Insert", "buffer": "e"}
+        return server.metrics.get_sample_value("replayd_rpc_latency_seconds_count", labels) or 0
+
+    before = inserts_finished()
+    with caplog.at_level("ERROR", logger="replayd"):
+        code, _ = rpc_status(client.insert, requests(), timeout=0.5, retry=False)
+        abandoned.set()
+        deadline = time.monotonic() + 10  # the handler ends after the client gave up: wait for its record
+        while inserts_finished() == before:
+            assert time.monotonic() < deadline, "the server never finished the abandoned insert"
+            time.sleep(0.01)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "Insert" not in server.servicer.rejected
+    assert client.describe("e")["episodes"] == 1

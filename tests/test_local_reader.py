@@ -64,6 +64,22 @@ def test_local_reader_stops_when_the_buffer_is_deleted_or_re_created(client: Rep
             client.delete_buffer("gone")
 
 
+def test_a_buffer_deleted_while_a_reader_attaches_is_not_found(client: ReplayClient,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    client.create_buffer("gone", 1000, SCHEMA)
+    describe = client.describe
+
+    def describe_then_delete(name: str) -> dict:
+        info = describe(name)
+        monkeypatch.setattr(client, "describe", describe)
+        client.delete_buffer(name)  # between the reader's describe and its attach
+        return info
+
+    monkeypatch.setattr(client, "describe", describe_then_delete)
+    with pytest.raises(NotFound, match="'gone'"):
+        LocalReader(client, "gone")
+
+
 def test_local_reader_waits_for_data_when_asked(client: ReplayClient) -> None:
     client.create_buffer("later", 1000, SCHEMA)
     episode = {"obs": np.ones((11, 4), np.float32), "action": np.zeros(10, np.int64), "reward": np.ones(10, np.float32)}

@@ -10,6 +10,7 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import InvalidArgument
+from service.samplers.kernels import HOLE
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.states import StatesMode
 from tests.test_episodic_buffer import FIELDS, _chi_square_critical, make_rows
@@ -157,5 +158,25 @@ def test_importance_weights_survive_priority_ratios_beyond_float64() -> None:
         batch = buffer.sample(64, StatesMode(), rng, include_keys=True, importance_beta=0.01)
         expected = np.exp(-0.01 * (np.log(1e100) - np.log(1e-300)))  # (p / p_min)^-beta, about 1e-4
         np.testing.assert_allclose(batch["weight"][batch["key"] != keys[0]], expected, rtol=1e-5)
+    finally:
+        buffer.close()
+
+
+def test_draws_of_leaves_a_writer_zeroed_are_redrawn_then_marked_torn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock-free reader may land on a leaf the writer has since zeroed: such draws are drawn again, and
+    those still zero get a HOLE bound (the reader then redraws the batch), with finite weights."""
+    buffer = new_buffer(200)
+    try:
+        insert_episodes(buffer, np.random.default_rng(0), [20, 30], first_id=1)
+        tree, real_get = buffer.sampler.tree, buffer.sampler.tree.get
+        zeroed = int(live_keys(buffer)[0]) % buffer.capacity
+        monkeypatch.setattr(tree, "get", lambda leaves: np.where(np.asarray(leaves) == zeroed, 0.0, real_get(leaves)))
+        rng = np.random.default_rng(1)
+        draw = buffer.draw(500, rng, importance_beta=0.5)
+        assert zeroed not in draw.rows[draw.bounds != HOLE]  # redrawn away...
+        assert np.isfinite(draw.extra["weight"]).all() and (draw.extra["probability"] > 0).all()
+        monkeypatch.setattr(tree, "get", lambda leaves: np.zeros(len(leaves)))  # ...or, never positive, torn
+        draw = buffer.draw(8, rng, importance_beta=0.5)
+        assert (draw.bounds == HOLE).all() and np.isfinite(draw.extra["weight"]).all()
     finally:
         buffer.close()

@@ -186,3 +186,27 @@ def test_a_worker_stream_of_a_recreated_buffer_ends_with_not_found(worker_server
         assert ended.value.code() == grpc.StatusCode.NOT_FOUND
         assert (client.sample("b", 16)["obs"] == 1).all()
     assert worker_server.sample_workers.restarts == 0
+
+
+def test_workers_unmap_deleted_buffers(worker_server: ReplayServer) -> None:
+    """A worker drops a deleted buffer's mapping (and its file descriptors), also when nobody asks for
+    that buffer again."""
+    workers = worker_server.sample_workers._processes
+    with ReplayClient(worker_server.address) as client:
+        for name in ("gone1", "gone2"):
+            fill(client, name)
+            for _ in range(4):  # round-robin: both workers attach it
+                client.sample(name, 8)
+        segment = f"rpd_{worker_server.instance}_gone"
+
+        def mapped() -> list[int]:
+            """The pids of the workers that still map a segment of either buffer."""
+            return [p.pid for p in workers if segment in open(f"/proc/{p.pid}/maps").read()]
+
+        assert mapped() == [p.pid for p in workers]
+        client.delete_buffer("gone1")
+        client.delete_buffer("gone2")
+        deadline = time.monotonic() + 20
+        while mapped():
+            assert time.monotonic() < deadline, f"workers {mapped()} still map the deleted buffers"
+            time.sleep(0.05)

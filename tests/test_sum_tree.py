@@ -102,3 +102,14 @@ def test_find_prefix_never_lands_on_a_zero_leaf_next_to_boundaries() -> None:
 def test_find_prefix_on_an_empty_tree_raises() -> None:
     with pytest.raises(ValueError):
         new_tree(100).find_prefix(np.zeros(3))
+
+
+def test_a_search_through_levels_a_writer_is_changing_returns_minus_one_not_an_error() -> None:
+    """A lock-free reader may read inner sums that promise a leaf the writer already zeroed: the search
+    then reports -1 (no positive leaf) for those targets, which the sampler draws again."""
+    tree = new_tree(5000)
+    tree.update(np.arange(5000), np.ones(5000))
+    tree._leaf_sums[:2500] = 0.0  # leaves zeroed, inner levels not yet recomputed (as mid-update)
+    leaves = tree.find_prefix(np.array([10.0, 1000.0, 4000.0]))
+    assert leaves[0] == leaves[1] == -1
+    assert leaves[2] >= 2500 and tree.get(leaves[2:3])[0] > 0

@@ -649,10 +649,12 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         marked = extent.last + 1 - mark_from
         self._set_ring(self.row_seq, mark_from, np.full(marked, extent.seq, dtype=np.int64))
         if op.closes:
-            # The extent's record first: a reader that sees a row's final bound also sees how it ended.
-            self.extent_last[slot] = extent.last
+            # How it ended first: a reader that sees a row's final bound also sees that. Then the bounds,
+            # then the extent's last row: a lock-free reader that saw a row OPEN and then this last row
+            # finds the row's bound changed when it checks its batch (drawn_whole), and draws again.
             self.extent_flags[slot] = ALIVE | (TERMINATED if op.terminated else 0)
             self._set_ring(self.row_end, extent.start, np.full(extent.last + 1 - extent.start, extent.last))
+            self.extent_last[slot] = extent.last
         else:
             # New rows carry OPEN before the extent's last row moves over them, so readers see them whole.
             self._set_ring(self.row_end, mark_from, np.full(marked, OPEN, dtype=np.int64))

@@ -187,9 +187,11 @@ class EpisodicRing:
         mode.check(self)
         for torn in range(MAX_TORN_DRAWS):
             draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)
-            # Every position drawn was a step and is still live: the batch was read whole. (A prioritized
-            # draw can also race a priority write and land on a position that just stopped being a step.)
-            if kernels.drawn_whole(draw.positions, draw.bounds, self.tail_position()):
+            # Every position drawn was a step, is still live and kept its bound: the batch was read whole.
+            # (A prioritized draw can also race a priority write and land on a position that just stopped
+            # being a step; the sampler gives such draws a HOLE bound.)
+            if kernels.drawn_whole(draw.positions, draw.rows, draw.bounds, draw.closed, self.row_end,
+                                   self.tail_position()):
                 return batch, torn
         raise FailedPrecondition(
             f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with evictions; the ring turns over "

@@ -40,8 +40,8 @@ from service.wire import replay_pb2 as pb
 log = logging.getLogger("replayd.sample_worker")
 
 WORKER_THREADS = 16  # gRPC threads of one sample-worker process
-_WAIT_POLL_SECONDS = (0.001, 0.1)
-_PARENT_POLL_SECONDS = 0.5  # a worker cannot wait on the writer's condition: it polls, backing off
+_WAIT_POLL_SECONDS = (0.001, 0.1)  # a worker cannot wait on the writer's condition: it polls, backing off
+_PARENT_POLL_SECONDS = 0.5  # how often a worker checks that its server lives and drops deleted buffers
 
 
 class SampleWorkerServicer:
@@ -64,6 +64,7 @@ class SampleWorkerServicer:
         try:
             inode = os.stat(f"/dev/shm/{header}").st_ino
         except (FileNotFoundError, ValueError):
+            self.forget_deleted()
             raise errors.NotFound(f"buffer {buffer!r} does not exist") from None
         with self._lock:
             cached = self._rings.get(buffer)
@@ -74,6 +75,22 @@ class SampleWorkerServicer:
             ring = EpisodicRing.attach(header)
             self._rings[buffer] = (inode, ring)
             return ring
+
+    def forget_deleted(self) -> None:
+        """Drops the rings of buffers deleted (or created again) since they were attached: each is unmapped
+        once the calls still holding it are done. Run now and then: a deleted buffer that nobody asks for
+        again would otherwise stay mapped (its memory and file descriptors held) for the worker's life."""
+        with self._lock:
+            cached = list(self._rings.items())
+        for buffer, (inode, ring) in cached:
+            try:
+                now = os.stat(f"/dev/shm/{shm_name(self.instance, buffer)}").st_ino
+            except FileNotFoundError:
+                now = None
+            if now != inode:
+                with self._lock:
+                    if self._rings.get(buffer, (None, None))[1] is ring:
+                        del self._rings[buffer]
 
     def current(self, buffer: str, ring: EpisodicRing) -> None:
         """NotFound once `buffer` was deleted (or deleted and created again) since `ring` was attached."""
@@ -148,6 +165,7 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
     # A server killed with SIGKILL cannot stop its workers: each notices it was orphaned and exits, so
     # none keeps serving (and holding shared memory) beside the restarted server.
     while server.wait_for_termination(timeout=_PARENT_POLL_SECONDS):  # True: timed out, still serving
+        servicer.forget_deleted()
         if os.getppid() != server_pid:
             log.warning("sample worker on port %d: the server process is gone; exiting", port)
             server.stop(grace=0).wait()

@@ -122,6 +122,9 @@ def rpc(method: Callable) -> Callable:
 
 def _abort(self: ReplayServicer, method: Callable, exc: Exception, context: grpc.ServicerContext) -> None:
     """Ends the call: replayd errors with their status code, anything else as INTERNAL (logged with its trace)."""
+    if isinstance(exc, grpc.RpcError) and not context.is_active():
+        # The client cancelled, or its deadline passed, while the handler read the call's request stream.
+        exc = errors.Cancelled(f"{method.__name__}: the call ended while its requests were being read")
     if isinstance(exc, errors.ReplayError | codec.CodecError):
         if not isinstance(exc, errors.Cancelled):  # the client ended the call: nothing was rejected
             self.counters_rejected(method.__name__, exc)

@@ -147,10 +147,21 @@ def transition_targets(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarr
 
 
 @_jit
-def drawn_whole(positions: np.ndarray, bounds: np.ndarray, tail: int) -> bool:
-    """Whether every drawn position is still live (>= the tail read after the gather) and was a step."""
-    for i in range(positions.size):  # noqa: SIM110 (numba compiles loops, not generator expressions)
+def drawn_whole(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarray, closed: np.ndarray, row_end: np.ndarray,
+                tail: int) -> bool:
+    """Whether a lock-free reader's batch was read whole: every drawn position was a step and is still
+    live (>= the tail read after the gather), and its row's bound did not change in a way the batch could
+    have seen. Call after every read of the batch (row_end is read again here):
+    - a closed episode's rows keep their bound until evicted;
+    - an open episode's rows stay OPEN, or its rows turned into holes (it moved to the head: the batch may
+      have read its new row_seq), or it closed: at the last row the draw read (the draw may have read the
+      final row without knowing the episode ended: the writer sets the bounds before that last row), or
+      past it (it closed after the draw: the batch is what the open episode held)."""
+    for i in range(positions.size):
         if positions[i] < tail or positions[i] >= bounds[i]:
+            return False
+        now = row_end[rows[i]]
+        if now != bounds[i] if closed[i] else (now != OPEN and now <= bounds[i]):
             return False
     return True
 
@@ -213,7 +224,10 @@ def _compile_ahead() -> None:
                                row_seq, extent_flags, slots, np.empty((2, 2), np.int64), np.empty((2, 2), np.bool_),
                                np.empty((2, 2), np.float32))
         geometric_offsets(np.zeros(2), 0.5, positions, positions, positions + 1, capacity, np.empty((2, 2), np.int64))
-    drawn_whole(positions, positions + 1, 0)
+    for readonly in (False, True):
+        row_end = np.zeros(4, np.int64)
+        row_end.flags.writeable = not readonly
+        drawn_whole(positions, positions, positions + 1, closed, row_end, 0)
 
 
 _compile_ahead()

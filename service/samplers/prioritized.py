@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.errors import FailedPrecondition, InvalidArgument
+from service.samplers import kernels
 from service.samplers.draw import Draw
 from service.samplers.sum_tree import SumTree
 from service.storage.shared_arrays import ArraySpec
@@ -29,6 +30,10 @@ MAX_LEAF = 1e150
 
 if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
+
+
+# Rounds a lock-free reader draws its torn draws again before it draws the whole batch again.
+_TORN_ROUNDS = 4
 
 
 class PrioritizedSampler:
@@ -104,17 +109,37 @@ class PrioritizedSampler:
                 f"buffer {ring.name!r} has no sampleable step with a positive priority "
                 f"(sampleable_steps={ring.sampleable_steps})"
             )
-        leaves = self.tree.find_prefix(rng.random(batch_size) * total)
+        # A lock-free reader races the writer: its search may find no positive leaf (-1), or a leaf the
+        # writer zeroed since (a step that moved or was evicted). Such draws are drawn again, a few rounds,
+        # and any left get a HOLE bound, which makes the reader's check of its batch (drawn_whole) draw the
+        # whole batch again. Under the writer's lock neither happens.
+        leaves = self._search(rng.random(batch_size) * total)
+        values = self.tree.get(leaves)
+        torn = (leaves < 0) | ~(values > 0)
+        for _ in range(_TORN_ROUNDS):
+            if not torn.any():
+                break
+            leaves[torn] = self._search(rng.random(int(torn.sum())) * total)
+            values = self.tree.get(leaves)
+            torn = (leaves < 0) | ~(values > 0)
         # Leaf = ring row; the live range lies within the last `capacity` positions before the head.
         base = ring.head - ring.capacity
         positions = base + (leaves - base) % ring.capacity
         rows, bounds, closed = ring.episode_bounds(positions)
-        values = self.tree.get(leaves)
+        if torn.any():
+            bounds[torn] = kernels.HOLE
+            values = np.where(torn, 1.0, values)
         # w = (N P)^-beta / max w = (p / p_min)^-beta, in logs: leaves may span 1e-300..1e150, whose ratio
         # overflows float64 (and inf ** -beta would make the weight 0).
         log_ratio = np.log(values) - math.log(self.tree.min_positive)
         weight = np.exp(-importance_beta * log_ratio).astype(np.float32)
         return Draw(positions, rows, bounds, closed, {"probability": values / total, "weight": weight})
+
+    def _search(self, targets: np.ndarray) -> np.ndarray:
+        try:
+            return self.tree.find_prefix(targets)
+        except ValueError:  # the levels read all zero under a positive total: a lock-free reader mid-update
+            return np.full(targets.size, -1, np.int64)
 
     def update_priorities(self, ring: EpisodicBuffer, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
         """Sets the priorities of live keys; returns (applied, ignored_stale). Call with ring.lock held.

@@ -157,7 +157,8 @@ class SumTree:
         """For each target in [0, total), the leaf i with sum(leaf < i) <= target < sum(leaf <= i).
 
         Only positive leaves are returned, also for targets at or past the total (rounding): they take
-        the last positive leaf. Raises ValueError when every leaf is zero.
+        the last positive leaf. Raises ValueError when every leaf is zero. A lock-free reader, whose tree
+        changes under the search, may get -1: the search found no positive leaf.
         """
         top = self._sum_levels[1]
         running = np.empty(top.size + 1)
@@ -189,12 +190,16 @@ class SumTree:
         return nodes
 
     def _descend_exact(self, target: float) -> int:
-        """One target's descent by exact cumulative sums, choosing only positive nodes (the slow path)."""
+        """One target's descent by exact cumulative sums, choosing only positive nodes (the slow path);
+        -1 when a node has no positive child (only in a tree that changes under a lock-free reader)."""
         node = 0
         for level in [self._sum_levels[1], *self._sum_rows[2:]]:
-            children = level if node == 0 and level.ndim == 1 else level[node]
+            children = np.array(level if node == 0 and level.ndim == 1 else level[node])  # a copy: stable
+            positive = np.flatnonzero(children)
+            if not positive.size:
+                return -1
             running = np.cumsum(children)
-            child = min(int(np.searchsorted(running, target, side="right")), int(np.flatnonzero(children)[-1]))
+            child = min(int(np.searchsorted(running, target, side="right")), int(positive[-1]))
             if child:
                 target -= float(running[child - 1])
             node = node * K + child

@@ -1,0 +1,156 @@
+"""Lock-free readers (LocalReader, sample workers) against a writer that moves, closes and evicts episodes.
+
+A reader process samples the ring's shared memory without the writer's lock while the writer inserts
+interleaved chunks of many open episodes into a small ring: open episodes move to the head (their old
+rows turn into holes), close, and are evicted. Every row's data names its episode and step, so each
+sampled item is checked against the episode it claims: its id, successor, n-step return, bootstrap
+discount (0 only through a termination) and, for prioritized buffers, a finite importance weight.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.ring import EpisodicRing
+from service.errors import FailedPrecondition
+from service.samplers.prioritized import PrioritizedSampler
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+from tests.conftest import TEST_INSTANCE
+
+FIELDS = [Field("obs", "float64", (3,), observation=True), Field("reward", "float64")]
+GAMMA, N_STEP, BATCH = 0.9, 4, 64
+OPEN_EPISODES, CAPACITY = 12, 400
+SECONDS = 3.0
+
+
+def length_of(episode: int) -> int:
+    return 3 + (episode * 7919) % 60
+
+
+def reward_of(episode: int, t: np.ndarray) -> np.ndarray:
+    return np.sin(episode * 1.7 + np.asarray(t) * 0.3)
+
+
+def terminated_of(episode: int) -> bool:
+    return episode % 3 != 0
+
+
+def episode_rows(episode: int, lo: int, hi: int) -> dict[str, np.ndarray]:
+    """Rows [lo, hi) of an episode: obs = (episode, t, checksum); row L is the final observation."""
+    t = np.arange(lo, hi, dtype=np.float64)
+    obs = np.stack([np.full(hi - lo, episode, np.float64), t, np.cos(episode * 0.37 + t * 1.3)], axis=1)
+    return {"obs": obs, "reward": np.where(t < length_of(episode), reward_of(episode, t), 0.0)}
+
+
+def wrong_items(batch: dict[str, np.ndarray]) -> list[str]:
+    wrong = []
+    for i in range(len(batch["obs"])):
+        episode, t = int(batch["obs"][i, 0]), int(batch["obs"][i, 1])
+        boot_t = int(batch["bootstrap_obs"][i, 1])
+        length = length_of(episode)
+        steps = np.arange(t, boot_t)
+        expected_discount = 0.0 if boot_t == length and terminated_of(episode) else GAMMA ** (boot_t - t)
+        checks = {
+            "episode_id": int(batch["episode_id"][i]) == episode,
+            "next_obs": tuple(batch["next_obs"][i, :2]) == (episode, t + 1),
+            "bootstrap_obs": int(batch["bootstrap_obs"][i, 0]) == episode and 1 <= boot_t - t <= N_STEP
+            and boot_t <= length,
+            "n_step_return": abs(batch["n_step_return"][i] - np.sum(GAMMA ** (steps - t) * reward_of(episode, steps)))
+            < 1e-4,
+            "bootstrap_discount": abs(batch["bootstrap_discount"][i] - expected_discount) < 1e-5,
+            "weight": "weight" not in batch or bool(np.isfinite(batch["weight"][i]) and batch["probability"][i] > 0),
+        }
+        wrong += [f"{name}: episode {episode} t={t} (L={length})" for name, ok in checks.items() if not ok]
+    return wrong
+
+
+def read(header_name: str, seconds: float, results: multiprocessing.Queue) -> None:
+    """The reader process: samples without the lock until `seconds` pass; reports (items, wrong, error)."""
+    ring = EpisodicRing.attach(header_name)
+    rng = np.random.default_rng(os.getpid())
+    mode = TransitionsMode(N_STEP, GAMMA)
+    items, wrong, error = 0, [], None
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            try:
+                batch, _ = ring.sample_shared(BATCH, mode, rng, include_keys=True, importance_beta=0.5)
+            except FailedPrecondition as exc:
+                if "no sampleable step" in str(exc):  # a moment with every episode still in its first chunk
+                    continue
+                raise
+            items += BATCH
+            wrong += wrong_items(batch)
+    except Exception as exc:  # reported to the test, which fails on it
+        error = repr(exc)
+    finally:
+        ring.close()
+    results.put((items, wrong[:10], len(wrong), error))
+
+
+def write(buffer: EpisodicBuffer, stop: threading.Event, prioritized: bool) -> None:
+    """Chunks of 1-5 rows of OPEN_EPISODES interleaved episodes, each closed by its last chunk."""
+    rng = np.random.default_rng(1)
+    next_episode = 1
+    sent = {}  # episode -> rows sent
+    for _ in range(OPEN_EPISODES):
+        sent[next_episode] = 0
+        next_episode += 1
+    while not stop.is_set():
+        episode = int(rng.choice(list(sent)))
+        rows = length_of(episode) + 1
+        k = min(int(rng.integers(2 if sent[episode] == 0 else 1, 6)), rows - sent[episode])
+        ends = sent[episode] + k == rows
+        spans = Spans(np.array([episode], np.uint64), np.array([k]), np.array([sent[episode] == 0]),
+                      np.array([ends]), np.array([ends and terminated_of(episode)]), np.array([sent[episode]]))
+        try:
+            buffer.insert(episode_rows(episode, sent[episode], sent[episode] + k), spans)
+            sent[episode] += k
+        except FailedPrecondition:  # evicted while open: start another
+            ends = True
+        if ends:
+            del sent[episode]
+            sent[next_episode] = 0
+            next_episode += 1
+        if prioritized and rng.random() < 0.15:
+            batch = buffer.sample(16, TransitionsMode(1, GAMMA), rng, include_keys=True)
+            buffer.update_priorities(batch["key"], rng.uniform(0.01, 10, 16))
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_lock_free_samples_are_whole_while_episodes_move_close_and_evict(prioritized: bool) -> None:
+    sampler = PrioritizedSampler(0.6) if prioritized else None
+    buffer = EpisodicBuffer("race", f"{TEST_INSTANCE}race", FIELDS, CAPACITY, sampler=sampler)
+    stop = threading.Event()
+    writer = threading.Thread(target=write, args=(buffer, stop, prioritized))
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    reader = context.Process(target=read, args=(buffer.storage.header_name, SECONDS, results))
+    try:
+        first = length_of(100_000)
+        buffer.insert(episode_rows(100_000, 0, first + 1),
+                      Spans.whole_episodes(np.array([first]), np.array([100_000]), np.array([True])))
+        writer.start()
+        reader.start()
+        items, examples, wrong, error = results.get(timeout=SECONDS + 120)
+    finally:
+        stop.set()
+        reader.join(timeout=30)
+        if reader.is_alive():
+            reader.kill()
+        if writer.is_alive():
+            writer.join()
+        counters = buffer.counters
+        buffer.close()
+    assert error is None
+    assert counters["moved_open_episodes"] > 100 and counters["evicted_episodes"] > 100  # the races happened
+    assert items > 10_000
+    assert wrong == 0, examples
