@@ -190,23 +190,31 @@ def test_a_worker_stream_of_a_recreated_buffer_ends_with_not_found(worker_server
 
 def test_workers_unmap_deleted_buffers(worker_server: ReplayServer) -> None:
     """A worker drops a deleted buffer's mapping (and its file descriptors), also when nobody asks for
-    that buffer again."""
+    that buffer again and when streams held it: one cancelled, the others ended by the delete."""
     workers = worker_server.sample_workers._processes
+
+    def mapping(segment: str) -> list[int]:
+        """The pids of the workers that map a segment whose name starts with `segment`."""
+        return [p.pid for p in workers if segment in open(f"/proc/{p.pid}/maps").read()]
+
     with ReplayClient(worker_server.address) as client:
         for name in ("gone1", "gone2"):
             fill(client, name)
             for _ in range(4):  # round-robin: both workers attach it
                 client.sample(name, 8)
-        segment = f"rpd_{worker_server.instance}_gone"
-
-        def mapped() -> list[int]:
-            """The pids of the workers that still map a segment of either buffer."""
-            return [p.pid for p in workers if segment in open(f"/proc/{p.pid}/maps").read()]
-
-        assert mapped() == [p.pid for p in workers]
-        client.delete_buffer("gone1")
-        client.delete_buffer("gone2")
+            streams = [client.sample_stream(name, 8, timeout=30) for _ in range(4)]
+            for stream in streams:
+                next(stream)
+            assert mapping(f"rpd_{worker_server.instance}_{name}") == [p.pid for p in workers]
+            streams[0].close()  # cancelled mid-stream
+            client.delete_buffer(name)
+            for stream in streams[1:]:  # the others end with NOT_FOUND at their next batch
+                with pytest.raises(grpc.RpcError) as ended:
+                    for _ in range(10_000):
+                        next(stream)
+                assert ended.value.code() == grpc.StatusCode.NOT_FOUND
+                stream.close()
         deadline = time.monotonic() + 20
-        while mapped():
-            assert time.monotonic() < deadline, f"workers {mapped()} still map the deleted buffers"
+        while mapping(f"rpd_{worker_server.instance}_gone"):
+            assert time.monotonic() < deadline, "workers still map the deleted buffers"
             time.sleep(0.05)

@@ -10,11 +10,13 @@ Buffers sampled with side effects (a remover counting draws, a rate limiter) are
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -54,6 +56,7 @@ class SampleWorkerServicer:
         self.worker_seats = WorkerSeats.for_workers(WORKER_THREADS)
         self.rejected: dict[str, int] = {}
         self._rings: dict[str, tuple[int, EpisodicRing]] = {}
+        self._retired: list[weakref.ref[EpisodicRing]] = []  # dropped rings that calls may still hold
         self._lock = threading.Lock()
 
     def counters_rejected(self, method: str, exc: Exception) -> None:
@@ -72,6 +75,8 @@ class SampleWorkerServicer:
                 return cached[1]
             # A buffer deleted (and maybe created again): calls still holding the old ring stop at their next
             # batch (current); it is unmapped once none holds it (closing it here would unmap it under them).
+            if cached is not None:
+                self._retired.append(weakref.ref(cached[1]))
             ring = EpisodicRing.attach(header)
             self._rings[buffer] = (inode, ring)
             return ring
@@ -91,6 +96,14 @@ class SampleWorkerServicer:
                 with self._lock:
                     if self._rings.get(buffer, (None, None))[1] is ring:
                         del self._rings[buffer]
+                        self._retired.append(weakref.ref(ring))
+        # A call that ended (a cancelled stream's generator, say) can leave its ring in a reference cycle,
+        # which an idle worker's garbage collector may not reach for a long time: collect while any lives.
+        with self._lock:
+            self._retired = [ref for ref in self._retired if ref() is not None]
+            collect = bool(self._retired)
+        if collect:
+            gc.collect()
 
     def current(self, buffer: str, ring: EpisodicRing) -> None:
         """NotFound once `buffer` was deleted (or deleted and created again) since `ring` was attached."""
