@@ -23,9 +23,9 @@ def test_draw_uniform_rows_stay_on_the_ring_when_the_range_exceeds_it() -> None:
     row_end = np.full(CAPACITY, 10**9, np.int64)  # every row a step of a far-away episode
     tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0)
-    located, closed = np.empty((3, 50), np.int64), np.empty(50, bool)
+    located, closed = np.empty((4, 50), np.int64), np.empty(50, bool)
     assert kernels.draw_uniform(np.linspace(0, 0.999, 50), 5, 5 + 4 * CAPACITY, located, closed, 0, *tables) == 50
-    positions, rows, _ = located
+    positions, rows, _, _ = located
     np.testing.assert_array_equal(rows, positions % CAPACITY)
 
 
@@ -76,8 +76,8 @@ def test_geometric_offsets_stay_in_the_episode_for_extreme_draws(discount: float
 def test_bound_lookup_wraps_negative_and_huge_keys() -> None:
     row_end = np.arange(CAPACITY, dtype=np.int64) + 1
     keys = np.array([-1, -CAPACITY - 3, 10**12 + 4], np.int64)  # e.g. hostile keys of update_priorities
-    rows, bounds, _ = kernels.episode_bounds(keys, CAPACITY, row_end, np.zeros(CAPACITY, np.int64),
-                                             np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
+    rows, bounds, _, _ = kernels.episode_bounds(keys, CAPACITY, row_end, np.zeros(CAPACITY, np.int64),
+                                                np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
     np.testing.assert_array_equal(rows, keys % CAPACITY)
     np.testing.assert_array_equal(bounds, row_end[keys % CAPACITY])
 

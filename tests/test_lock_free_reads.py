@@ -20,6 +20,7 @@ import pytest
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import EpisodicRing
 from service.errors import FailedPrecondition
+from service.samplers import kernels
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -154,3 +155,25 @@ def test_lock_free_samples_are_whole_while_episodes_move_close_and_evict(priorit
     assert counters["moved_open_episodes"] > 100 and counters["evicted_episodes"] > 100  # the races happened
     assert items > 10_000
     assert wrong == 0, examples
+
+
+def test_a_reader_reads_the_tail_after_the_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check of a batch re-reads its rows' bounds first and the tail last: a row evicted and reused
+    between the two reads then shows in the tail (read the other way round, it would pass both)."""
+    buffer = EpisodicBuffer("order", f"{TEST_INSTANCE}order", FIELDS, CAPACITY)
+    ring = None
+    try:
+        length = length_of(5)
+        buffer.insert(episode_rows(5, 0, length + 1),
+                      Spans.whole_episodes(np.array([length]), np.array([5]), np.array([True])))
+        ring = EpisodicRing.attach(buffer.storage.header_name)
+        reads = []
+        bounds_kept, tail_position = kernels.bounds_kept, EpisodicRing.tail_position
+        monkeypatch.setattr(kernels, "bounds_kept", lambda *args: reads.append("bounds") or bounds_kept(*args))
+        monkeypatch.setattr(EpisodicRing, "tail_position", lambda self: reads.append("tail") or tail_position(self))
+        ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
+        assert reads[-2:] == ["bounds", "tail"]
+    finally:
+        if ring is not None:
+            ring.close()
+        buffer.close()

@@ -113,3 +113,16 @@ def test_a_search_through_levels_a_writer_is_changing_returns_minus_one_not_an_e
     leaves = tree.find_prefix(np.array([10.0, 1000.0, 4000.0]))
     assert leaves[0] == leaves[1] == -1
     assert leaves[2] >= 2500 and tree.get(leaves[2:3])[0] > 0
+
+
+def test_a_search_under_a_parent_larger_than_its_children_stays_on_the_tree() -> None:
+    """Mid-update (leaves and the level above them recomputed, the levels further up not yet) a search
+    may step into a padding node, which has no children: it descends exactly instead of failing."""
+    capacity = 3000  # levels with padding nodes below the top
+    tree = new_tree(capacity)
+    tree.update(np.arange(capacity), np.ones(capacity))
+    tree._leaf_sums[2990:capacity] = 0.0
+    tree._sum_levels[-2][: tree._sum_rows[-1].shape[0]] = tree._sum_rows[-1].sum(axis=1)
+    leaves = tree.find_prefix(np.array([2999.5, 10.0]))
+    assert leaves[1] == 10
+    assert leaves[0] == -1 or (0 <= leaves[0] < 2990 and tree.get(leaves[:1])[0] > 0)

@@ -651,7 +651,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         if op.closes:
             # How it ended first: a reader that sees a row's final bound also sees that. Then the bounds,
             # then the extent's last row: a lock-free reader that saw a row OPEN and then this last row
-            # finds the row's bound changed when it checks its batch (drawn_whole), and draws again.
+            # finds the row's bound changed when it checks its batch (bounds_kept), and draws again.
             self.extent_flags[slot] = ALIVE | (TERMINATED if op.terminated else 0)
             self._set_ring(self.row_end, extent.start, np.full(extent.last + 1 - extent.start, extent.last))
             self.extent_last[slot] = extent.last

@@ -143,6 +143,11 @@ class EpisodicRing:
         episode is open); positions that hold no episode, or a step a remover retired, get HOLE.
         Sampleable iff position < bound.
         """
+        rows, bounds, closed, _ = self.locate(positions)
+        return rows, bounds, closed
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, bounds, closed, open_seq) of absolute positions: a Draw's fields (see Draw)."""
         return kernels.episode_bounds(np.ascontiguousarray(positions, dtype=np.int64), *self.bound_tables)
 
     def terminated_at(self, rows: np.ndarray) -> np.ndarray:
@@ -150,8 +155,9 @@ class EpisodicRing:
         flags = self.extent_flags.take(self.row_seq.take(rows) % self.extent_slots)
         return (flags & TERMINATED) != 0
 
-    def episode_ids_at(self, rows: np.ndarray) -> np.ndarray:
-        return self.extent_episode_id.take(self.row_seq.take(rows) % self.extent_slots)
+    def episode_ids_of(self, draw: Draw) -> np.ndarray:
+        seqs = np.where(draw.open_seq >= 0, draw.open_seq, self.row_seq.take(draw.rows))
+        return self.extent_episode_id.take(seqs % self.extent_slots)
 
     # ------------------------------------------------------------------ sampling
     def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0) -> Draw:
@@ -176,7 +182,7 @@ class EpisodicRing:
         batch = mode.build(self, draw, rng)
         if include_keys:
             batch["key"] = draw.positions
-            batch["episode_id"] = self.episode_ids_at(draw.rows)
+            batch["episode_id"] = self.episode_ids_of(draw)
         if draw.extra:
             batch.update(draw.extra)
         return draw, batch
@@ -190,8 +196,9 @@ class EpisodicRing:
             # Every position drawn was a step, is still live and kept its bound: the batch was read whole.
             # (A prioritized draw can also race a priority write and land on a position that just stopped
             # being a step; the sampler gives such draws a HOLE bound.)
-            if kernels.drawn_whole(draw.positions, draw.rows, draw.bounds, draw.closed, self.row_end,
-                                   self.tail_position()):
+            # The tail is read after the bounds: a row evicted and reused since the draw shows there.
+            if (kernels.bounds_kept(draw.rows, draw.bounds, draw.closed, self.row_end)
+                    and kernels.drawn_live(draw.positions, draw.bounds, self.tail_position())):
                 return batch, torn
         raise FailedPrecondition(
             f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with evictions; the ring turns over "

@@ -39,12 +39,14 @@ def _wrap(row: int, capacity: int) -> int:
 @_jit
 def _bounds_of_rows(rows: np.ndarray, row_end: np.ndarray, row_seq: np.ndarray, extent_last: np.ndarray,
                     extent_slots: int, times_sampled: np.ndarray, max_times_sampled: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """(bounds, closed) of ring rows. Array in, arrays out: a per-element helper taking the tables would
-    pay numba's reference counting of every array argument on each call (5x slower)."""
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bounds, closed, open_seq) of ring rows; open_seq is the extent sequence number read for a row of an
+    open episode (-1 for others). Array in, arrays out: a per-element helper taking the tables would pay
+    numba's reference counting of every array argument on each call (5x slower)."""
     count = rows.size
     bounds = np.empty(count, np.int64)
     closed = np.ones(count, np.bool_)
+    open_seq = np.full(count, -1, np.int64)
     retires = times_sampled.size > 0
     for i in range(count):  # the random reads alone: a tight loop keeps many cache misses in flight
         bounds[i] = row_end[rows[i]]
@@ -52,25 +54,28 @@ def _bounds_of_rows(rows: np.ndarray, row_end: np.ndarray, row_seq: np.ndarray, 
         row = rows[i]
         bound = bounds[i]
         if bound == OPEN:  # the open episode's bound is its last landed row, kept in the extent table
-            bound = extent_last[row_seq[row] % extent_slots]
+            seq = row_seq[row]
+            # A lock-free reader may find the row turned into a hole since (its episode moved): no item.
+            bound = extent_last[seq % extent_slots] if seq >= 0 else HOLE
             closed[i] = False
+            open_seq[i] = seq
         if retires and times_sampled[row] >= max_times_sampled:
             bound = HOLE  # a retired step is no longer an item
         bounds[i] = bound
-    return bounds, closed
+    return bounds, closed, open_seq
 
 
 @_jit
 def episode_bounds(positions: np.ndarray, capacity: int, row_end: np.ndarray, row_seq: np.ndarray,
                    extent_last: np.ndarray, extent_slots: int, times_sampled: np.ndarray,
-                   max_times_sampled: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, bounds, closed) of absolute positions; see EpisodicRing.episode_bounds."""
+                   max_times_sampled: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, bounds, closed, open_seq) of absolute positions; see EpisodicRing.locate."""
     rows = np.empty(positions.size, np.int64)
     for i in range(positions.size):
         rows[i] = positions[i] % capacity
-    bounds, closed = _bounds_of_rows(rows, row_end, row_seq, extent_last, extent_slots, times_sampled,
-                                     max_times_sampled)
-    return rows, bounds, closed
+    bounds, closed, open_seq = _bounds_of_rows(rows, row_end, row_seq, extent_last, extent_slots, times_sampled,
+                                               max_times_sampled)
+    return rows, bounds, closed, open_seq
 
 
 @_jit
@@ -79,8 +84,8 @@ def draw_uniform(uniforms: np.ndarray, low: int, high: int, located: np.ndarray,
                  times_sampled: np.ndarray, max_times_sampled: int) -> int:
     """Rejection sampling over [low, high): one candidate per uniform, kept when it is a step.
 
-    Writes the accepted candidates, in draw order, into columns `filled`.. of `located` (3, B)
-    (positions, rows, bounds) and `closed` (B,) until they are full or the uniforms ran out (the caller
+    Writes the accepted candidates, in draw order, into columns `filled`.. of `located` (4, B)
+    (positions, rows, bounds, open_seq) and `closed` (B,) until they are full or the uniforms ran out (the caller
     draws more); returns the columns now filled. (Outputs come from the caller: each array numba hands
     back costs about 0.5 µs.)
     """
@@ -90,14 +95,15 @@ def draw_uniform(uniforms: np.ndarray, low: int, high: int, located: np.ndarray,
     rows = np.empty(count, np.int64)
     for i in range(count):
         rows[i] = _wrap(low_row + np.int64(uniforms[i] * span), capacity)
-    bounds, candidate_closed = _bounds_of_rows(rows, row_end, row_seq, extent_last, extent_slots, times_sampled,
-                                               max_times_sampled)
+    bounds, candidate_closed, open_seq = _bounds_of_rows(rows, row_end, row_seq, extent_last, extent_slots,
+                                                         times_sampled, max_times_sampled)
     for i in range(count):
         if filled == closed.size:
             break
         position = low + np.int64(uniforms[i] * span)
         if position < bounds[i]:  # a step: it has a successor in its episode
             located[0, filled], located[1, filled], located[2, filled] = position, rows[i], bounds[i]
+            located[3, filled] = open_seq[i]
             closed[filled] = candidate_closed[i]
             filled += 1
     return filled
@@ -147,21 +153,28 @@ def transition_targets(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarr
 
 
 @_jit
-def drawn_whole(positions: np.ndarray, rows: np.ndarray, bounds: np.ndarray, closed: np.ndarray, row_end: np.ndarray,
-                tail: int) -> bool:
-    """Whether a lock-free reader's batch was read whole: every drawn position was a step and is still
-    live (>= the tail read after the gather), and its row's bound did not change in a way the batch could
-    have seen. Call after every read of the batch (row_end is read again here):
+def bounds_kept(rows: np.ndarray, bounds: np.ndarray, closed: np.ndarray, row_end: np.ndarray) -> bool:
+    """Whether a lock-free reader's drawn rows kept the bounds the draw read, as far as its batch could
+    have seen. Call after every other read of the batch (row_end is read again here), and read the tail
+    only after this returns (a later check of the positions against it catches rows evicted and reused):
     - a closed episode's rows keep their bound until evicted;
-    - an open episode's rows stay OPEN, or its rows turned into holes (it moved to the head: the batch may
-      have read its new row_seq), or it closed: at the last row the draw read (the draw may have read the
-      final row without knowing the episode ended: the writer sets the bounds before that last row), or
-      past it (it closed after the draw: the batch is what the open episode held)."""
-    for i in range(positions.size):
-        if positions[i] < tail or positions[i] >= bounds[i]:
-            return False
+    - an open episode's rows stay OPEN, or turn into holes when it moves to the head (its old rows and
+      extent record stay as they were until evicted, and the batch took its id from the draw), or its
+      bounds become its final row when it closes: at the last row the draw read, the draw may have read
+      that row without knowing the episode ended (the writer sets the bounds before the last row), past
+      it the episode closed after the draw and the batch is what the open episode held."""
+    for i in range(rows.size):
         now = row_end[rows[i]]
-        if now != bounds[i] if closed[i] else (now != OPEN and now <= bounds[i]):
+        if now != bounds[i] if closed[i] else (now != OPEN and now != HOLE and now <= bounds[i]):
+            return False
+    return True
+
+
+@_jit
+def drawn_live(positions: np.ndarray, bounds: np.ndarray, tail: int) -> bool:
+    """Whether every drawn position was a step and is still live (>= the tail, read after the batch)."""
+    for i in range(positions.size):  # noqa: SIM110 (numba compiles loops, not generator expressions)
+        if positions[i] < tail or positions[i] >= bounds[i]:
             return False
     return True
 
@@ -213,7 +226,7 @@ def _compile_ahead() -> None:
         capacity, row_end, row_seq, extent_last, slots, counts, max_times = tables(readonly)
         for keys in (positions, read_only_positions):
             episode_bounds(keys, capacity, row_end, row_seq, extent_last, slots, counts, max_times)
-        draw_uniform(np.zeros(2), 0, 2, np.empty((3, 2), np.int64), np.empty(2, np.bool_), 0, capacity, row_end,
+        draw_uniform(np.zeros(2), 0, 2, np.empty((4, 2), np.int64), np.empty(2, np.bool_), 0, capacity, row_end,
                      row_seq, extent_last, slots, counts, max_times)
         extent_flags = np.zeros(4, np.uint8)  # the ring's extent.flags column
         extent_flags.flags.writeable = not readonly
@@ -227,7 +240,8 @@ def _compile_ahead() -> None:
     for readonly in (False, True):
         row_end = np.zeros(4, np.int64)
         row_end.flags.writeable = not readonly
-        drawn_whole(positions, positions, positions + 1, closed, row_end, 0)
+        bounds_kept(positions, positions + 1, closed, row_end)
+    drawn_live(positions, positions + 1, 0)
 
 
 _compile_ahead()

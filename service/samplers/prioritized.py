@@ -111,7 +111,7 @@ class PrioritizedSampler:
             )
         # A lock-free reader races the writer: its search may find no positive leaf (-1), or a leaf the
         # writer zeroed since (a step that moved or was evicted). Such draws are drawn again, a few rounds,
-        # and any left get a HOLE bound, which makes the reader's check of its batch (drawn_whole) draw the
+        # and any left get a HOLE bound, which makes the reader's check of its batch (drawn_live) draw the
         # whole batch again. Under the writer's lock neither happens.
         leaves = self._search(rng.random(batch_size) * total)
         values = self.tree.get(leaves)
@@ -125,7 +125,7 @@ class PrioritizedSampler:
         # Leaf = ring row; the live range lies within the last `capacity` positions before the head.
         base = ring.head - ring.capacity
         positions = base + (leaves - base) % ring.capacity
-        rows, bounds, closed = ring.episode_bounds(positions)
+        rows, bounds, closed, open_seq = ring.locate(positions)
         if torn.any():
             bounds[torn] = kernels.HOLE
             values = np.where(torn, 1.0, values)
@@ -133,7 +133,7 @@ class PrioritizedSampler:
         # overflows float64 (and inf ** -beta would make the weight 0).
         log_ratio = np.log(values) - math.log(self.tree.min_positive)
         weight = np.exp(-importance_beta * log_ratio).astype(np.float32)
-        return Draw(positions, rows, bounds, closed, {"probability": values / total, "weight": weight})
+        return Draw(positions, rows, bounds, closed, open_seq, {"probability": values / total, "weight": weight})
 
     def _search(self, targets: np.ndarray) -> np.ndarray:
         try:

@@ -174,7 +174,14 @@ class SumTree:
         if len(self._sum_levels) == 2:
             return nodes
         row_starts = np.arange(0, targets.size * (K + 1), K + 1)
+        exact = np.zeros(targets.size, bool)  # targets the fast search lost: descended exactly below
         for rows in self._sum_rows[2:]:
+            # A padding node (no children below) is chosen only under a parent read larger than its
+            # children (a reader mid-update, or rounding): stay in range, then descend exactly.
+            beyond = nodes >= rows.shape[0]
+            if beyond.any():
+                exact |= beyond
+                nodes[beyond] = rows.shape[0] - 1
             running = rows.take(nodes, axis=0) @ _PREFIX  # (B, K + 1), leading zero
             # The first running sum past the target ends at the chosen child; it rose there, so that
             # child is positive. None past it (the target exceeds the node's children by a rounding
@@ -184,8 +191,8 @@ class SumTree:
             nodes <<= _SHIFT
             nodes += child
         values = self._leaf_sums.take(nodes)
-        if not values.all():
-            for i in np.flatnonzero(values == 0).tolist():
+        if exact.any() or not values.all():
+            for i in np.flatnonzero(exact | (values == 0)).tolist():
                 nodes[i] = self._descend_exact(float(clipped[i]))
         return nodes
 

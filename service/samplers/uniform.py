@@ -51,19 +51,19 @@ class UniformSampler:
                 raise FailedPrecondition(f"buffer {ring.name!r}: no sampleable step in positions [{low}, {high}) "
                                          f"(sampleable_steps={sampleable}); the ring changed under the draw")
             positions = rng.choice(steps, size=batch_size)
-            return Draw(positions, *ring.episode_bounds(positions))
+            return Draw(positions, *ring.locate(positions))
         # Rejection sampling over the live range is exactly uniform over sampleable positions: final
         # observations and holes are dropped. One oversampled round almost always yields enough; a
         # second round tops up.
         candidates_per_step = 1.0625 * (high - low) / max(sampleable, 1)  # <= 17: dense enough
-        located = np.empty((3, batch_size), np.int64)  # positions, rows, bounds
+        located = np.empty((4, batch_size), np.int64)  # positions, rows, bounds, open_seq
         closed = np.empty(batch_size, np.bool_)
         filled = 0
         for _ in range(_MAX_ROUNDS):
             filled = kernels.draw_uniform(rng.random(int((batch_size - filled) * candidates_per_step) + 8), low, high,
                                           located, closed, filled, *ring.bound_tables)
             if filled == batch_size:
-                return Draw(located[0], located[1], located[2], closed)
+                return Draw(located[0], located[1], located[2], closed, located[3])
         raise FailedPrecondition(
             f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
             f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
