@@ -174,15 +174,11 @@ class SumTree:
         if len(self._sum_levels) == 2:
             return nodes
         row_starts = np.arange(0, targets.size * (K + 1), K + 1)
-        exact = np.zeros(targets.size, bool)  # targets the fast search lost: descended exactly below
         for rows in self._sum_rows[2:]:
-            # A padding node (no children below) is chosen only under a parent read larger than its
-            # children (a reader mid-update, or rounding): stay in range, then descend exactly.
-            beyond = nodes >= rows.shape[0]
-            if beyond.any():
-                exact |= beyond
-                nodes[beyond] = rows.shape[0] - 1
-            running = rows.take(nodes, axis=0) @ _PREFIX  # (B, K + 1), leading zero
+            # "clip": a padding node (no children below) is chosen only under a parent read larger than its
+            # children (a reader mid-update, or rounding at the very end of the tree); the search then goes
+            # on in the last real node, whose last positive leaf is what such a target takes.
+            running = rows.take(nodes, axis=0, mode="clip") @ _PREFIX  # (B, K + 1), leading zero
             # The first running sum past the target ends at the chosen child; it rose there, so that
             # child is positive. None past it (the target exceeds the node's children by a rounding
             # error): argmax says 0, and _CHILD_OF takes the last child, which may be empty.
@@ -190,9 +186,10 @@ class SumTree:
             targets -= running.take(row_starts + child)
             nodes <<= _SHIFT
             nodes += child
+        np.minimum(nodes, self._leaf_sums.size - 1, out=nodes)  # past the last leaf: only after a "clip"
         values = self._leaf_sums.take(nodes)
-        if exact.any() or not values.all():
-            for i in np.flatnonzero(exact | (values == 0)).tolist():
+        if not values.all():
+            for i in np.flatnonzero(values == 0).tolist():
                 nodes[i] = self._descend_exact(float(clipped[i]))
         return nodes
 
