@@ -17,6 +17,11 @@ class FailedPrecondition(ReplayError):
     pass
 
 
+class RingChanged(FailedPrecondition):
+    """A draw found no item in a range the writer emptied under it: only a lock-free reader meets it, and
+    draws again."""
+
+
 class ResourceExhausted(ReplayError):
     pass
 

@@ -19,7 +19,7 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import EpisodicRing
-from service.errors import FailedPrecondition
+from service.errors import FailedPrecondition, RingChanged
 from service.samplers import kernels
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.transitions import TransitionsMode
@@ -173,6 +173,33 @@ def test_a_reader_reads_the_tail_after_the_bounds(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(EpisodicRing, "tail_position", lambda self: reads.append("tail") or tail_position(self))
         ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
         assert reads[-2:] == ["bounds", "tail"]
+    finally:
+        if ring is not None:
+            ring.close()
+        buffer.close()
+
+
+def test_a_draw_that_finds_its_range_emptied_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evictions can empty the range a lock-free reader read: the uniform draw then finds no step, and the
+    reader draws again instead of failing (under the writer's lock this cannot happen)."""
+    buffer = EpisodicBuffer("emptied", f"{TEST_INSTANCE}emptied", FIELDS, CAPACITY)
+    ring = None
+    try:
+        length = length_of(5)
+        buffer.insert(episode_rows(5, 0, length + 1),
+                      Spans.whole_episodes(np.array([length]), np.array([5]), np.array([True])))
+        ring = EpisodicRing.attach(buffer.storage.header_name)
+        draw, raised = ring.sampler.draw, []
+
+        def emptied_once(*args: object) -> object:
+            if not raised:
+                raised.append(True)
+                raise RingChanged("no sampleable step in the range the draw read")
+            return draw(*args)
+
+        monkeypatch.setattr(ring.sampler, "draw", emptied_once)
+        batch, torn = ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
+        assert torn == 1 and batch["obs"].shape == (8, 3)
     finally:
         if ring is not None:
             ring.close()

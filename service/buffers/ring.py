@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from service.errors import FailedPrecondition, InvalidArgument
+from service.errors import FailedPrecondition, InvalidArgument, RingChanged
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers import kernels
 from service.samplers.draw import Draw
@@ -192,7 +192,10 @@ class EpisodicRing:
         """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn)."""
         mode.check(self)
         for torn in range(MAX_TORN_DRAWS):
-            draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)
+            try:
+                draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)
+            except RingChanged:  # evictions emptied the range the draw read
+                continue
             # Every position drawn was a step, is still live and kept its bound: the batch was read whole.
             # (A prioritized draw can also race a priority write and land on a position that just stopped
             # being a step; the sampler gives such draws a HOLE bound.)
@@ -201,8 +204,8 @@ class EpisodicRing:
                     and kernels.drawn_live(draw.positions, draw.bounds, self.tail_position())):
                 return batch, torn
         raise FailedPrecondition(
-            f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with evictions; the ring turns over "
-            "faster than one batch can be gathered (raise capacity_steps)"
+            f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with the writer (evictions, episodes moving "
+            "or closing); the ring turns over faster than one batch can be gathered (raise capacity_steps)"
         )
 
     def close(self) -> None:

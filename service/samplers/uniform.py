@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.errors import FailedPrecondition
+from service.errors import RingChanged
 from service.samplers import kernels
 from service.samplers.draw import Draw
 from service.storage.shared_arrays import ArraySpec
@@ -48,7 +48,7 @@ class UniformSampler:
             _, bounds, _ = ring.episode_bounds(candidates)
             steps = candidates[candidates < bounds]
             if not steps.size:  # only a lock-free reader whose range evictions emptied
-                raise FailedPrecondition(f"buffer {ring.name!r}: no sampleable step in positions [{low}, {high}) "
+                raise RingChanged(f"buffer {ring.name!r}: no sampleable step in positions [{low}, {high}) "
                                          f"(sampleable_steps={sampleable}); the ring changed under the draw")
             positions = rng.choice(steps, size=batch_size)
             return Draw(positions, *ring.locate(positions))
@@ -64,7 +64,7 @@ class UniformSampler:
                                           located, closed, filled, *ring.bound_tables)
             if filled == batch_size:
                 return Draw(located[0], located[1], located[2], closed, located[3])
-        raise FailedPrecondition(
+        raise RingChanged(
             f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
             f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
         )
