@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -157,50 +158,46 @@ def test_lock_free_samples_are_whole_while_episodes_move_close_and_evict(priorit
     assert wrong == 0, examples
 
 
-def test_a_reader_reads_the_tail_after_the_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def attached_ring() -> Iterator[EpisodicRing]:
+    """A lock-free reader's ring over a buffer holding one closed episode."""
+    buffer = EpisodicBuffer("one", f"{TEST_INSTANCE}one", FIELDS, CAPACITY)
+    ring = None
+    try:
+        length = length_of(5)
+        buffer.insert(episode_rows(5, 0, length + 1),
+                      Spans.whole_episodes(np.array([length]), np.array([5]), np.array([True])))
+        ring = EpisodicRing.attach(buffer.storage.header_name)
+        yield ring
+    finally:
+        if ring is not None:
+            ring.close()
+        buffer.close()
+
+
+def test_a_reader_reads_the_tail_after_the_bounds(attached_ring: EpisodicRing, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check of a batch re-reads its rows' bounds first and the tail last: a row evicted and reused
     between the two reads then shows in the tail (read the other way round, it would pass both)."""
-    buffer = EpisodicBuffer("order", f"{TEST_INSTANCE}order", FIELDS, CAPACITY)
-    ring = None
-    try:
-        length = length_of(5)
-        buffer.insert(episode_rows(5, 0, length + 1),
-                      Spans.whole_episodes(np.array([length]), np.array([5]), np.array([True])))
-        ring = EpisodicRing.attach(buffer.storage.header_name)
-        reads = []
-        bounds_kept, tail_position = kernels.bounds_kept, EpisodicRing.tail_position
-        monkeypatch.setattr(kernels, "bounds_kept", lambda *args: reads.append("bounds") or bounds_kept(*args))
-        monkeypatch.setattr(EpisodicRing, "tail_position", lambda self: reads.append("tail") or tail_position(self))
-        ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
-        assert reads[-2:] == ["bounds", "tail"]
-    finally:
-        if ring is not None:
-            ring.close()
-        buffer.close()
+    reads = []
+    bounds_kept, tail_position = kernels.bounds_kept, EpisodicRing.tail_position
+    monkeypatch.setattr(kernels, "bounds_kept", lambda *args: reads.append("bounds") or bounds_kept(*args))
+    monkeypatch.setattr(EpisodicRing, "tail_position", lambda self: reads.append("tail") or tail_position(self))
+    attached_ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
+    assert reads[-2:] == ["bounds", "tail"]
 
 
-def test_a_draw_that_finds_its_range_emptied_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_draw_that_finds_its_range_emptied_is_drawn_again(attached_ring: EpisodicRing,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Evictions can empty the range a lock-free reader read: the uniform draw then finds no step, and the
     reader draws again instead of failing (under the writer's lock this cannot happen)."""
-    buffer = EpisodicBuffer("emptied", f"{TEST_INSTANCE}emptied", FIELDS, CAPACITY)
-    ring = None
-    try:
-        length = length_of(5)
-        buffer.insert(episode_rows(5, 0, length + 1),
-                      Spans.whole_episodes(np.array([length]), np.array([5]), np.array([True])))
-        ring = EpisodicRing.attach(buffer.storage.header_name)
-        draw, raised = ring.sampler.draw, []
+    draw, raised = attached_ring.sampler.draw, []
 
-        def emptied_once(*args: object) -> object:
-            if not raised:
-                raised.append(True)
-                raise RingChanged("no sampleable step in the range the draw read")
-            return draw(*args)
+    def emptied_once(*args: object) -> object:
+        if not raised:
+            raised.append(True)
+            raise RingChanged("no sampleable step in the range the draw read")
+        return draw(*args)
 
-        monkeypatch.setattr(ring.sampler, "draw", emptied_once)
-        batch, torn = ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
-        assert torn == 1 and batch["obs"].shape == (8, 3)
-    finally:
-        if ring is not None:
-            ring.close()
-        buffer.close()
+    monkeypatch.setattr(attached_ring.sampler, "draw", emptied_once)
+    batch, torn = attached_ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
+    assert torn == 1 and batch["obs"].shape == (8, 3)

@@ -334,7 +334,8 @@ def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> fl
 
 def sample_mode(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes: int) -> BatchMode:
     """The request's batch mode, once the request is checked: a batch that could not be sent is refused
-    before it is drawn (a draw counts: removers, rate limiters, the buffer's counters)."""
+    before it is drawn (a draw counts: removers, rate limiters, the buffer's counters). Modes hold no
+    state: one serves a whole stream."""
     if not 1 <= request.batch_size <= MAX_BATCH_SIZE:
         raise errors.InvalidArgument(f"sample: batch_size expected 1..{MAX_BATCH_SIZE}, got {request.batch_size}")
     check_importance_beta(request.importance_beta)
@@ -479,10 +480,6 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         return pb.InsertResponse(requests=requests, spans=spans, rows=rows, episodes_completed=completed,
                                  duplicate_spans=duplicates)
 
-    def _sample_mode(self, buffer: EpisodicBuffer, request: pb.SampleRequest) -> BatchMode:
-        """The request's batch mode, once it is checked (modes hold no state: one serves a whole stream)."""
-        return sample_mode(request, buffer, self.max_message_bytes)
-
     def _sample_message(self, buffer: EpisodicBuffer, request: pb.SampleRequest, mode: BatchMode,
                         rng: np.random.Generator | None, wait_seconds: float | None,
                         ended: threading.Event | None) -> bytes:
@@ -495,7 +492,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
         ended = CallEnd(context).on(buffer) if request.wait else None
-        return self._sample_message(buffer, request, self._sample_mode(buffer, request), rng,
+        return self._sample_message(buffer, request, sample_mode(request, buffer, self.max_message_bytes), rng,
                                     wait_seconds(request, context), ended)
 
     @rpc
@@ -522,7 +519,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             raise errors.InvalidArgument(f"sample_stream: num_batches expected >= 0 (0 = until cancelled), "
                                          f"got {request.num_batches}")
         buffer = self.registry.episodic(inner.buffer)
-        mode = self._sample_mode(buffer, inner)
+        mode = sample_mode(inner, buffer, self.max_message_bytes)
         # One generator for the whole stream: seeded streams are reproducible batch after batch.
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
         ended = CallEnd(context).on(buffer) if inner.wait else None  # a cancelled stream stops waiting

@@ -114,14 +114,12 @@ class PrioritizedSampler:
         # and any left get a HOLE bound, which makes the reader's check of its batch (drawn_live) draw the
         # whole batch again. Under the writer's lock neither happens.
         leaves = self._search(rng.random(batch_size) * total)
-        values = self.tree.get(leaves)
-        torn = (leaves < 0) | ~(values > 0)
-        for _ in range(_TORN_ROUNDS):
-            if not torn.any():
-                break
-            leaves[torn] = self._search(rng.random(int(torn.sum())) * total)
+        for redraws in range(_TORN_ROUNDS + 1):
             values = self.tree.get(leaves)
             torn = (leaves < 0) | ~(values > 0)
+            if redraws == _TORN_ROUNDS or not torn.any():
+                break
+            leaves[torn] = self._search(rng.random(int(torn.sum())) * total)
         # Leaf = ring row; the live range lies within the last `capacity` positions before the head.
         base = ring.head - ring.capacity
         positions = base + (leaves - base) % ring.capacity

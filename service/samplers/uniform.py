@@ -49,7 +49,7 @@ class UniformSampler:
             steps = candidates[candidates < bounds]
             if not steps.size:  # only a lock-free reader whose range evictions emptied
                 raise RingChanged(f"buffer {ring.name!r}: no sampleable step in positions [{low}, {high}) "
-                                         f"(sampleable_steps={sampleable}); the ring changed under the draw")
+                                  f"(sampleable_steps={sampleable}); the ring changed under the draw")
             positions = rng.choice(steps, size=batch_size)
             return Draw(positions, *ring.locate(positions))
         # Rejection sampling over the live range is exactly uniform over sampleable positions: final
