@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from service.errors import InvalidArgument
-from service.wire.codec import ALLOWED_DTYPES
+from service.wire.codec import CodecError, check_dtype
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # No underscore: segments are named rpd_<instance>_<buffer>, and buffer names may contain one, so an
@@ -83,6 +83,7 @@ def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NA
     if len(fields) > MAX_FIELDS:
         raise InvalidArgument(f"schema: {len(fields)} fields, expected <= {MAX_FIELDS}")
     seen = set()
+    checked = []
     for field in fields:
         check_field_name(field.name)
         if field.name in reserved or field.name.startswith(RESERVED_PREFIXES):
@@ -90,10 +91,13 @@ def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NA
         if field.name in seen:
             raise InvalidArgument(f"field {field.name!r} declared twice")
         seen.add(field.name)
-        if field.dtype not in ALLOWED_DTYPES:
-            raise InvalidArgument(f"field {field.name!r}: dtype {field.dtype!r} not in {sorted(ALLOWED_DTYPES)}")
-        check_shape(field.name, field.dtype, field.shape)
-    return fields
+        try:  # any numpy spelling ("<f4", "f4", "float32") is stored under its name, as for rollouts
+            dtype = check_dtype(field.name, field.dtype).name
+        except CodecError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        check_shape(field.name, dtype, field.shape)
+        checked.append(replace(field, dtype=dtype))
+    return tuple(checked)
 
 
 def check_columns(fields: tuple[Field, ...], columns: Mapping[str, np.ndarray], what: str) -> int:

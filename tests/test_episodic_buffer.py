@@ -236,6 +236,22 @@ def test_a_mode_the_buffer_cannot_serve_fails_before_waiting_for_data() -> None:
         buffer.close()
 
 
+def test_schema_takes_any_numpy_spelling_of_a_dtype_and_names_a_bad_one() -> None:
+    instance = f"test{os.getpid()}"
+    spelled = [Field("obs", "<f4", (3,), observation=True), Field("action", "i8"), Field("reward", "float32")]
+    buffer = EpisodicBuffer("spelled", instance, spelled, 16)
+    try:
+        assert [(f.name, f.dtype) for f in buffer.fields] == [("obs", "float32"), ("action", "int64"),
+                                                              ("reward", "float32")]
+        assert buffer.reward_field == "reward"  # "<f4" and "float32" are one dtype
+        assert buffer.columns["obs"].dtype == np.float32 and buffer.columns["action"].dtype == np.int64
+    finally:
+        buffer.close()
+    for dtype, message in (("complex64", "dtype complex64 is not supported"), ("floaty", "'floaty' is not a numpy")):
+        with pytest.raises(InvalidArgument, match=f"field 'obs': {message}"):
+            EpisodicBuffer("bad", instance, [Field("obs", dtype, (3,), observation=True)], 16)
+
+
 def test_reward_field_names_a_field_or_defaults_to_reward() -> None:
     instance = f"test{os.getpid()}"
     with pytest.raises(InvalidArgument, match="reward_field 'rewrd' is not a field of the schema"):
