@@ -775,12 +775,12 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         with self.live():
             if self.limiter is not None:
                 self.limiter.await_sample(self, batch_size, wait_seconds, ended)
-            elif wait_seconds is not None and self.sampleable_steps == 0 and not wait_on(
-                self, lambda: self.sampleable_steps > 0, wait_seconds, ended,
-                f"sample of buffer {self.name!r} (waiting for data)",
-            ):
-                raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
-            self.check_live()  # the waits released the lock
+                self.check_live()  # a wait released the lock
+            elif wait_seconds is not None and self.sampleable_steps == 0:
+                if not wait_on(self, lambda: self.sampleable_steps > 0, wait_seconds, ended,
+                               f"sample of buffer {self.name!r} (waiting for data)"):
+                    raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
+                self.check_live()  # the wait released the lock
             draw, batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
             self.counters["sampled_batches"] += 1
             self.counters["sampled_items"] += batch_size

@@ -29,6 +29,7 @@ from service.storage.shared_arrays import SharedArrays
 
 OPEN, HOLE = kernels.OPEN, kernels.HOLE  # row_end of a row whose episode is open / that holds no episode
 NO_COUNTS = np.empty(0, dtype=np.int64)  # no remover counts draws
+NO_REWARD = np.empty(0, dtype=np.float32)  # no reward field: transition_targets writes no returns
 
 ALIVE, IS_OPEN, TERMINATED = 1, 2, kernels.TERMINATED  # extent flags
 
@@ -75,6 +76,10 @@ class EpisodicRing:
         self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
         arrays = storage.arrays
         self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
+        # (name, column) pairs the batch modes gather, looked up once: a sample pays per dict lookup.
+        self.observation_columns = tuple((f.name, self.columns[f.name]) for f in self.observation_fields)
+        self.step_columns = tuple((f.name, self.columns[f.name]) for f in self.step_fields)
+        self.reward_column = NO_REWARD if self.reward_field is None else self.columns[self.reward_field]
         self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
         self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]
         self.extent_last, self.extent_flags = arrays["extent.last"], arrays["extent.flags"]
@@ -117,23 +122,23 @@ class EpisodicRing:
     # ------------------------------------------------------------------ state
     @property
     def head(self) -> int:
-        return int(self.state[HEAD])
+        return self.state.item(HEAD)
 
     def tail_position(self) -> int:
         """Absolute position of the oldest live extent's first row (the head when empty); never decreases."""
-        return int(self.state[TAIL_POS])
+        return self.state.item(TAIL_POS)
 
     @property
     def sampleable_steps(self) -> int:
-        return int(self.state[SAMPLEABLE])
+        return self.state.item(SAMPLEABLE)
 
     @property
     def stored_steps(self) -> int:
-        return int(self.state[STORED])
+        return self.state.item(STORED)
 
     @property
     def episodes(self) -> int:
-        return int(self.state[EPISODES])
+        return self.state.item(EPISODES)
 
     # ------------------------------------------------------------------ lookups
     def episode_bounds(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -34,10 +34,9 @@ class GeometricMode:
         offsets_and_future_rows = np.empty((2, count), np.int64)
         kernels.geometric_offsets(rng.standard_exponential(count), self.discount, draw.positions, draw.rows,
                                   draw.bounds, ring.capacity, offsets_and_future_rows)
-        offsets, future_rows = offsets_and_future_rows
-        batch = {f.name: ring.columns[f.name].take(draw.rows, axis=0) for f in ring.observation_fields}
-        batch.update(
-            {f"future_{f.name}": ring.columns[f.name].take(future_rows, axis=0) for f in ring.observation_fields}
-        )
-        batch["offset"] = offsets
+        batch = {name: column.take(draw.rows, axis=0) for name, column in ring.observation_columns}
+        future_rows = offsets_and_future_rows[1]
+        for name, column in ring.observation_columns:
+            batch["future_" + name] = column.take(future_rows, axis=0)
+        batch["offset"] = offsets_and_future_rows[0]
         return batch

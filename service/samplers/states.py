@@ -20,4 +20,4 @@ class StatesMode:
         return sum(f.row_bytes for f in ring.observation_fields)
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        return {f.name: ring.columns[f.name].take(draw.rows, axis=0) for f in ring.observation_fields}
+        return {name: column.take(draw.rows, axis=0) for name, column in ring.observation_columns}

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
 
 MAX_N_STEP = 1000
-_NO_REWARD = np.empty(0, dtype=np.float32)
 
 
 class TransitionsMode:
@@ -49,23 +48,26 @@ class TransitionsMode:
         return (2 if self.n_step == 1 else 3) * observations + steps + flags + 2 * 4
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        columns, rows = ring.columns, draw.rows
-        reward = _NO_REWARD if ring.reward_field is None else columns[ring.reward_field]
+        rows = draw.rows
         count = rows.size
         target_rows = np.empty((2, count), np.int64)  # next, bootstrap
         flags = np.empty((2, count), np.bool_)  # terminated, truncated
         targets = np.empty((2, count), np.float32)  # n_step_return, bootstrap_discount
         kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,
-                                   ring.capacity, reward, ring.row_seq, ring.extent_flags, ring.extent_slots,
-                                   target_rows, flags, targets)
-        next_rows, bootstrap_rows = target_rows
-        batch = {f.name: columns[f.name].take(rows, axis=0) for f in ring.observation_fields + ring.step_fields}
-        batch.update({f"next_{f.name}": columns[f.name].take(next_rows, axis=0) for f in ring.observation_fields})
-        batch["terminated"], batch["truncated"] = flags
+                                   ring.capacity, ring.reward_column, ring.row_seq, ring.extent_flags,
+                                   ring.extent_slots, target_rows, flags, targets)
+        batch = {name: column.take(rows, axis=0) for name, column in ring.observation_columns + ring.step_columns}
+        next_rows = target_rows[0]
+        for name, column in ring.observation_columns:
+            batch["next_" + name] = column.take(next_rows, axis=0)
+        batch["terminated"] = flags[0]
+        batch["truncated"] = flags[1]
         if ring.reward_field is None:
             return batch
-        batch["n_step_return"], batch["bootstrap_discount"] = targets
-        for f in ring.observation_fields:
-            batch[f"bootstrap_{f.name}"] = (batch[f"next_{f.name}"] if self.n_step == 1
-                                            else columns[f.name].take(bootstrap_rows, axis=0))
+        batch["n_step_return"] = targets[0]
+        batch["bootstrap_discount"] = targets[1]
+        bootstrap_rows = target_rows[1]
+        for name, column in ring.observation_columns:
+            batch["bootstrap_" + name] = (batch["next_" + name] if self.n_step == 1
+                                          else column.take(bootstrap_rows, axis=0))
         return batch
