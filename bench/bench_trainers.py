@@ -20,7 +20,9 @@ DQN adds a fifth for the online pass over s_boot) run at ~85-90% of the core's f
 each), and the seven thin GEMMs (4-wide input, 2-wide output) cost 5-9 us each in MKL: ~155 us of
 GEMMs in a ~250 us DQN call.  The seed's two-forward form runs the same four big GEMMs (~175 us of
 GEMMs in ~450 us), so 2x at batch 256 would leave ours ~70 us for its ~25 other ops, which cost
-~3 us each in place on this machine.
+~3 us each in place on this machine.  "compiled manual grad" (``DQNTrainer(compile_loss=True)``) runs
+the same math compiled ahead by inductor (client/trainers/compiled.py): the GEMMs stay MKL calls, the
+other ops fuse into a few C++ loops, and the graph is called from C++ with a dict lookup for a guard.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import torch
 
 from bench.baselines.seed003_qloss import SeedMLP, single_forward_qloss, two_forward_qloss
 from client.trainers.allo import AlloEncoder, allo_loss
-from client.trainers.dqn import QNetwork, q_loss, q_loss_manual_grad
+from client.trainers.compiled import CompiledFunction
+from client.trainers.dqn import QNetwork, q_loss, q_loss_grads_flat, q_loss_manual_grad
 
 OBS_DIM, N_ACTIONS = 4, 2  # CartPole
 
@@ -88,13 +91,14 @@ def _autograd_step(net: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) ->
     return step
 
 
-def _manual_step(online: QNetwork, target: QNetwork, batch: dict, double: bool) -> Callable[[], None]:
+def _manual_step(online: QNetwork, target: QNetwork, batch: dict, double: bool,
+                 compiled: CompiledFunction | None = None) -> Callable[[], None]:
     params = list(online.parameters())
 
     def step() -> None:
         for p in params:
             p.grad = None
-        q_loss_manual_grad(online, target, batch, double=double)
+        q_loss_manual_grad(online, target, batch, double=double, compiled=compiled)
 
     return step
 
@@ -115,6 +119,13 @@ def _qloss_fns(B: int) -> dict[str, Callable[[], None]]:
         ),
         "ours dqn, manual grad (DQNTrainer default)": _manual_step(online, target, batch, False),
         "ours double dqn, manual grad (DQNTrainer default)": _manual_step(online, target, batch, True),
+        # The same math compiled ahead by inductor (compiled in the warm-up calls: seconds per variant).
+        "ours dqn, compiled manual grad (DQNTrainer(compile_loss=True))": _manual_step(
+            online, target, batch, False, CompiledFunction(q_loss_grads_flat)
+        ),
+        "ours double dqn, compiled manual grad (DQNTrainer(compile_loss=True))": _manual_step(
+            online, target, batch, True, CompiledFunction(q_loss_grads_flat)
+        ),
     }
 
 

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--actors", type=int, help="ppo: number of actors (rollout slots = actors * envs)")
     parser.add_argument("--local", action="store_true", default=None,
                         help="dqn: sample the server's shared memory directly (the server runs on this host)")
+    parser.add_argument("--compile-loss", action="store_true", default=None,
+                        help="dqn: compile the Q-loss ahead with inductor (CPU; needs a C++ compiler; "
+                        "a 1.4-1.9x faster loss step)")
     args = vars(parser.parse_args(argv))
     algo = ALGOS[args.pop("algo")]
     torch.set_num_threads(1)

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from client.trainers.dqn import DQNTrainer, QNetwork, q_loss, q_loss_manual_grad, update_target
+from client.trainers.compiled import CompiledFunction
+from client.trainers.dqn import DQNTrainer, QNetwork, q_loss, q_loss_grads_flat, q_loss_manual_grad, update_target
 
 OBS_DIM, N_ACTIONS, GAMMA = 4, 3, 0.9
 
@@ -369,3 +370,102 @@ def test_double_dqn_keeps_bootstrap_rows_out_of_a_batch_dependent_network():
     with torch.no_grad():
         alone = copy.deepcopy(online)(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(q_taken, alone)
+
+
+# ---------------------------------------------------------------- the loss compiled ahead (inductor)
+# Each new batch signature or loss setting compiles a graph (a few seconds, C++): the cases below
+# cover every pair of (double, loss_type, weighted) values in four graphs.
+@pytest.fixture(scope="module")
+def compiled_loss() -> CompiledFunction:
+    return CompiledFunction(q_loss_grads_flat)
+
+
+@pytest.mark.parametrize(("double", "loss_type", "weighted"),
+                         [(False, "mse", False), (False, "huber", True), (True, "mse", True), (True, "huber", False)])
+def test_compiled_manual_grad_matches_reference(compiled_loss, double, loss_type, weighted):
+    online, target = _nets(hidden=(8, 8))
+    batch = make_batch(weighted=weighted)
+    batch["n_step_return"] = batch["n_step_return"] * 3  # both Huber branches
+    graphs = compiled_loss.compiled_graphs
+    loss, td, q_taken = q_loss_manual_grad(online, target, batch, double, loss_type, compiled=compiled_loss)
+    assert compiled_loss.compiled_graphs == graphs + 1
+    ref_online = copy.deepcopy(online)
+    for p in ref_online.parameters():
+        p.grad = None
+    ref_loss, ref_td = reference_loss(ref_online, target, batch, double, loss_type)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(td, ref_td, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        expected_q = online(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(q_taken, expected_q, atol=1e-6, rtol=0)
+    for p, r in zip(online.parameters(), ref_online.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0)
+    assert all(p.grad is None for p in target.parameters())
+    # The same signature runs the same graph (new tensors, other values) and accumulates like autograd.
+    q_loss_manual_grad(online, target, {k: v.clone() for k, v in batch.items()}, double, loss_type,
+                       compiled=compiled_loss)
+    assert compiled_loss.compiled_graphs == graphs + 1
+    for p, r in zip(online.parameters(), ref_online.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, 2 * r.grad, atol=1e-6, rtol=0)
+
+
+def test_compiled_loss_compiles_per_signature_and_follows_weight_updates(compiled_loss):
+    """A graph runs only on the shapes, strides and dtypes it was compiled for; anything else compiles
+    another graph, and in-place weight updates (the optimizer) are seen without recompiling."""
+    online, target = _nets(hidden=(8, 8))
+
+    def check(batch: dict, expected_graphs: int) -> None:
+        for net in (online, target):
+            for p in net.parameters():
+                p.grad = None
+        loss, td, _ = q_loss_manual_grad(online, target, batch, double=True, compiled=compiled_loss)
+        eager = copy.deepcopy(online)
+        eager_loss, eager_td, _ = q_loss_manual_grad(eager, target, batch, double=True)
+        assert compiled_loss.compiled_graphs == expected_graphs
+        torch.testing.assert_close(loss, eager_loss, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(td, eager_td, atol=1e-6, rtol=0)
+        for p, r in zip(online.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0)
+
+    graphs = compiled_loss.compiled_graphs
+    check(make_batch(B=16), graphs + 1)
+    with torch.no_grad():
+        for p in online.parameters():
+            p.mul_(-1.5)  # in place: the same views, the same graph
+    check(make_batch(B=16, seed=1), graphs + 1)
+    check(make_batch(B=12), graphs + 2)  # another batch size
+    # Inputs at an odd offset into a larger tensor (misaligned for vector loads) give the same numbers.
+    batch = make_batch(B=16, seed=2)
+    for name in ("n_step_return", "bootstrap_discount"):
+        batch[name] = torch.cat([torch.zeros(1), batch[name]])[1:]
+    check(batch, graphs + 2)
+    # Another batch stride (a column slice) and another weight dtype each compile a graph.
+    batch = make_batch(B=16, seed=3)
+    batch["obs"] = torch.cat([batch["obs"], batch["obs"]], dim=1)[:, :OBS_DIM]
+    check(batch, graphs + 3)
+    online.double()
+    target.double()
+    check(make_batch(B=16, seed=4), graphs + 4)
+    online, target = _nets(hidden=(6, 6))  # other networks, the same batch signature: their own graph
+    check(make_batch(B=16, seed=5), graphs + 5)
+
+
+def test_trainer_compile_loss_steps_like_the_eager_trainer():
+    torch.manual_seed(0)
+    eager = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, target_update_every=2)
+    torch.manual_seed(0)
+    compiled = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, target_update_every=2, compile_loss=True)
+    for step in range(4):  # double DQN, Huber (the defaults), through a target update
+        batch = make_batch(seed=step)
+        out, ref = compiled.step(batch), eager.step(batch)
+        torch.testing.assert_close(out["loss"], ref["loss"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out["td_error"], ref["td_error"], atol=1e-5, rtol=1e-5)
+    for p, r in zip(compiled.online.parameters(), eager.online.parameters(), strict=True):
+        torch.testing.assert_close(p, r, atol=1e-5, rtol=1e-5)
+    assert compiled.compiled_loss.compiled_graphs == 1
+    with pytest.raises(ValueError, match="compile_loss=True needs the manual-gradient path"):
+        DQNTrainer(OBS_DIM, N_ACTIONS, network=torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS)),
+                   compile_loss=True)
+    with pytest.raises(ValueError, match="compile_loss=True needs the manual-gradient path"):
+        DQNTrainer(OBS_DIM, N_ACTIONS, manual_grad=False, compile_loss=True)

@@ -46,13 +46,15 @@ class DQNLearnerConfig:
     eval_episodes: int = 20
     seed: int = 0
     local: bool = False  # sample the server's shared memory directly (same host) instead of over gRPC
+    compile_loss: bool = False  # the Q-loss compiled ahead by inductor (CPU; needs a C++ compiler)
 
 
 def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
     tracker, client = start_learner(config, "eval_return", report)
     client.create_buffer(config.buffer, config.capacity_steps, CARTPOLE_SCHEMA)
     trainer = DQNTrainer(4, 2, hidden=config.hidden, lr=config.lr, double=True,
-                         target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device)
+                         target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device,
+                         compile_loss=config.compile_loss)
     version = 1
     client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
     wait_for_steps(client, config.buffer, config.learning_starts)

@@ -1,7 +1,10 @@
 """DQN / Double DQN on replayd n-step batches (CleanRL style: the whole loss is ``q_loss``).
 
 ``q_loss_manual_grad`` computes the same loss with a hand-written backward for ``QNetwork``; the
-trainer uses it by default because it is faster on CPU (tests check it equals ``q_loss``).
+trainer uses it by default because it is faster on CPU (tests check it equals ``q_loss``).  With
+``DQNTrainer(compile_loss=True)`` that math (``q_loss_grads``) runs compiled ahead by inductor
+(client/trainers/compiled.py): faster again on CPU, at the price of a C++ compiler and seconds of
+compiling per batch shape.
 
 Batch fields used (dict of tensors, first axis B, already on the device):
 
@@ -25,7 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DQNTrainer", "QNetwork", "q_loss", "q_loss_manual_grad", "update_target"]
+from client.trainers.compiled import CompiledFunction
+
+__all__ = ["DQNTrainer", "QNetwork", "q_loss", "q_loss_grads", "q_loss_grads_flat", "q_loss_manual_grad",
+           "update_target"]
 
 
 class QNetwork(nn.Module):
@@ -49,6 +55,7 @@ class QNetwork(nn.Module):
     def _refresh_cache(self) -> None:
         self.weights_and_biases = tuple((layer.weight, layer.bias) for layer in self.layers)
         self._transposed: tuple[tuple[Tensor, Tensor], ...] = ()
+        self._weight_views: tuple[Tensor, ...] = ()
         self._transposed_storage: tuple[int, ...] = ()
 
     def transposed_layers(self) -> tuple[tuple[Tensor, Tensor], ...]:
@@ -62,8 +69,15 @@ class QNetwork(nn.Module):
         storage = tuple(p.data_ptr() for layer in self.weights_and_biases for p in layer)
         if storage != self._transposed_storage:
             self._transposed = tuple((w.detach().t(), b.detach()) for w, b in self.weights_and_biases)
+            self._weight_views = tuple(itertools.chain.from_iterable(self._transposed))
             self._transposed_storage = storage
         return self._transposed
+
+    def weight_views(self) -> tuple[Tensor, ...]:
+        """``transposed_layers()`` flat: (W_1^T, b_1, ..., W_L^T, b_L), the same tuple object until a
+        parameter's storage changes (what a CompiledFunction's weight groups must be)."""
+        self.transposed_layers()
+        return self._weight_views
 
     def _apply(self, fn, recurse=True):  # nn.Module's signature
         out = super()._apply(fn, recurse)
@@ -135,7 +149,6 @@ def q_loss(
     return loss, td, q_taken.detach()
 
 
-@torch.no_grad()
 def q_loss_manual_grad(
     online: QNetwork,
     target: QNetwork,
@@ -143,26 +156,68 @@ def q_loss_manual_grad(
     double: bool = False,
     loss_type: str = "mse",
     huber_delta: float = 1.0,
+    compiled: CompiledFunction | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Same loss and outputs as ``q_loss``, with the gradient derived by hand (CPU fast path).
+    """Same loss and outputs as ``q_loss``, with the gradient derived by hand (``q_loss_grads``).
 
     Writes dLoss/dparam into ``online``'s ``.grad`` (accumulating like autograd) and returns the
     loss without a graph.  At CartPole sizes a step is a few dozen tiny ops, so recording and
     replaying an autograd graph is most of the cost (bench/bench_trainers.py); here every op is one
-    the math needs.  Only for ``QNetwork`` (Linear/ReLU stack).  Backward, per layer l
-    (y_l = x_l W_l^T + b_l, x_{l+1} = relu(y_l), g_l = dLoss/dy_l):
-    dW_l = g_l^T x_l, db_l = sum_i g_l, g_{l-1} = (g_l W_l) * [x_l > 0].
+    the math needs.  Only for ``QNetwork`` (Linear/ReLU stack).  ``compiled``: a
+    ``CompiledFunction(q_loss_grads_flat)`` to run the math through (one graph per batch signature
+    and loss setting; ``DQNTrainer(compile_loss=True)`` keeps one).
     """
     if loss_type not in ("mse", "huber"):
         raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
     if not (isinstance(online, QNetwork) and isinstance(target, QNetwork)):
         raise TypeError(f"q_loss_manual_grad needs QNetworks, got {type(online).__name__} and {type(target).__name__}")
-    layers = online.weights_and_biases  # ((W (out, in), b (out,)), ...)
-    online_t, target_t = online.transposed_layers(), target.transposed_layers()  # ((W^T, b), ...)
-    obs = _flat(batch["obs"], layers[0][0].dtype)  # (B, obs_dim)
+    online_weights, target_weights = online.weight_views(), target.weight_views()  # (W_1^T, b_1, ...)
+    obs = _flat(batch["obs"], online_weights[0].dtype)  # (B, obs_dim)
     boot_obs = _flat(batch["bootstrap_obs"], obs.dtype)  # (B, obs_dim)
     action = batch["action"]
     action = (action if action.dtype == torch.int64 else action.long()).view(-1, 1)  # (B, 1)
+    n_step_return = _as(batch["n_step_return"], obs.dtype)  # (B,)
+    discount = _as(batch["bootstrap_discount"], obs.dtype)  # (B,)
+    weight = _as(batch.get("weight"), obs.dtype)  # (B,) or None
+    if compiled is None:
+        with torch.no_grad():  # the weights enter as detached views; a batch tensor might not
+            loss, td, q_taken, *grads = q_loss_grads(online.transposed_layers(), target.transposed_layers(), obs,
+                                                     boot_obs, action, n_step_return, discount, weight, double,
+                                                     loss_type, huber_delta)
+    else:
+        if compiled.fn is not q_loss_grads_flat:
+            raise TypeError("compiled must be a CompiledFunction(q_loss_grads_flat)")
+        inputs = (obs, boot_obs, action, n_step_return, discount) if weight is None else (
+            obs, boot_obs, action, n_step_return, discount, weight)
+        loss, td, q_taken, *grads = compiled((online_weights, target_weights), inputs,
+                                             layers=len(online_weights) // 2, double=double, loss_type=loss_type,
+                                             huber_delta=float(huber_delta), weighted=weight is not None)
+    for (w, b), dw, db in zip(online.weights_and_biases, grads[0::2], grads[1::2], strict=True):
+        _accumulate_grad(w, dw)
+        _accumulate_grad(b, db)
+    return loss, td, q_taken
+
+
+def q_loss_grads(
+    online_t: Sequence[tuple[Tensor, Tensor]],
+    target_t: Sequence[tuple[Tensor, Tensor]],
+    obs: Tensor,
+    boot_obs: Tensor,
+    action: Tensor,
+    n_step_return: Tensor,
+    discount: Tensor,
+    weight: Tensor | None,
+    double: bool,
+    loss_type: str,
+    huber_delta: float,
+) -> tuple[Tensor, ...]:
+    """(loss, td, q_taken, dW_1, db_1, ..., dW_L, db_L) of the (Double) DQN loss, as a pure function.
+
+    ``online_t``/``target_t``: per layer (W^T (in, out), b (out,)) of a Linear/ReLU stack; obs and
+    boot_obs (B, obs_dim), action (B, 1) int64, n_step_return, discount and weight (B,).  Backward,
+    per layer l (y_l = x_l W_l^T + b_l, x_{l+1} = relu(y_l), g_l = dLoss/dy_l):
+    dW_l = g_l^T x_l, db_l = sum_i g_l, g_{l-1} = (g_l W_l) * [x_l > 0].
+    """
     B = obs.shape[0]
 
     # Online forward, keeping each layer's input (s rows) for the backward.  Double DQN: one pass
@@ -178,10 +233,6 @@ def q_loss_manual_grad(
         boot_value = q_next.gather(1, q[B:].argmax(1, keepdim=True)).view(B)  # (B,) Q_target(s', argmax Q_online)
     else:
         boot_value = q_next.amax(1)  # (B,)
-    dtype = q.dtype  # the batch's float fields (float32 from the server) in the network's dtype
-    n_step_return = _as(batch["n_step_return"], dtype)  # (B,)
-    discount = _as(batch["bootstrap_discount"], dtype)  # (B,)
-    weight = _as(batch.get("weight"), dtype)  # (B,) or None
     y = torch.addcmul(n_step_return, discount, boot_value)  # (B,) R + disc * V
     td = q_taken - y  # (B,)
 
@@ -199,17 +250,29 @@ def q_loss_manual_grad(
     g = torch.zeros_like(q_next).scatter_(1, action, dloss.view(B, 1))  # (B, A) dLoss/dq, taken action only
 
     # Backward through the s rows only (the s_boot half carries no gradient).
-    for i in range(len(layers) - 1, -1, -1):
-        (w, b), x_in = layers[i], layer_inputs[i]  # x_in (B, in)
+    grads: list[Tensor] = []
+    for i in range(len(online_t) - 1, -1, -1):
+        (w_t, _), x_in = online_t[i], layer_inputs[i]  # w_t (in, out), x_in (B, in)
         # dW = g^T x (out, in).  MKL is ~4x slower at b256 for g^T x when x has few columns
         # (obs_dim 4), so narrow inputs take the transpose of x^T g (same numbers).
-        dw = torch.mm(x_in.t(), g).t() if w.shape[1] < w.shape[0] else torch.mm(g.t(), x_in)
-        _accumulate_grad(w, dw)
-        _accumulate_grad(b, g.sum(0))  # (out,)
+        dw = torch.mm(x_in.t(), g).t() if w_t.shape[0] < w_t.shape[1] else torch.mm(g.t(), x_in)
+        grads[:0] = [dw, g.sum(0)]  # (out, in), (out,)
         if i > 0:
             # ReLU backward: zero where the layer input (a ReLU output) is 0 (autograd's own op).
-            g = torch.ops.aten.threshold_backward(torch.mm(g, w), x_in, 0.0)  # (B, in)
-    return loss, td, q_taken
+            g = torch.ops.aten.threshold_backward(torch.mm(g, w_t.t()), x_in, 0.0)  # (B, in)
+    return (loss, td, q_taken, *grads)
+
+
+def q_loss_grads_flat(*tensors: Tensor, layers: int, double: bool, loss_type: str, huber_delta: float,
+                      weighted: bool) -> tuple[Tensor, ...]:
+    """``q_loss_grads`` on a flat tensor list (what a compiled graph takes): online (W^T, b) per layer,
+    target (W^T, b) per layer, obs, boot_obs, action, n_step_return, discount[, weight]."""
+    online_t = tuple(zip(tensors[0:2 * layers:2], tensors[1:2 * layers:2], strict=True))
+    target_t = tuple(zip(tensors[2 * layers:4 * layers:2], tensors[2 * layers + 1:4 * layers:2], strict=True))
+    obs, boot_obs, action, n_step_return, discount = tensors[4 * layers:4 * layers + 5]
+    weight = tensors[4 * layers + 5] if weighted else None
+    return q_loss_grads(online_t, target_t, obs, boot_obs, action, n_step_return, discount, weight, double,
+                        loss_type, huber_delta)
 
 
 def _relu_mlp(x: Tensor, layers_t: Sequence[tuple[Tensor, Tensor]]) -> tuple[list[Tensor], Tensor]:
@@ -280,6 +343,7 @@ class DQNTrainer:
         device: torch.device | str = "cpu",
         network: nn.Module | None = None,
         manual_grad: bool | None = None,
+        compile_loss: bool = False,
     ) -> None:
         if target_update_every < 1:
             raise ValueError(f"target_update_every must be >= 1, got {target_update_every}")
@@ -298,6 +362,13 @@ class DQNTrainer:
         # measured 1.6-2.0x faster than this module's own autograd ``q_loss`` and 1.5-2.4x faster
         # than the seed's loss forms (bench/bench_trainers.py), same numbers (tests/test_trainers_dqn.py).
         self.manual_grad = isinstance(self.online, QNetwork) if manual_grad is None else manual_grad
+        # compile_loss: the manual-gradient math compiled ahead by inductor (client/trainers/compiled.py),
+        # 1.4-1.9x faster again on this CPU (2.7x / 2.4x the seed's forms at batch 256, DQN / Double
+        # DQN). Opt-in: it needs a C++ compiler and seconds of compiling per batch shape and loss setting.
+        if compile_loss and not (self.manual_grad and self.device.type == "cpu"):
+            raise ValueError("compile_loss=True needs the manual-gradient path (a QNetwork) on the CPU, where it "
+                             f"was measured; got manual_grad={self.manual_grad}, device={self.device}")
+        self.compiled_loss = CompiledFunction(q_loss_grads_flat) if compile_loss else None
         self.steps = 0
 
     def step(self, batch: Mapping[str, Tensor], log: bool = False) -> dict[str, Tensor | float]:
@@ -309,7 +380,7 @@ class DQNTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.manual_grad:
             loss, td, q_taken = q_loss_manual_grad(
-                self.online, self.target, batch, self.double, self.loss_type, self.huber_delta
+                self.online, self.target, batch, self.double, self.loss_type, self.huber_delta, self.compiled_loss
             )
         else:
             loss, td, q_taken = q_loss(self.online, self.target, batch, self.double, self.loss_type, self.huber_delta)
