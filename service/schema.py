@@ -95,8 +95,7 @@ def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NA
             dtype = check_dtype(field.name, field.dtype).name
         except CodecError as exc:
             raise InvalidArgument(str(exc)) from exc
-        check_shape(field.name, dtype, field.shape)
-        checked.append(replace(field, dtype=dtype))
+        checked.append(replace(field, dtype=dtype, shape=check_shape(field.name, dtype, field.shape)))
     return tuple(checked)
 
 
@@ -112,9 +111,8 @@ def check_columns(fields: tuple[Field, ...], columns: Mapping[str, np.ndarray], 
             raise InvalidArgument(f"{what}: field {field.name!r} is missing")
         column = columns[field.name]
         if column.dtype != np.dtype(field.dtype):
-            raise InvalidArgument(
-                f"{what}: field {field.name!r} expected dtype {field.dtype}, got {column.dtype.name}"
-            )
+            got = column.dtype.name if column.dtype.isnative else f"{column.dtype.name} in non-native byte order"
+            raise InvalidArgument(f"{what}: field {field.name!r} expected dtype {field.dtype}, got {got}")
         if tuple(column.shape[1:]) != tuple(field.shape):
             raise InvalidArgument(
                 f"{what}: field {field.name!r} expected row shape {tuple(field.shape)}, got {tuple(column.shape[1:])}"

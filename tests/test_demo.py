@@ -43,8 +43,10 @@ def test_demo_processes_end_to_end(tmp_path: Path) -> None:
 
 def test_demo_learner_can_sample_shared_memory_directly(tmp_path: Path) -> None:
     # No evaluation within the budget: the learner still evaluates its final policy and counts env steps.
-    summary = _demo(tmp_path, "dqn", "--seconds", "6", "--eval-every", "1000000", "--local")
+    # The learner also runs the compiled Q-loss (compiled before its clock starts).
+    summary = _demo(tmp_path, "dqn", "--seconds", "6", "--eval-every", "1000000", "--local", "--compile-loss")
     assert summary["learner_steps"] > 0 and summary["env_steps"] > 1000
+    assert summary["seconds"] < 6 + 5  # the budget, and the final evaluation
     assert len(summary["curve"]) == 1 and summary["final_eval_return"] == summary["curve"][0]["eval_return"]
     # The local reader bypasses the server: the learner's batches are not counted as server samples.
     assert summary["buffer"]["counters"].get("sampled_items", 0) == 0

@@ -245,6 +245,10 @@ def test_schema_takes_any_numpy_spelling_of_a_dtype_and_names_a_bad_one() -> Non
                                                               ("reward", "float32")]
         assert buffer.reward_field == "reward"  # "<f4" and "float32" are one dtype
         assert buffer.columns["obs"].dtype == np.float32 and buffer.columns["action"].dtype == np.int64
+        rows = {"obs": np.zeros((3, 3), ">f4"), "action": np.zeros(2, np.int64), "reward": np.zeros(2, np.float32)}
+        with pytest.raises(InvalidArgument, match="'obs' expected dtype float32, got float32 in non-native byte order"):
+            buffer.insert(rows, Spans.whole_episodes(np.array([2]), np.array([7], np.uint64), np.array([True])))
+        assert buffer.stored_steps == 0
     finally:
         buffer.close()
     for dtype, message in (("complex64", "dtype complex64 is not supported"), ("floaty", "'floaty' is not a numpy")):

@@ -451,6 +451,29 @@ def test_compiled_loss_compiles_per_signature_and_follows_weight_updates(compile
     check(make_batch(B=16, seed=5), graphs + 5)
 
 
+def test_compiled_loss_first_called_with_one_tensor_in_two_slots_stays_right_for_distinct_ones():
+    """A graph first compiled with the online network as its own target (or obs as bootstrap obs) must
+    not assume those slots alias: later calls pass distinct tensors with the same signature."""
+    compiled = CompiledFunction(q_loss_grads_flat)
+    online, target = _nets(hidden=(8, 8))
+    aliased = make_batch(seed=1)
+    aliased["bootstrap_obs"] = aliased["obs"]
+    q_loss_manual_grad(online, online, aliased, double=True, compiled=compiled)
+    for p in online.parameters():
+        p.grad = None
+    batch = make_batch(seed=2)
+    loss, td, _ = q_loss_manual_grad(online, target, batch, double=True, compiled=compiled)
+    assert compiled.compiled_graphs == 1
+    eager = copy.deepcopy(online)
+    for p in eager.parameters():
+        p.grad = None
+    eager_loss, eager_td, _ = q_loss_manual_grad(eager, target, batch, double=True)
+    torch.testing.assert_close(loss, eager_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(td, eager_td, atol=1e-6, rtol=0)
+    for p, r in zip(online.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0)
+
+
 def test_trainer_compile_loss_steps_like_the_eager_trainer():
     torch.manual_seed(0)
     eager = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, target_update_every=2)
@@ -464,6 +487,15 @@ def test_trainer_compile_loss_steps_like_the_eager_trainer():
     for p, r in zip(compiled.online.parameters(), eager.online.parameters(), strict=True):
         torch.testing.assert_close(p, r, atol=1e-5, rtol=1e-5)
     assert compiled.compiled_loss.compiled_graphs == 1
+    # compile_for compiles a new signature without touching the networks or their gradients.
+    before = [(p.detach().clone(), p.grad.clone()) for p in compiled.online.parameters()]
+    compiled.compile_for(make_batch(B=12))
+    assert compiled.compiled_loss.compiled_graphs == 2
+    for p, (value, grad) in zip(compiled.online.parameters(), before, strict=True):
+        torch.testing.assert_close(p, value, atol=0, rtol=0)
+        torch.testing.assert_close(p.grad, grad, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="compile_for needs DQNTrainer"):
+        eager.compile_for(make_batch())
     with pytest.raises(ValueError, match="compile_loss=True needs the manual-gradient path"):
         DQNTrainer(OBS_DIM, N_ACTIONS, network=torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS)),
                    compile_loss=True)

@@ -3,6 +3,7 @@ evaluates the greedy policy, and writes a learning curve and a summary into a ru
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,7 +59,6 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
     version = 1
     client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
     wait_for_steps(client, config.buffer, config.learning_starts)
-    tracker.start_clock()  # the budget is training time
 
     if config.local:
         reader = LocalReader(client, config.buffer)
@@ -67,6 +67,12 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
         stream = client.sample_stream(config.buffer, config.batch_size, n_step=config.n_step, gamma=config.gamma,
                                       wait=True, timeout=config.seconds + 60)
     loader = Loader(stream, device=config.device, prefetch=4)
+    batches = iter(loader)
+    first = next(batches, None) if config.compile_loss else None
+    if first is not None:  # compiling takes seconds, which are not training time; the batch trains next
+        trainer.compile_for(first)
+        batches = itertools.chain([first], batches)
+    tracker.start_clock()  # the budget is training time
     progress = tracker.progress
     solved = False
 
@@ -79,7 +85,7 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
         solved = score >= config.target_return
 
     try:
-        for batch in loader:
+        for batch in batches:
             trainer.step(batch)
             tracker.stepped()
             if progress.learner_steps % config.publish_every == 0:

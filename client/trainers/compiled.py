@@ -8,8 +8,8 @@ C++, not through a Python wrapper); the guard is a dict lookup on the tensors' s
 dtypes and devices and the static arguments.
 
 Costs: a C++ compiler when a signature is first seen (inductor's CPU code is C++; inductor names
-the missing compiler if there is none), and seconds per new signature (about 13 s for the first
-graph of a process on a cold inductor cache, 2-3 s for the next, under 1 s from the on-disk cache).
+the missing compiler if there is none), and seconds per new signature (about 15 s for the first
+graph of a process on a cold inductor cache, 3 s for the next, under 1 s from the on-disk cache).
 ``standalone_compile`` is an underscored (provisional) API: the torch pin in constraints.txt is the
 version this is tested with.
 """
@@ -29,7 +29,8 @@ class CompiledFunction:
     """``fn(*weights..., *inputs, **static)`` through the graph compiled for their signature and ``static``.
 
     ``fn`` must return a tuple of tensors and read nothing but its arguments: the compiled graph
-    replays the operations traced on the first call with that signature.
+    replays the operations traced on the first call with that signature.  Not for concurrent calls
+    from several threads (the weights' memo is one pair of attributes).
     """
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]]) -> None:
@@ -45,8 +46,8 @@ class CompiledFunction:
         is not signed again (reading 12 tensors' signatures costs ~4 us), so a caller hands out a new
         tuple when a tensor in it changes shape, strides, dtype or device (``QNetwork.weight_views``)."""
         if len(weights) != len(self._weights) or any(a is not b for a, b in zip(weights, self._weights, strict=False)):
-            self._weights = tuple(weights)
-            self._weights_signature = tuple(_signature(t) for group in weights for t in group)
+            signature = tuple(_signature(t) for group in weights for t in group)
+            self._weights, self._weights_signature = tuple(weights), signature
         # The compiled code is specialized to all of these: a graph called with other shapes would
         # read out of bounds without an error.
         key = (tuple(static.items()), self._weights_signature, *(_signature(t) for t in inputs))
@@ -66,6 +67,18 @@ class CompiledFunction:
 
         from torch._inductor import config, standalone_compile  # about 1 s to import: only where used
 
+        # The compiler folds an argument that is the same tensor object as an earlier one into it: the graph
+        # would then read the earlier argument for both, also in later calls with distinct tensors (the
+        # target network passed as the online one, say). Each slot gets its own example tensor.
+        seen: set[int] = set()
+        examples = []
+        for tensor in tensors:
+            if id(tensor) in seen:
+                tensor = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                             device=tensor.device).copy_(tensor)
+            seen.add(id(tensor))
+            examples.append(tensor)
+        tensors = examples
         with torch.no_grad():
             graph_module = make_fx(traced)(*tensors)
         with config.patch(cpp_wrapper=True):

@@ -171,8 +171,7 @@ def q_loss_manual_grad(
         raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
     if not (isinstance(online, QNetwork) and isinstance(target, QNetwork)):
         raise TypeError(f"q_loss_manual_grad needs QNetworks, got {type(online).__name__} and {type(target).__name__}")
-    online_weights, target_weights = online.weight_views(), target.weight_views()  # (W_1^T, b_1, ...)
-    obs = _flat(batch["obs"], online_weights[0].dtype)  # (B, obs_dim)
+    obs = _flat(batch["obs"], online.weights_and_biases[0][0].dtype)  # (B, obs_dim)
     boot_obs = _flat(batch["bootstrap_obs"], obs.dtype)  # (B, obs_dim)
     action = batch["action"]
     action = (action if action.dtype == torch.int64 else action.long()).view(-1, 1)  # (B, 1)
@@ -189,9 +188,10 @@ def q_loss_manual_grad(
             raise TypeError("compiled must be a CompiledFunction(q_loss_grads_flat)")
         inputs = (obs, boot_obs, action, n_step_return, discount) if weight is None else (
             obs, boot_obs, action, n_step_return, discount, weight)
-        loss, td, q_taken, *grads = compiled((online_weights, target_weights), inputs,
-                                             layers=len(online_weights) // 2, double=double, loss_type=loss_type,
-                                             huber_delta=float(huber_delta), weighted=weight is not None)
+        loss, td, q_taken, *grads = compiled((online.weight_views(), target.weight_views()), inputs,
+                                             layers=len(online.weights_and_biases), double=double,
+                                             loss_type=loss_type, huber_delta=float(huber_delta),
+                                             weighted=weight is not None)
     for (w, b), dw, db in zip(online.weights_and_biases, grads[0::2], grads[1::2], strict=True):
         _accumulate_grad(w, dw)
         _accumulate_grad(b, db)
@@ -395,6 +395,20 @@ class DQNTrainer:
         if log:
             out["loss"], out["mean_q"] = float(out["loss"]), float(out["mean_q"])
         return out
+
+    def compile_for(self, batch: Mapping[str, Tensor]) -> None:
+        """With ``compile_loss``: compiles the loss for ``batch``'s signature now (seconds), leaving the
+        networks and their gradients as they were, so that training time does not include it."""
+        if self.compiled_loss is None:
+            raise ValueError("compile_for needs DQNTrainer(compile_loss=True)")
+        params = list(self.online.parameters())
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        q_loss_manual_grad(self.online, self.target, batch, self.double, self.loss_type, self.huber_delta,
+                           self.compiled_loss)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
 
     @torch.no_grad()
     def act(self, obs: Tensor, epsilon: float = 0.0) -> Tensor:

@@ -775,7 +775,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         with self.live():
             if self.limiter is not None:
                 self.limiter.await_sample(self, batch_size, wait_seconds, ended)
-                self.check_live()  # a wait released the lock
+                self.check_live()  # await_sample may have waited (which releases the lock)
             elif wait_seconds is not None and self.sampleable_steps == 0:
                 if not wait_on(self, lambda: self.sampleable_steps > 0, wait_seconds, ended,
                                f"sample of buffer {self.name!r} (waiting for data)"):

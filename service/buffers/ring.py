@@ -79,6 +79,7 @@ class EpisodicRing:
         # (name, column) pairs the batch modes gather, looked up once: a sample pays per dict lookup.
         self.observation_columns = tuple((f.name, self.columns[f.name]) for f in self.observation_fields)
         self.step_columns = tuple((f.name, self.columns[f.name]) for f in self.step_fields)
+        self.observation_and_step_columns = self.observation_columns + self.step_columns  # a transition's order
         self.reward_column = NO_REWARD if self.reward_field is None else self.columns[self.reward_field]
         self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
         self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]

@@ -56,7 +56,7 @@ class TransitionsMode:
         kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,
                                    ring.capacity, ring.reward_column, ring.row_seq, ring.extent_flags,
                                    ring.extent_slots, target_rows, flags, targets)
-        batch = {name: column.take(rows, axis=0) for name, column in ring.observation_columns + ring.step_columns}
+        batch = {name: column.take(rows, axis=0) for name, column in ring.observation_and_step_columns}
         next_rows = target_rows[0]
         for name, column in ring.observation_columns:
             batch["next_" + name] = column.take(next_rows, axis=0)
