@@ -12,7 +12,7 @@ import argparse
 
 from client.actors.common import ActorReport, flush_with_retry, refresh_weights, wait_for_buffer
 from client.actors.dqn import DQNActorConfig, run_dqn_actor
-from client.algos import ALGOS, add_common_options, build
+from client.algos import ALGOS, add_common_options, build, refuse_foreign_options
 
 __all__ = ["ActorReport", "DQNActorConfig", "flush_with_retry", "main", "refresh_weights", "run_dqn_actor",
            "wait_for_buffer"]
@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--actor-index", type=int, help="ppo: this actor's slot block (0 .. actors - 1)")
     args = vars(parser.parse_args(argv))
-    algo = ALGOS[args.pop("algo")]
+    algo_name = args.pop("algo")
+    algo = ALGOS[algo_name]
+    refuse_foreign_options(parser, algo_name, args, (algo.actor_config,))
     if args["seconds"] is None:
         args["seconds"] = 3600.0
     report = algo.actor(build(algo.actor_config, **args))

@@ -47,6 +47,17 @@ def build(config_type: type[C], **values: Any) -> C:
     return config_type(**{k: v for k, v in values.items() if k in names and v is not None})
 
 
+def refuse_foreign_options(parser: argparse.ArgumentParser, algo: str, options: dict[str, Any],
+                           configs: tuple[type, ...], own: tuple[str, ...] = ()) -> None:
+    """Exits with a usage error for given options (not None) that none of `configs` has and the command
+    does not use itself (`own`): `build` would drop them, and `--local` with ppo would do nothing."""
+    taken = {f.name for config in configs for f in fields(config)} | set(own)
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    foreign = [flags.get(name, name) for name, value in options.items() if value is not None and name not in taken]
+    if foreign:
+        parser.error(f"--algo {algo} does not take {', '.join(foreign)}")
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options the actor, learner and demo command lines share (unset: the algorithm's default)."""
     parser.add_argument("--algo", choices=sorted(ALGOS), default="dqn")

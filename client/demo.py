@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from client.algos import ALGOS, Algo, add_common_options, build
+from client.algos import ALGOS, Algo, add_common_options, build, refuse_foreign_options
 from client.learners.common import Progress, write_summary
 from client.replay_client import ReplayClient
 
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = vars(parser.parse_args(argv))
     algo_name, instance = args.pop("algo"), args.pop("instance")
     algo = ALGOS[algo_name]
+    refuse_foreign_options(parser, algo_name, args, (algo.learner_config, algo.actor_config), own=("actors",))
     args["run_dir"] = args["run_dir"] or ("runs/demo" if algo_name == "dqn" else f"runs/demo-{algo_name}")
     torch.set_num_threads(1)
 

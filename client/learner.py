@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from client.algos import ALGOS, add_common_options, build
+from client.algos import ALGOS, add_common_options, build, refuse_foreign_options
 from client.learners.common import Progress, write_run
 from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
 
@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="dqn: compile the Q-loss ahead with inductor (CPU; needs a C++ compiler; "
                         "a 1.4-1.9x faster loss step)")
     args = vars(parser.parse_args(argv))
-    algo = ALGOS[args.pop("algo")]
+    algo_name = args.pop("algo")
+    algo = ALGOS[algo_name]
+    refuse_foreign_options(parser, algo_name, args, (algo.learner_config,))
     torch.set_num_threads(1)
     summary = algo.learn(build(algo.learner_config, **args), report=lambda p: print(json.dumps(p.curve[-1]),
                                                                                      flush=True))

@@ -13,12 +13,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
 from client import ReplayClient
+from client.actor import main as actor_main
 from client.demo import actor_processes
 from client.demo import main as demo_main
+from client.learner import main as learner_main
 from client.learners.common import evaluate_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,3 +181,17 @@ def test_greedy_evaluation_runs_the_policy_on_its_device() -> None:
 
     evaluate_greedy(act, "CartPole-v1", 2, 0, device="meta")  # "meta" stands for a GPU here
     assert seen and set(seen) == {torch.device("meta")}
+
+
+@pytest.mark.parametrize(("command", "argv", "refused"), [
+    (demo_main, ["--algo", "ppo", "--local"], "--local"),
+    (demo_main, ["--algo", "allo", "--envs", "3", "--compile-loss"], "--envs, --compile-loss"),
+    (learner_main, ["--algo", "ppo", "--address", "127.0.0.1:1", "--learning-starts", "5"], "--learning-starts"),
+    (actor_main, ["--algo", "dqn", "--address", "127.0.0.1:1", "--envs", "2"], "--envs"),
+])
+def test_command_lines_refuse_options_the_algorithm_does_not_take(command, argv, refused, capsys) -> None:
+    """An option the chosen algorithm has no use for is a usage error, not silently dropped."""
+    with pytest.raises(SystemExit) as exited:
+        command(argv)
+    assert exited.value.code == 2
+    assert f"--algo {argv[1]} does not take {refused}" in capsys.readouterr().err
