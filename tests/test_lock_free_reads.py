@@ -68,7 +68,8 @@ def wrong_items(batch: dict[str, np.ndarray]) -> list[str]:
             "n_step_return": abs(batch["n_step_return"][i] - np.sum(GAMMA ** (steps - t) * reward_of(episode, steps)))
             < 1e-4,
             "bootstrap_discount": abs(batch["bootstrap_discount"][i] - expected_discount) < 1e-5,
-            "weight": "weight" not in batch or bool(np.isfinite(batch["weight"][i]) and batch["probability"][i] > 0),
+            # w = (p_i / p_min)^-beta is in (0, 1], also when a priority changed while the batch was read
+            "weight": "weight" not in batch or bool(0 < batch["weight"][i] <= 1 and batch["probability"][i] > 0),
         }
         wrong += [f"{name}: episode {episode} t={t} (L={length})" for name, ok in checks.items() if not ok]
     return wrong

@@ -128,8 +128,9 @@ class PrioritizedSampler:
             bounds[torn] = kernels.HOLE
             values = np.where(torn, 1.0, values)
         # w = (N P)^-beta / max w = (p / p_min)^-beta, in logs: leaves may span 1e-300..1e150, whose ratio
-        # overflows float64 (and inf ** -beta would make the weight 0).
-        log_ratio = np.log(values) - math.log(self.tree.min_positive)
+        # overflows float64 (and inf ** -beta would make the weight 0). p_min also counts the drawn leaves: a
+        # lock-free reader may read a leaf below the tree's minimum as read (a priority changed meanwhile).
+        log_ratio = np.log(values) - math.log(min(self.tree.min_positive, float(values.min())))
         weight = np.exp(-importance_beta * log_ratio).astype(np.float32)
         return Draw(positions, rows, bounds, closed, open_seq, {"probability": values / total, "weight": weight})
 
