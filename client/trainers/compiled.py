@@ -36,7 +36,8 @@ class CompiledFunction:
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]]) -> None:
         self.fn = fn
         self._graphs: dict[tuple, Callable[..., Sequence[Tensor]]] = {}
-        self._weights: tuple[tuple[Tensor, ...], ...] = ()
+        self._weights: tuple[tuple[Tensor, ...], ...] = ()  # the groups last seen, and derived from them:
+        self._flat_weights: tuple[Tensor, ...] = ()
         self._weights_signature: tuple = ()
 
     def __call__(self, weights: Sequence[tuple[Tensor, ...]], inputs: Sequence[Tensor],
@@ -46,12 +47,13 @@ class CompiledFunction:
         is not signed again (reading 12 tensors' signatures costs ~4 us), so a caller hands out a new
         tuple when a tensor in it changes shape, strides, dtype or device (``QNetwork.weight_views``)."""
         if len(weights) != len(self._weights) or any(a is not b for a, b in zip(weights, self._weights, strict=False)):
-            signature = tuple(_signature(t) for group in weights for t in group)
-            self._weights, self._weights_signature = tuple(weights), signature
+            flat = tuple(t for group in weights for t in group)
+            signature = tuple(_signature(t) for t in flat)
+            self._weights, self._flat_weights, self._weights_signature = tuple(weights), flat, signature
         # The compiled code is specialized to all of these: a graph called with other shapes would
         # read out of bounds without an error.
         key = (tuple(static.items()), self._weights_signature, *(_signature(t) for t in inputs))
-        tensors = [*(t for group in weights for t in group), *inputs]
+        tensors = [*self._flat_weights, *inputs]
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._compile(tensors, static)
