@@ -128,6 +128,24 @@ def test_bad_priorities_are_rejected_naming_the_index_and_change_nothing(bad: fl
         buffer.close()
 
 
+@pytest.mark.parametrize(("alpha", "tiny", "kept"), [(100.0, 1e-4, 0.5), (1e308, 0.5, 1.0)])
+def test_positive_priorities_whose_leaf_underflows_are_rejected(alpha: float, tiny: float, kept: float) -> None:
+    """tiny ** alpha underflows to 0: the step would never be drawn although its priority is positive."""
+    rng = np.random.default_rng(6)
+    buffer = new_buffer(100, alpha=alpha)
+    try:
+        insert_episodes(buffer, rng, [4], 0)
+        keys = live_keys(buffer)
+        before = buffer.sampler.tree.sums.copy()
+        with pytest.raises(InvalidArgument, match=r"priorities\[2\] = .* could never be drawn"):
+            buffer.update_priorities(keys, np.array([kept, 0.0, tiny, kept]))
+        np.testing.assert_array_equal(buffer.sampler.tree.sums, before)
+        assert buffer.update_priorities(keys, np.array([kept, 0.0, kept, kept])) == (4, 0)
+        assert (buffer.sampler.tree.get(keys % buffer.capacity)[[0, 2, 3]] > 0).all()
+    finally:
+        buffer.close()
+
+
 def test_grpc_prioritized_sample_and_update_priorities(client) -> None:
     schema = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}
     info = client.create_buffer("per", 1000, schema, sampler="prioritized", alpha=0.6)

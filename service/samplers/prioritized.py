@@ -27,6 +27,9 @@ from service.storage.shared_arrays import ArraySpec
 # Largest leaf (priority ** alpha) accepted: a sum over any ring stays far below float64's limit, where
 # one inf leaf would make every probability nan for good (new steps get the max priority).
 MAX_LEAF = 1e150
+# Smallest leaf accepted for a positive priority: below float64's smallest normal number the power loses
+# precision, then becomes 0, and a step given a positive priority would silently never be drawn.
+MIN_LEAF = float(np.finfo(np.float64).tiny)
 
 if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
@@ -47,6 +50,8 @@ class PrioritizedSampler:
         # The largest priority whose leaf stays <= MAX_LEAF (checked on priorities: no overflowing power).
         log_limit = math.log(MAX_LEAF) / self.alpha if self.alpha > 0 else math.inf
         self.max_priority_value = math.exp(log_limit) if log_limit < 700 else math.inf  # exp overflows past 709
+        # The smallest positive priority whose leaf stays >= MIN_LEAF (0 for alpha = 0: every leaf is 1).
+        self.min_positive_priority = math.exp(math.log(MIN_LEAF) / self.alpha) if self.alpha > 0 else 0.0
         self.tree: SumTree | None = None
         self._max_priority: np.ndarray | None = None
 
@@ -162,6 +167,14 @@ class PrioritizedSampler:
             raise InvalidArgument(
                 f"update_priorities: priorities[{index}] = {priorities[index]!r} is over {self.max_priority_value:.3g}"
                 f", where priority ** alpha (alpha {self.alpha}) passes {MAX_LEAF:.0e}"
+            )
+        tiny = (priorities > 0) & (priorities < self.min_positive_priority)
+        if tiny.any():
+            index = int(np.argmax(tiny))
+            raise InvalidArgument(
+                f"update_priorities: priorities[{index}] = {priorities[index]!r} is under "
+                f"{self.min_positive_priority:.3g}, where priority ** alpha (alpha {self.alpha}) falls under "
+                f"{MIN_LEAF:.3g} and the step could never be drawn (a priority of 0 says that)"
             )
         rows, bounds, _ = ring.episode_bounds(keys)
         live = (keys >= ring.tail_position()) & (keys < ring.head) & (keys < bounds)
