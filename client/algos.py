@@ -58,6 +58,13 @@ def refuse_foreign_options(parser: argparse.ArgumentParser, algo: str, options: 
         parser.error(f"--algo {algo} does not take {', '.join(foreign)}")
 
 
+def refuse_compile_loss_off_cpu(parser: argparse.ArgumentParser, options: dict[str, Any]) -> None:
+    """`--compile-loss` is measured and supported on the CPU only (DQNTrainer refuses it elsewhere): say so
+    before any server, buffer or actor is started."""
+    if options.get("compile_loss") and options["device"].split(":")[0] != "cpu":
+        parser.error(f"--compile-loss runs on the CPU only, not --device {options['device']}: add --device cpu")
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options the actor, learner and demo command lines share (unset: the algorithm's default)."""
     parser.add_argument("--algo", choices=sorted(ALGOS), default="dqn")

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from client.algos import ALGOS, Algo, add_common_options, build, refuse_foreign_options
+from client.algos import ALGOS, Algo, add_common_options, build, refuse_compile_loss_off_cpu, refuse_foreign_options
 from client.learners.common import Progress, write_summary
 from client.replay_client import ReplayClient
 
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     algo_name, instance = args.pop("algo"), args.pop("instance")
     algo = ALGOS[algo_name]
     refuse_foreign_options(parser, algo_name, args, (algo.learner_config, algo.actor_config), own=("actors",))
+    refuse_compile_loss_off_cpu(parser, args)
     args["run_dir"] = args["run_dir"] or ("runs/demo" if algo_name == "dqn" else f"runs/demo-{algo_name}")
     torch.set_num_threads(1)
 

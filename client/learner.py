@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from client.algos import ALGOS, add_common_options, build, refuse_foreign_options
+from client.algos import ALGOS, add_common_options, build, refuse_compile_loss_off_cpu, refuse_foreign_options
 from client.learners.common import Progress, write_run
 from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     algo_name = args.pop("algo")
     algo = ALGOS[algo_name]
     refuse_foreign_options(parser, algo_name, args, (algo.learner_config,))
+    refuse_compile_loss_off_cpu(parser, args)
     torch.set_num_threads(1)
     summary = algo.learn(build(algo.learner_config, **args), report=lambda p: print(json.dumps(p.curve[-1]),
                                                                                      flush=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -63,7 +64,10 @@ def check_field_name(name: str) -> str:
 
 def check_shape(name: str, dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """A row shape of positive dimensions, at most MAX_RANK of them and MAX_ROW_BYTES per row."""
-    shape = tuple(int(d) for d in shape)
+    try:  # integers only: int() would turn a dimension of 2.7 into 2
+        shape = tuple(operator.index(d) for d in shape)
+    except TypeError as exc:
+        raise InvalidArgument(f"field {name!r}: shape {shape!r} must be a sequence of integers") from exc
     if len(shape) > MAX_RANK:
         raise InvalidArgument(f"field {name!r}: shape {list(shape)} has rank {len(shape)}, expected <= {MAX_RANK}")
     if any(d <= 0 for d in shape):

@@ -10,9 +10,11 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -22,7 +24,11 @@ from client.actor import main as actor_main
 from client.demo import actor_processes
 from client.demo import main as demo_main
 from client.learner import main as learner_main
+from client.learners import dqn as dqn_learner
 from client.learners.common import evaluate_greedy
+from client.local_reader import LocalReader
+from client.polling import wait_until
+from client.trainers.dqn import DQNTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,3 +201,42 @@ def test_command_lines_refuse_options_the_algorithm_does_not_take(command, argv,
         command(argv)
     assert exited.value.code == 2
     assert f"--algo {argv[1]} does not take {refused}" in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize(("command", "argv"), [
+    (demo_main, ["--algo", "dqn", "--device", "cuda", "--compile-loss"]),
+    (learner_main, ["--algo", "dqn", "--address", "127.0.0.1:1", "--device", "cuda:0", "--compile-loss"]),
+])
+def test_compile_loss_off_the_cpu_is_a_usage_error_before_anything_starts(command, argv, capsys) -> None:
+    """Refused at parse time: the demo would otherwise start a server and actors first (it picks cuda when
+    there is one), and the learner would create its buffer."""
+    with pytest.raises(SystemExit) as exited:
+        command(argv)
+    assert exited.value.code == 2
+    assert "--compile-loss runs on the CPU only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_failed_compile_closes_the_learners_stream_and_reader(server, tmp_path: Path, monkeypatch, local) -> None:
+    """compile_for raising (no C++ compiler, say) runs the learner's cleanup: no loader thread, gRPC stream
+    or shared-memory reader stays open."""
+    def insert_instead_of_waiting(client: ReplayClient, buffer: str, steps: int) -> None:
+        client.insert_episode(buffer, True, obs=np.zeros((51, 4), np.float32), action=np.zeros(50, np.int64),
+                              reward=np.ones(50, np.float32))
+
+    def no_compiler(trainer: DQNTrainer, batch: dict) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    closed_readers = []
+    close_reader = LocalReader.close
+    monkeypatch.setattr(dqn_learner, "wait_for_steps", insert_instead_of_waiting)
+    monkeypatch.setattr(DQNTrainer, "compile_for", no_compiler)
+    monkeypatch.setattr(LocalReader, "close", lambda reader: (closed_readers.append(reader), close_reader(reader)))
+    config = dqn_learner.DQNLearnerConfig(address=server.address, run_dir=str(tmp_path), compile_loss=True,
+                                          local=local, seconds=30)
+    with pytest.raises(RuntimeError, match="no C"):
+        dqn_learner.learn_dqn(config)
+    wait_until(lambda: not any(t.name == "replayd-loader" for t in threading.enumerate()), time.monotonic() + 10,
+               "the loader thread ending")
+    assert len(closed_readers) == (1 if local else 0)

@@ -254,6 +254,14 @@ def test_schema_takes_any_numpy_spelling_of_a_dtype_and_names_a_bad_one() -> Non
     for dtype, message in (("complex64", "dtype complex64 is not supported"), ("floaty", "'floaty' is not a numpy")):
         with pytest.raises(InvalidArgument, match=f"field 'obs': {message}"):
             EpisodicBuffer("bad", instance, [Field("obs", dtype, (3,), observation=True)], 16)
+    for shape in ((2.7,), 3):  # not truncated to (2,), nor taken for (3,)
+        with pytest.raises(InvalidArgument, match=r"field 'obs': shape .* must be a sequence of integers"):
+            EpisodicBuffer("bad", instance, [Field("obs", "float32", shape, observation=True)], 16)
+    buffer = EpisodicBuffer("numpy_dims", instance, [Field("obs", "float32", (np.int64(3),), observation=True)], 16)
+    try:
+        assert buffer.fields[0].shape == (3,)
+    finally:
+        buffer.close()
 
 
 def test_reward_field_names_a_field_or_defaults_to_reward() -> None:

@@ -128,7 +128,7 @@ def test_bad_priorities_are_rejected_naming_the_index_and_change_nothing(bad: fl
         buffer.close()
 
 
-@pytest.mark.parametrize(("alpha", "tiny", "kept"), [(100.0, 1e-4, 0.5), (1e308, 0.5, 1.0)])
+@pytest.mark.parametrize(("alpha", "tiny", "kept"), [(100.0, 1e-4, 0.5), (1e308, 0.5, 1.0), (1e19, 1 - 2**-53, 1.0)])
 def test_positive_priorities_whose_leaf_underflows_are_rejected(alpha: float, tiny: float, kept: float) -> None:
     """tiny ** alpha underflows to 0: the step would never be drawn although its priority is positive."""
     rng = np.random.default_rng(6)

@@ -315,6 +315,13 @@ def test_qnetwork_param_cache_follows_conversions_and_copies():
     assert not torch.allclose(clone(x), net(x))
     net.load_state_dict(clone.state_dict())
     torch.testing.assert_close(clone(x), net(x))
+    other = QNetwork(OBS_DIM, N_ACTIONS).double()
+    net.load_state_dict(other.state_dict(), assign=True)  # new Parameter objects in the layers
+    assert net.weights_and_biases[0][0] is net.layers[0].weight
+    torch.testing.assert_close(net(x), other(x))
+    wrapper = torch.nn.ModuleDict({"q": net})  # the hook runs when a parent module loads too
+    wrapper.load_state_dict({f"q.{k}": v for k, v in clone.state_dict().items()}, assign=True)
+    torch.testing.assert_close(net(x), clone(x))
 
 
 def test_transposed_layers_follow_updates_and_storage_swaps():

@@ -60,19 +60,6 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
     client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
     wait_for_steps(client, config.buffer, config.learning_starts)
 
-    if config.local:
-        reader = LocalReader(client, config.buffer)
-        stream = reader.sample_stream(config.batch_size, n_step=config.n_step, gamma=config.gamma)
-    else:
-        stream = client.sample_stream(config.buffer, config.batch_size, n_step=config.n_step, gamma=config.gamma,
-                                      wait=True, timeout=config.seconds + 60)
-    loader = Loader(stream, device=config.device, prefetch=4)
-    batches = iter(loader)
-    first = next(batches, None) if config.compile_loss else None
-    if first is not None:  # compiling takes seconds, which are not training time; the batch trains next
-        trainer.compile_for(first)
-        batches = itertools.chain([first], batches)
-    tracker.start_clock()  # the budget is training time
     progress = tracker.progress
     solved = False
 
@@ -84,7 +71,22 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
         tracker.record(score, steps_so_far)
         solved = score >= config.target_return
 
+    reader = LocalReader(client, config.buffer) if config.local else None
+    loader = None
     try:
+        if reader is not None:
+            stream = reader.sample_stream(config.batch_size, n_step=config.n_step, gamma=config.gamma)
+        else:
+            # The deadline also covers compiling on the first batch (about 15 s on a cold cache, before the clock).
+            stream = client.sample_stream(config.buffer, config.batch_size, n_step=config.n_step, gamma=config.gamma,
+                                          wait=True, timeout=config.seconds + (600 if config.compile_loss else 60))
+        loader = Loader(stream, device=config.device, prefetch=4)
+        batches = iter(loader)
+        first = next(batches, None) if config.compile_loss else None
+        if first is not None:  # compiling takes seconds, which are not training time; the batch trains next
+            trainer.compile_for(first)
+            batches = itertools.chain([first], batches)
+        tracker.start_clock()  # the budget is training time
         for batch in batches:
             trainer.step(batch)
             tracker.stepped()
@@ -96,8 +98,9 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
             if solved or tracker.out_of_time():
                 break
     finally:
-        loader.close()
-        if config.local:
+        if loader is not None:
+            loader.close()
+        if reader is not None:
             reader.close()
     if not progress.curve or progress.learner_steps % config.eval_every:
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score

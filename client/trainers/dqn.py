@@ -40,7 +40,7 @@ class QNetwork(nn.Module):
     ``forward`` runs ``F.linear``/``relu`` directly on a cached tuple of the layers' (weight, bias):
     the same math as an ``nn.Sequential``, without the per-submodule ``__call__`` and attribute
     lookups that dominate at batch 32.  The cache holds the Parameter objects themselves and is
-    refreshed after ``.to()``/``.cuda()``/``.double()`` (``_apply``).
+    refreshed after ``.to()``/``.cuda()``/``.double()`` (``_apply``) and ``load_state_dict``.
     """
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: Sequence[int] = (64, 64)) -> None:
@@ -51,6 +51,8 @@ class QNetwork(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.obs_dim, self.n_actions = obs_dim, n_actions
         self._refresh_cache()
+        # load_state_dict(..., assign=True) puts new Parameter objects in the layers.
+        self.register_load_state_dict_post_hook(_refresh_after_load)
 
     def _refresh_cache(self) -> None:
         self.weights_and_biases = tuple((layer.weight, layer.bias) for layer in self.layers)
@@ -90,6 +92,10 @@ class QNetwork(nn.Module):
         for w, b in wb[:-1]:
             x = torch.relu(F.linear(x, w, b))  # (B, hidden)
         return F.linear(x, *wb[-1])  # (B, n_actions)
+
+
+def _refresh_after_load(network: QNetwork, incompatible_keys: object) -> None:
+    network._refresh_cache()
 
 
 def q_loss(

@@ -50,8 +50,6 @@ class PrioritizedSampler:
         # The largest priority whose leaf stays <= MAX_LEAF (checked on priorities: no overflowing power).
         log_limit = math.log(MAX_LEAF) / self.alpha if self.alpha > 0 else math.inf
         self.max_priority_value = math.exp(log_limit) if log_limit < 700 else math.inf  # exp overflows past 709
-        # The smallest positive priority whose leaf stays >= MIN_LEAF (0 for alpha = 0: every leaf is 1).
-        self.min_positive_priority = math.exp(math.log(MIN_LEAF) / self.alpha) if self.alpha > 0 else 0.0
         self.tree: SumTree | None = None
         self._max_priority: np.ndarray | None = None
 
@@ -161,27 +159,29 @@ class PrioritizedSampler:
             raise InvalidArgument(
                 f"update_priorities: priorities[{index}] = {priorities[index]!r}; priorities must be finite and >= 0"
             )
-        huge = priorities > self.max_priority_value
+        with np.errstate(over="ignore", under="ignore"):  # checked below, on the leaves themselves
+            leaves = self._leaf_values(priorities)
+        huge = leaves > MAX_LEAF
         if huge.any():
             index = int(np.argmax(huge))
             raise InvalidArgument(
                 f"update_priorities: priorities[{index}] = {priorities[index]!r} is over {self.max_priority_value:.3g}"
                 f", where priority ** alpha (alpha {self.alpha}) passes {MAX_LEAF:.0e}"
             )
-        tiny = (priorities > 0) & (priorities < self.min_positive_priority)
+        tiny = (priorities > 0) & (leaves < MIN_LEAF)
         if tiny.any():
             index = int(np.argmax(tiny))
             raise InvalidArgument(
-                f"update_priorities: priorities[{index}] = {priorities[index]!r} is under "
-                f"{self.min_positive_priority:.3g}, where priority ** alpha (alpha {self.alpha}) falls under "
-                f"{MIN_LEAF:.3g} and the step could never be drawn (a priority of 0 says that)"
+                f"update_priorities: priorities[{index}] = {priorities[index]!r} gives priority ** alpha (alpha "
+                f"{self.alpha}) = {leaves[index]:.3g}, under {MIN_LEAF:.3g}: the step could never be drawn "
+                "(a priority of 0 says that)"
             )
         rows, bounds, _ = ring.episode_bounds(keys)
         live = (keys >= ring.tail_position()) & (keys < ring.head) & (keys < bounds)
         applied = int(np.count_nonzero(live))
         if applied:
             self._max_priority[0] = max(float(self._max_priority[0]), float(priorities[live].max()))
-            self.tree.update(rows[live], self._leaf_values(priorities[live]))
+            self.tree.update(rows[live], leaves[live])
         return applied, keys.size - applied
 
     def config(self) -> dict[str, float]:
