@@ -166,10 +166,18 @@ def test_weights_change_loss_not_td():
     assert not torch.allclose(l0, l1)
 
 
-def test_bad_loss_type_raises():
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"loss_type": "l1"}, "loss_type must be"),
+    ({"loss_type": "huber", "huber_delta": float("nan")}, "huber_delta must be finite and > 0, got nan"),
+    ({"loss_type": "huber", "huber_delta": 0.0}, "huber_delta must be finite and > 0, got 0.0"),
+])
+def test_bad_loss_settings_raise(settings, message):
     online, target = _nets()
-    with pytest.raises(ValueError, match="loss_type"):
-        q_loss(online, target, make_batch(), loss_type="l1")
+    for loss in (q_loss, q_loss_manual_grad):
+        with pytest.raises(ValueError, match=message):
+            loss(online, target, make_batch(), **settings)
+    with pytest.raises(ValueError, match=message):
+        DQNTrainer(OBS_DIM, N_ACTIONS, **settings)
 
 
 def test_update_target_hard_and_polyak():

@@ -22,6 +22,7 @@ Target: ``y = n_step_return + bootstrap_discount * Q_target(bootstrap_obs, a*)``
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -98,6 +99,13 @@ def _refresh_after_load(network: QNetwork, incompatible_keys: object) -> None:
     network._refresh_cache()
 
 
+def _check_loss(loss_type: str, huber_delta: float) -> None:
+    if loss_type not in ("mse", "huber"):
+        raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
+    if not (math.isfinite(huber_delta) and huber_delta > 0):  # a NaN delta would also miss every compiled graph
+        raise ValueError(f"huber_delta must be finite and > 0, got {huber_delta!r}")
+
+
 def q_loss(
     online: nn.Module,
     target: nn.Module,
@@ -112,8 +120,7 @@ def q_loss(
     function ("huber", delta ``huber_delta``); w_i = batch["weight"] when present, else 1.
     Gradient flows only through Q_online(s, a).
     """
-    if loss_type not in ("mse", "huber"):
-        raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
+    _check_loss(loss_type, huber_delta)
     obs, boot_obs = batch["obs"], batch["bootstrap_obs"]  # (B, *S) each
     action = batch["action"]  # (B,) int64
     B = obs.shape[0]
@@ -173,8 +180,7 @@ def q_loss_manual_grad(
     ``CompiledFunction(q_loss_grads_flat)`` to run the math through (one graph per batch signature
     and loss setting; ``DQNTrainer(compile_loss=True)`` keeps one).
     """
-    if loss_type not in ("mse", "huber"):
-        raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
+    _check_loss(loss_type, huber_delta)
     if not (isinstance(online, QNetwork) and isinstance(target, QNetwork)):
         raise TypeError(f"q_loss_manual_grad needs QNetworks, got {type(online).__name__} and {type(target).__name__}")
     obs = _flat(batch["obs"], online.weights_and_biases[0][0].dtype)  # (B, obs_dim)
@@ -353,6 +359,7 @@ class DQNTrainer:
     ) -> None:
         if target_update_every < 1:
             raise ValueError(f"target_update_every must be >= 1, got {target_update_every}")
+        _check_loss(loss_type, huber_delta)
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         self.device = torch.device(device)
