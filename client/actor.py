@@ -18,8 +18,9 @@ __all__ = ["ActorReport", "DQNActorConfig", "flush_with_retry", "main", "refresh
            "wait_for_buffer"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="replayd actor")
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """`prog`: the command as the user typed it, for usage lines (`replayd actor`)."""
+    parser = argparse.ArgumentParser(prog=prog, description="replayd actor")
     add_common_options(parser)
     parser.add_argument("--address", required=True)
     parser.add_argument("--buffer")

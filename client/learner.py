@@ -18,8 +18,9 @@ from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
 __all__ = ["CARTPOLE_SCHEMA", "DQNLearnerConfig", "Progress", "learn_dqn", "main", "write_run"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="replayd learner")
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """`prog`: the command as the user typed it, for usage lines (`replayd actor`)."""
+    parser = argparse.ArgumentParser(prog=prog, description="replayd learner")
     add_common_options(parser)
     parser.add_argument("--address", required=True)
     parser.add_argument("--run-dir")

@@ -186,12 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "actor":
         from client.actor import main as actor_main
 
-        actor_main(rest)
+        actor_main(rest, prog="replayd actor")
         return
     if args.command == "learn":
         from client.learner import main as learner_main
 
-        learner_main(rest)
+        learner_main(rest, prog="replayd learn")
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -29,6 +29,7 @@ from client.learners.common import evaluate_greedy
 from client.local_reader import LocalReader
 from client.polling import wait_until
 from client.trainers.dqn import DQNTrainer
+from service.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -240,3 +241,10 @@ def test_a_failed_compile_closes_the_learners_stream_and_reader(server, tmp_path
     wait_until(lambda: not any(t.name == "replayd-loader" for t in threading.enumerate()), time.monotonic() + 10,
                "the loader thread ending")
     assert len(closed_readers) == (1 if local else 0)
+
+
+@pytest.mark.parametrize("command", ["actor", "learn"])
+def test_usage_lines_name_the_replayd_subcommand(command, capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli_main([command, "--algo", "ppo", "--local", "--address", "127.0.0.1:1"])
+    assert f"usage: replayd {command} [-h]" in capsys.readouterr().err

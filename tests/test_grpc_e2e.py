@@ -15,6 +15,7 @@ from client.replay_client import Span, spans_request, split_spans
 from client.replay_client import episode_span as client_episode_span
 from service import errors
 from service.buffers.episodic import EpisodicBuffer, Spans
+from service.grpc_server import convert
 from service.grpc_server.server import ReplayServer
 from service.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode
 from service.limiters import WorkerSeats
@@ -175,8 +176,11 @@ def test_errors_return_their_codes_and_leave_buffers_untouched(server: ReplaySer
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "complex64" in details
     code, details = rpc_status(client.sample, "e", 0)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "batch_size" in details
-    code, details = rpc_status(client.sample, "e", 4, n_step=-1)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "n_step" in details
+    for n_step in (-1, 0):  # 0 is refused, not taken for "unset" (the field has presence)
+        code, details = rpc_status(client.sample, "e", 4, n_step=n_step)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"n_step must be in 1..1000, got {n_step}" in details
+    unset = pb.SampleRequest(buffer="e", batch_size=4, transitions=pb.TransitionsMode())  # a client that sets no n_step
+    assert convert.mode_from_request(unset).n_step == 1
     code, details = rpc_status(client.sample, "e", 4, mode="geometric", discount=1.5)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "discount" in details
     code, details = rpc_status(client.sample, "e", 5_000_000, mode="states")

@@ -45,7 +45,7 @@ def rollout_config_from_proto(config: pb.RolloutConfig) -> RolloutConfig:
 def mode_from_request(request: pb.SampleRequest) -> BatchMode:
     which = request.WhichOneof("mode")
     if which == "transitions":
-        n_step = request.transitions.n_step or 1
+        n_step = request.transitions.n_step if request.transitions.HasField("n_step") else 1
         gamma = request.transitions.gamma if request.transitions.HasField("gamma") else 0.99
         return TransitionsMode(n_step, gamma)
     if which == "geometric":

@@ -157,7 +157,8 @@ class PrioritizedSampler:
         if bad.any():
             index = int(np.argmax(bad))
             raise InvalidArgument(
-                f"update_priorities: priorities[{index}] = {priorities[index]!r}; priorities must be finite and >= 0"
+                f"update_priorities: priorities[{index}] = {float(priorities[index])!r}; "
+                "priorities must be finite and >= 0"
             )
         with np.errstate(over="ignore", under="ignore"):  # checked below, on the leaves themselves
             leaves = self._leaf_values(priorities)
@@ -165,14 +166,14 @@ class PrioritizedSampler:
         if huge.any():
             index = int(np.argmax(huge))
             raise InvalidArgument(
-                f"update_priorities: priorities[{index}] = {priorities[index]!r} is over {self.max_priority_value:.3g}"
-                f", where priority ** alpha (alpha {self.alpha}) passes {MAX_LEAF:.0e}"
+                f"update_priorities: priorities[{index}] = {float(priorities[index])!r} is over "
+                f"{self.max_priority_value:.3g}, where priority ** alpha (alpha {self.alpha}) passes {MAX_LEAF:.0e}"
             )
         tiny = (priorities > 0) & (leaves < MIN_LEAF)
         if tiny.any():
             index = int(np.argmax(tiny))
             raise InvalidArgument(
-                f"update_priorities: priorities[{index}] = {priorities[index]!r} gives priority ** alpha (alpha "
+                f"update_priorities: priorities[{index}] = {float(priorities[index])!r} gives priority ** alpha (alpha "
                 f"{self.alpha}) = {leaves[index]:.3g}, under {MIN_LEAF:.3g}: the step could never be drawn "
                 "(a priority of 0 says that)"
             )
