@@ -19,7 +19,7 @@ __all__ = ["CARTPOLE_SCHEMA", "DQNLearnerConfig", "Progress", "learn_dqn", "main
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """`prog`: the command as the user typed it, for usage lines (`replayd actor`)."""
+    """`prog`: the command as the user typed it, for usage lines (`replayd learn`)."""
     parser = argparse.ArgumentParser(prog=prog, description="replayd learner")
     add_common_options(parser)
     parser.add_argument("--address", required=True)
