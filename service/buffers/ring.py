@@ -81,6 +81,7 @@ class EpisodicRing:
         self.step_columns = tuple((f.name, self.columns[f.name]) for f in self.step_fields)
         self.observation_and_step_columns = self.observation_columns + self.step_columns  # a transition's order
         self.reward_column = NO_REWARD if self.reward_field is None else self.columns[self.reward_field]
+        self.observation_row_bytes = sum(f.row_bytes for f in self.observation_fields)  # sizes a batch's items
         self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
         self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]
         self.extent_last, self.extent_flags = arrays["extent.last"], arrays["extent.flags"]

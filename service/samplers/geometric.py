@@ -27,7 +27,7 @@ class GeometricMode:
         """Any episodic ring has observations to pair."""
 
     def item_bytes(self, ring: EpisodicBuffer) -> int:
-        return 2 * sum(f.row_bytes for f in ring.observation_fields) + np.dtype(np.int64).itemsize  # offset
+        return 2 * ring.observation_row_bytes + np.dtype(np.int64).itemsize  # offset
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         count = draw.rows.size

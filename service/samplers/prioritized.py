@@ -47,9 +47,6 @@ class PrioritizedSampler:
         if not np.isfinite(alpha) or alpha < 0:
             raise InvalidArgument(f"prioritized.alpha must be finite and >= 0, got {alpha}")
         self.alpha = float(alpha)
-        # The largest priority whose leaf stays <= MAX_LEAF (checked on priorities: no overflowing power).
-        log_limit = math.log(MAX_LEAF) / self.alpha if self.alpha > 0 else math.inf
-        self.max_priority_value = math.exp(log_limit) if log_limit < 700 else math.inf  # exp overflows past 709
         self.tree: SumTree | None = None
         self._max_priority: np.ndarray | None = None
 
@@ -166,8 +163,8 @@ class PrioritizedSampler:
         if huge.any():
             index = int(np.argmax(huge))
             raise InvalidArgument(
-                f"update_priorities: priorities[{index}] = {float(priorities[index])!r} is over "
-                f"{self.max_priority_value:.3g}, where priority ** alpha (alpha {self.alpha}) passes {MAX_LEAF:.0e}"
+                f"update_priorities: priorities[{index}] = {float(priorities[index])!r} gives priority ** alpha (alpha "
+                f"{self.alpha}) = {leaves[index]:.3g}, over {MAX_LEAF:.0e}"
             )
         tiny = (priorities > 0) & (leaves < MIN_LEAF)
         if tiny.any():

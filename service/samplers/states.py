@@ -17,7 +17,7 @@ class StatesMode:
         """Any episodic ring has states."""
 
     def item_bytes(self, ring: EpisodicBuffer) -> int:
-        return sum(f.row_bytes for f in ring.observation_fields)
+        return ring.observation_row_bytes
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {name: column.take(draw.rows, axis=0) for name, column in ring.observation_columns}

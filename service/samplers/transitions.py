@@ -39,7 +39,7 @@ class TransitionsMode:
             raise InvalidArgument("transitions.n_step > 1 needs a reward field; the buffer has none")
 
     def item_bytes(self, ring: EpisodicBuffer) -> int:
-        observations = sum(f.row_bytes for f in ring.observation_fields)
+        observations = ring.observation_row_bytes
         steps = sum(f.row_bytes for f in ring.step_fields)
         flags = 2  # terminated, truncated (bool)
         if ring.reward_field is None:
