@@ -76,6 +76,17 @@ class Span:
     offset: int = 0
 
 
+@dataclass(frozen=True)
+class FetchedWeights:
+    """A FetchWeights answer: `version` and `safetensors` of the stored weights when newer than asked for
+    (else 0 and b""); `final` whether the stored version was published as its publisher's last (a learner
+    that finished), newer or not: no newer one will come."""
+
+    version: int
+    safetensors: bytes
+    final: bool
+
+
 def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
     names = list(spans[0].columns)
     columns = {
@@ -477,16 +488,18 @@ class ReplayClient:
         return _info_to_dict(self._stub.FinishRollout(request, timeout=self.timeout))
 
     # ---------------------------------------------------------------- weights
-    def publish_weights(self, name: str, version: int, safetensors: bytes) -> bool:
-        """Publishes a safetensors blob; False when the server already has this or a newer version."""
-        request = pb.PublishWeightsRequest(name=name, version=version, safetensors=safetensors)
+    def publish_weights(self, name: str, version: int, safetensors: bytes, final: bool = False) -> bool:
+        """Publishes a safetensors blob; False when the server already has this or a newer version.
+        `final`: this is the last version (the learner finished); actors that fetch it stop."""
+        request = pb.PublishWeightsRequest(name=name, version=version, safetensors=safetensors, final=final)
         return self._stub.PublishWeights(request, timeout=self.timeout).accepted
 
-    def fetch_weights(self, name: str, newer_than: int = 0) -> tuple[int, bytes] | None:
-        """(version, safetensors bytes) when the server holds a version newer than `newer_than`, else None."""
+    def fetch_weights(self, name: str, newer_than: int = 0) -> FetchedWeights:
+        """The stored weights if their version is newer than `newer_than` (else version 0), and whether
+        they are final."""
         request = pb.FetchWeightsRequest(name=name, newer_than=newer_than)
         response = self._idempotent(self._stub.FetchWeights, request, None)
-        return (response.version, response.safetensors) if response.version else None
+        return FetchedWeights(response.version, response.safetensors, response.final)
 
     def checkpoint(self, directory: str = "", timeout: float | None = None) -> str:
         """Has the server write every buffer to a new checkpoint under `directory` (a path on the server;

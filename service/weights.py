@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import safetensors
 
@@ -19,26 +20,36 @@ def check_safetensors(payload: bytes) -> None:
         raise InvalidArgument(f"safetensors: {exc}") from exc
 
 
+class StoredWeights(NamedTuple):
+    version: int  # 0: nothing stored, or nothing newer than a fetch asked for
+    payload: bytes
+    final: bool  # published as its publisher's last version: no newer one will come
+
+
 class WeightStore:
     def __init__(self) -> None:
-        self._weights: dict[str, tuple[int, bytes]] = {}
+        self._weights: dict[str, StoredWeights] = {}
         self._lock = threading.Lock()
 
-    def publish(self, name: str, version: int, payload: bytes) -> tuple[bool, int]:
-        """Stores `payload` if `version` is newer than the stored one; returns (accepted, stored version)."""
+    def publish(self, name: str, version: int, payload: bytes, final: bool = False) -> tuple[bool, int]:
+        """Stores `payload` if `version` is newer than the stored one; returns (accepted, stored version).
+        A newer version replaces a final one too (a new learner took the name over)."""
         check_buffer_name(name)
         if version < 1:
             raise InvalidArgument(f"weights version must be >= 1, got {version}")
         check_safetensors(payload)
         with self._lock:
-            stored_version = self._weights.get(name, (0, b""))[0]
+            stored_version = self._weights.get(name, _NOTHING).version
             if version <= stored_version:
                 return False, stored_version
-            self._weights[name] = (version, payload)
+            self._weights[name] = StoredWeights(version, payload, final)
             return True, version
 
-    def fetch(self, name: str, newer_than: int) -> tuple[int, bytes]:
-        """(version, payload) if newer than `newer_than`, else (0, b"")."""
+    def fetch(self, name: str, newer_than: int) -> StoredWeights:
+        """The stored weights if newer than `newer_than`, else version 0 and no payload; `final` either way."""
         with self._lock:
-            version, payload = self._weights.get(name, (0, b""))
-        return (version, payload) if version > newer_than else (0, b"")
+            stored = self._weights.get(name, _NOTHING)
+        return stored if stored.version > newer_than else StoredWeights(0, b"", stored.final)
+
+
+_NOTHING = StoredWeights(0, b"", False)

@@ -124,6 +124,18 @@ def test_one_dimensional_continuous_actions_may_come_flat():
         ppo_loss(model, {**batch, "action": torch.randn(B, 2)})
 
 
+def test_equal_advantages_normalize_to_zero():
+    """17 advantages of 0.3: float32's rounding of their mean (~3e-8) must not become an advantage."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, A)
+    batch = {name: value[:17] for name, value in _batch(model).items()}
+    batch["advantage"] = torch.full((17,), 0.3)
+    loss, _ = ppo_loss(model, batch, clip_coef=0.2, vf_coef=0.0, ent_coef=0.0, norm_adv=True)
+    loss.backward()
+    assert abs(float(loss.detach())) < 1e-7
+    assert all(float(p.grad.abs().max()) < 1e-7 for p in model.actor.parameters())
+
+
 def test_trainer_improves_objective():
     torch.manual_seed(0)
     tr = PPOTrainer(OBS, A, lr=3e-3)

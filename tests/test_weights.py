@@ -7,24 +7,37 @@ import torch
 
 from client import ReplayClient
 from client.params import load_module_bytes, module_to_bytes
+from client.replay_client import FetchedWeights
 
 
 def test_publish_and_fetch_newest_version(client: ReplayClient) -> None:
     learner = torch.nn.Linear(4, 2)
-    assert client.fetch_weights("q") is None
+    assert client.fetch_weights("q") == FetchedWeights(0, b"", False)
     assert client.publish_weights("q", 1, module_to_bytes(learner))
     actor = torch.nn.Linear(4, 2)
-    version, payload = client.fetch_weights("q", newer_than=0)
-    load_module_bytes(actor, payload)
-    assert version == 1 and torch.equal(actor.weight, learner.weight)
-    assert client.fetch_weights("q", newer_than=1) is None  # nothing newer
+    fetched = client.fetch_weights("q", newer_than=0)
+    load_module_bytes(actor, fetched.safetensors)
+    assert fetched.version == 1 and torch.equal(actor.weight, learner.weight)
+    assert client.fetch_weights("q", newer_than=1) == FetchedWeights(0, b"", False)  # nothing newer
     with torch.no_grad():
         learner.weight.add_(1.0)
     assert client.publish_weights("q", 3, module_to_bytes(learner))
     assert not client.publish_weights("q", 2, module_to_bytes(learner))  # not newer: ignored
-    version, payload = client.fetch_weights("q", newer_than=1)
-    load_module_bytes(actor, payload)
-    assert version == 3 and torch.equal(actor.weight, learner.weight)
+    fetched = client.fetch_weights("q", newer_than=1)
+    load_module_bytes(actor, fetched.safetensors)
+    assert fetched.version == 3 and torch.equal(actor.weight, learner.weight)
+
+
+def test_final_weights_tell_every_fetch_that_no_newer_version_comes(client: ReplayClient) -> None:
+    blob = module_to_bytes(torch.nn.Linear(4, 2))
+    assert client.publish_weights("q", 1, blob)
+    assert not client.publish_weights("q", 1, blob, final=True)  # refused (not newer): nothing changes
+    assert not client.fetch_weights("q").final
+    assert client.publish_weights("q", 2, blob, final=True)
+    assert client.fetch_weights("q", newer_than=1) == FetchedWeights(2, blob, True)
+    assert client.fetch_weights("q", newer_than=2) == FetchedWeights(0, b"", True)  # an actor that has them
+    assert client.publish_weights("q", 3, blob)  # a newer version (a new learner) is not final
+    assert client.fetch_weights("q", newer_than=2) == FetchedWeights(3, blob, False)
 
 
 def test_non_safetensors_payload_is_rejected(client: ReplayClient) -> None:
@@ -46,7 +59,7 @@ def test_blobs_actors_could_not_load_are_rejected(client: ReplayClient, entry: d
     with pytest.raises(grpc.RpcError) as error:
         client.publish_weights("bad", 1, blob)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "safetensors" in error.value.details()
-    assert client.fetch_weights("bad") is None
+    assert client.fetch_weights("bad").version == 0
 
 
 def test_modules_with_shared_parameters_serialize() -> None:

@@ -13,7 +13,7 @@ import torch
 from client.episode_writer import EpisodeWriter
 from client.params import load_module_bytes
 from client.polling import RECONNECT, never, wait_until
-from client.replay_client import ReplayClient
+from client.replay_client import FetchedWeights, ReplayClient
 
 
 class StopEvent(Protocol):
@@ -51,20 +51,25 @@ def connect(address: str, buffer: str, stopped: Callable[[], bool], timeout: flo
     return client
 
 
-def load_weights(network: torch.nn.Module, newer: tuple[int, bytes]) -> int:
-    load_module_bytes(network, newer[1])
-    return newer[0]
+def newer_or_final(client: ReplayClient, name: str, version: int) -> FetchedWeights | None:
+    """Weights newer than `version`, or the news that none will come (`final`); None while neither."""
+    fetched = client.fetch_weights(name, newer_than=version)
+    return fetched if fetched.version or fetched.final else None
 
 
-def refresh_weights(client: ReplayClient, name: str, version: int, network: torch.nn.Module) -> int:
-    """Loads a newer published version into `network` if there is one; returns the version acted with."""
+def refresh_weights(client: ReplayClient, name: str, version: int, network: torch.nn.Module) -> tuple[int, bool]:
+    """Loads a newer published version into `network` if there is one; returns the version acted with
+    and whether the learner has finished (its last version is published: the actor stops)."""
     try:
-        newer = client.fetch_weights(name, newer_than=version)
+        fetched = client.fetch_weights(name, newer_than=version)
     except grpc.RpcError as exc:
         if exc.code() in RECONNECT:
-            return version  # the server is restarting; act with the weights we have
+            return version, False  # the server is restarting; act with the weights we have
         raise
-    return version if newer is None else load_weights(network, newer)
+    if fetched.version:
+        load_module_bytes(network, fetched.safetensors)
+        version = fetched.version
+    return version, fetched.final
 
 
 def flush_with_retry(writer: EpisodeWriter, deadline: float) -> None:

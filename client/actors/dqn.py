@@ -35,7 +35,7 @@ class DQNActorConfig:
 
 
 def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> ActorReport:
-    """Epsilon-greedy actor until `config.seconds` pass or `stop` is set."""
+    """Epsilon-greedy actor until `config.seconds` pass, `stop` is set or the learner publishes its final weights."""
     import gymnasium as gym
 
     torch.set_num_threads(1)
@@ -52,7 +52,10 @@ def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> Acto
     steps = 0
     while not stopped():
         if steps % config.fetch_every == 0:
-            report.weights_version = refresh_weights(client, config.weights, report.weights_version, network)
+            report.weights_version, learner_finished = refresh_weights(client, config.weights,
+                                                                       report.weights_version, network)
+            if learner_finished:
+                break
         fraction = min(1.0, steps / config.epsilon_decay_steps)
         epsilon = config.epsilon_start + fraction * (config.epsilon_end - config.epsilon_start)
         if report.weights_version == 0 or rng.random() < epsilon:

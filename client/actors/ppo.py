@@ -17,7 +17,8 @@ import grpc
 import numpy as np
 import torch
 
-from client.actors.common import ActorReport, StopEvent, connect, load_weights, stop_condition
+from client.actors.common import ActorReport, StopEvent, connect, newer_or_final, stop_condition
+from client.params import load_module_bytes
 from client.polling import wait_until
 from client.replay_client import ReplayClient
 from client.trainers.ppo import ActorCritic
@@ -82,7 +83,8 @@ def collect(envs, model: ActorCritic, obs: np.ndarray, rollout: Rollout) -> tupl
 
 
 def run_ppo_actor(config: PPOActorConfig, stop: StopEvent | None = None) -> ActorReport:
-    """Collects and pushes one rollout per policy version until `config.seconds` pass or `stop` is set."""
+    """Collects and pushes one rollout per policy version until `config.seconds` pass, `stop` is set or the
+    learner publishes its final weights."""
     import gymnasium as gym
 
     torch.set_num_threads(1)
@@ -102,11 +104,12 @@ def run_ppo_actor(config: PPOActorConfig, stop: StopEvent | None = None) -> Acto
         return report
     pushed_before = 0  # the policy version of this actor's last push
     while True:
-        newer = wait_until(lambda: client.fetch_weights(config.weights, newer_than=report.weights_version),
-                           deadline, f"weights {config.weights!r} newer than {report.weights_version}", stopped)
-        if newer is None:
+        fetched = wait_until(lambda: newer_or_final(client, config.weights, report.weights_version),
+                             deadline, f"weights {config.weights!r} newer than {report.weights_version}", stopped)
+        if fetched is None or fetched.final:  # stopped, or the learner finished: nobody trains on more rollouts
             break
-        report.weights_version = load_weights(model, newer)
+        load_module_bytes(model, fetched.safetensors)
+        report.weights_version = fetched.version
         obs, bootstrap = collect(envs, model, obs, rollout)
         report.env_steps += config.rollout_steps * config.num_envs
         if push(client, config, report.weights_version, rollout, bootstrap, deadline, stopped, pushed_before):

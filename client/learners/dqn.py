@@ -1,5 +1,6 @@
-"""The DQN learner: creates its buffer, trains from a prefetched sample stream, publishes weights,
-evaluates the greedy policy, and writes a learning curve and a summary into a run folder."""
+"""The DQN learner: creates its buffer, trains from a prefetched sample stream, publishes weights (the
+last ones final: the actors stop), evaluates the greedy policy, and writes a learning curve and a
+summary into a run folder."""
 
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
             loader.close()
         if reader is not None:
             reader.close()
+    version += 1  # the last weights, published final: the actors stop
+    client.publish_weights(config.weights, version, module_to_bytes(trainer.online), final=True)
     if not progress.curve or progress.learner_steps % config.eval_every:
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",

@@ -4,7 +4,8 @@ Per version v: wait (poll, backoff) until every actor has pushed its part of rol
 epochs over the server's shuffled minibatches (advantages from the server's GAE, normalized per
 minibatch as in CleanRL), then finish_rollout(v + 1) and publish weights v + 1, in that order: an actor holding
 weights v + 1 always finds the buffer accepting v + 1. Evaluates the deterministic policy every
-`eval_every` versions and stops at the target return or the time budget.
+`eval_every` versions and stops at the target return or the time budget, publishing its weights once
+more as final: the actors stop.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
         client.publish_weights(config.weights, version, module_to_bytes(trainer.model))
         if rollouts % config.eval_every == 0:
             evaluate()
+    # Published final, the actors stop instead of collecting for it (no policy version: no rollout uses it).
+    client.publish_weights(config.weights, version + 1, module_to_bytes(trainer.model), final=True)
     if not progress.curve or rollouts % config.eval_every:
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"deterministic return (mean of {config.eval_episodes} episodes)",

@@ -91,7 +91,10 @@ def ppo_loss(
     ratio = log_ratio.exp()  # (B,)
     adv = batch["advantage"]  # (B,)
     if norm_adv and adv.numel() > 1:
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        # In float64 (as the server's normalization): float32's rounding of the mean of equal advantages
+        # is as large as the 1e-8, and would turn them into ~0.8 instead of 0.
+        adv64 = adv.double()
+        adv = ((adv64 - adv64.mean()) / (adv64.std() + 1e-8)).to(adv.dtype)
 
     # Clipped surrogate (minimize the negative of the pessimistic objective).
     pg_loss = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()

@@ -582,13 +582,13 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     # ---------------------------------------------------------------- weights
     @rpc
     def PublishWeights(self, request: pb.PublishWeightsRequest, context) -> pb.PublishWeightsResponse:
-        accepted, version = self.weights.publish(request.name, request.version, request.safetensors)
+        accepted, version = self.weights.publish(request.name, request.version, request.safetensors, request.final)
         return pb.PublishWeightsResponse(accepted=accepted, version=version)
 
     @rpc
     def FetchWeights(self, request: pb.FetchWeightsRequest, context) -> pb.FetchWeightsResponse:
-        version, payload = self.weights.fetch(request.name, request.newer_than)
-        return pb.FetchWeightsResponse(version=version, safetensors=payload)
+        stored = self.weights.fetch(request.name, request.newer_than)
+        return pb.FetchWeightsResponse(version=stored.version, safetensors=stored.payload, final=stored.final)
 
     # ---------------------------------------------------------------- checkpoints
     @rpc

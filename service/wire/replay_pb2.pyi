@@ -328,14 +328,16 @@ class FinishRolloutRequest(_message.Message):
     def __init__(self, buffer: _Optional[str] = ..., next_version: _Optional[int] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
-    __slots__ = ("name", "version", "safetensors")
+    __slots__ = ("name", "version", "safetensors", "final")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     safetensors: bytes
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
+    final: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("accepted", "version")
@@ -354,12 +356,14 @@ class FetchWeightsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., newer_than: _Optional[int] = ...) -> None: ...
 
 class FetchWeightsResponse(_message.Message):
-    __slots__ = ("version", "safetensors")
+    __slots__ = ("version", "safetensors", "final")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     version: int
     safetensors: bytes
-    def __init__(self, version: _Optional[int] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
+    final: bool
+    def __init__(self, version: _Optional[int] = ..., safetensors: _Optional[bytes] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("directory",)
