@@ -3,10 +3,14 @@ episodes go out as chunks so their steps become sampleable before the episode en
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from typing import Any
 
+import grpc
 import numpy as np
 
+from client.polling import RECONNECT
 from client.replay_client import ReplayClient, Span, new_episode_id, spans_requests
 
 
@@ -17,6 +21,13 @@ class EpisodeWriter:
     then `end_episode(terminated, obs=final_obs)`. Completed episodes wait until `batch_rows` rows are
     pending (or `flush()`); an open episode is sent as a chunk every `chunk_rows` rows. `close()` (or
     leaving a `with EpisodeWriter(...) as writer:` block without an exception) sends what is left.
+
+    Values are checked against the buffer's schema (names, dtype, shape) as they are given, so a wrong
+    one raises ValueError there and changes nothing. A flush that fails because the server is unreachable
+    keeps its spans for the next flush. One the server refuses (an open episode evicted meanwhile, say) is
+    sent again one episode at a time: the episodes it accepts are stored, the refused ones dropped, and
+    the first refusal is raised; an open episode that was refused goes on as a new episode from its
+    unsent steps.
     """
 
     def __init__(self, client: ReplayClient, buffer: str, chunk_rows: int = 1000, batch_rows: int = 4096,
@@ -31,12 +42,16 @@ class EpisodeWriter:
         fields = client.describe(buffer)["fields"]
         self.observation_fields = {name for name, (_, _, observation) in fields.items() if observation}
         self.dtypes = {name: np.dtype(dtype) for name, (dtype, _, _) in fields.items()}
-        self._steps: list[dict[str, Any]] = []  # rows of the open episode not sent yet
+        self.shapes = {name: tuple(shape) for name, (_, shape, _) in fields.items()}
+        self._steps: list[dict[str, np.ndarray]] = []  # rows of the open episode not sent yet
         self._episode_id = new_episode_id()
         self._rows_sent = 0  # rows of the open episode already sent as chunks
         self._pending: list[Span] = []
         self._pending_rows = 0
-        self._step_template: dict[str, np.ndarray] | None = None
+        self._refused_episode_ends = False  # the open episode went on after a refusal with no step yet
+        # A final row's step fields are padding (the ring's layout).
+        self._step_padding = {name: np.zeros(self.shapes[name], self.dtypes[name]) for name in fields
+                              if name not in self.observation_fields}
         self.episodes_written = 0
         self.closed = False
 
@@ -64,12 +79,26 @@ class EpisodeWriter:
         if self.closed:
             raise ValueError(f"EpisodeWriter for buffer {self.buffer!r} is closed")
 
+    def _row(self, values: Mapping[str, Any], expected: set[str], call: str) -> dict[str, np.ndarray]:
+        """`values` as arrays of the buffer's dtypes and shapes (Python scalars and float64 arrays from
+        environments are cast); ValueError naming the field otherwise."""
+        if set(values) != expected:
+            raise ValueError(f"{call}: buffer {self.buffer!r} expects fields {sorted(expected)}, got {sorted(values)}")
+        row = {}
+        for name, value in values.items():
+            dtype, shape = self.dtypes[name], self.shapes[name]
+            try:
+                array = np.asarray(value, dtype=dtype)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"{call}: field {name!r} cannot be {dtype}: {exc}") from exc
+            if array.shape != shape:
+                raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")
+            row[name] = array
+        return row
+
     def append(self, **step: Any) -> None:
         self._check_open()
-        self._steps.append(step)
-        if self._step_template is None:
-            self._step_template = {n: np.zeros_like(np.asarray(v, dtype=self.dtypes.get(n))) for n, v in step.items()
-                                   if n not in self.observation_fields}
+        self._steps.append(self._row(step, set(self.dtypes), "append"))
         if len(self._steps) >= self.chunk_rows:
             self._pending.append(self._chunk(ends=False, terminated=False))
             self._pending_rows += self.chunk_rows
@@ -79,12 +108,14 @@ class EpisodeWriter:
     def end_episode(self, terminated: bool, **final_observation: Any) -> None:
         """Closes the episode with its final observation (the state after the last step)."""
         self._check_open()
-        missing = self.observation_fields - set(final_observation)
-        if missing:
-            raise ValueError(f"end_episode needs the final observation fields {sorted(missing)}")
+        final_row = self._row(final_observation, self.observation_fields, "end_episode")
         if not self._steps and self._rows_sent == 0:
+            if self._refused_episode_ends:  # its steps all went with the refused spans: nothing to store
+                self._refused_episode_ends = False
+                return
             raise ValueError("end_episode: the episode has no steps")
-        self._steps.append({**final_observation, **(self._step_template or {})})
+        self._refused_episode_ends = False
+        self._steps.append({**final_row, **self._step_padding})
         span = self._chunk(ends=True, terminated=terminated)
         self._pending.append(span)
         self._pending_rows += len(next(iter(span.columns.values())))
@@ -95,10 +126,7 @@ class EpisodeWriter:
             self.flush()
 
     def _chunk(self, ends: bool, terminated: bool) -> Span:
-        names = self._steps[0].keys()
-        # Python scalars and float64 arrays from environments are cast to the buffer's declared dtypes.
-        columns = {name: np.asarray([step[name] for step in self._steps], dtype=self.dtypes.get(name))
-                   for name in names}
+        columns = {name: np.stack([step[name] for step in self._steps]) for name in self.dtypes}
         # The offset names the chunk (with the episode id), so a retried flush stores it once.
         span = Span(columns, self._episode_id, begins=self._rows_sent == 0, ends=ends, terminated=terminated,
                     offset=self._rows_sent)
@@ -113,6 +141,37 @@ class EpisodeWriter:
     def flush(self) -> None:
         """Sends every pending span in one stream (completed episodes and chunks, in order; requests of up
         to the client's `max_request_bytes`)."""
-        if self._pending:
+        if not self._pending:
+            return
+        try:
             self.client.insert(spans_requests(self.buffer, self._pending, self.client.max_request_bytes))
-            self._pending, self._pending_rows = [], 0
+        except grpc.RpcError as exc:
+            if exc.code() in RECONNECT:
+                raise  # kept for the next flush (the server stores a span sent twice once)
+            refusal = self._send_one_episode_at_a_time()
+            if refusal is not None:
+                raise refusal from exc
+        self._pending, self._pending_rows = [], 0
+
+    def _send_one_episode_at_a_time(self) -> grpc.RpcError | None:
+        """After a refused flush: stores what the server accepts and drops what it refuses (an open episode
+        among those goes on as a new one); returns the first refusal. Keeps the rest pending and raises
+        when the server becomes unreachable."""
+        episodes = [list(spans) for _, spans in itertools.groupby(self._pending, key=lambda span: span.episode_id)]
+        first_refusal = None
+        for sent, spans in enumerate(episodes):
+            try:
+                self.client.insert(spans_requests(self.buffer, spans, self.client.max_request_bytes))
+            except grpc.RpcError as exc:
+                if exc.code() in RECONNECT:
+                    self._pending = [span for later in episodes[sent:] for span in later]
+                    self._pending_rows = sum(len(next(iter(span.columns.values()))) for span in self._pending)
+                    raise
+                first_refusal = first_refusal or exc
+                if spans[-1].ends:
+                    self.episodes_written -= 1
+                elif spans[0].episode_id == self._episode_id:
+                    self._episode_id, self._rows_sent = new_episode_id(), 0
+                    self._refused_episode_ends = not self._steps
+        self._pending, self._pending_rows = [], 0
+        return first_refusal

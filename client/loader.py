@@ -12,6 +12,7 @@ import inspect
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -43,8 +44,64 @@ def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if device.type == "cpu" else tensor.to(device)
 
 
+def _fill(source: Iterator[dict[str, np.ndarray]], device: torch.device, batches: queue.Queue,
+          stop: threading.Event) -> None:
+    """The loader's thread: queues each batch of `source` as tensors, then the end or the source's error."""
+    try:
+        for batch in source:
+            tensors = to_tensors(batch, device)
+            if device.type == "cuda":
+                # The copies were queued on the target device's current stream (not the thread's current
+                # device's, for cuda:1); the learner's stream on that device waits for them.
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                tensors = (tensors, event)
+            if not _put(batches, tensors, stop):
+                return
+        _put(batches, _DONE, stop)
+    except BaseException as exc:  # handed to the consumer, raised there (unless it closed the loader)
+        _put(batches, exc, stop)
+    finally:
+        # Here the source is not running, so even a generator may be closed (cancelling a server stream).
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+
+
+def _put(batches: queue.Queue, item: object, stop: threading.Event) -> bool:
+    """Queues `item` unless the loader is closed first (a full queue then has no reader); False if closed."""
+    while not stop.is_set():
+        try:
+            batches.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _stop_filling(source: Iterator[dict[str, np.ndarray]], stop: threading.Event, thread: threading.Thread) -> None:
+    """Stops the loader's thread, which closes the source after the batch it is reading.
+
+    A source whose close() is thread-safe (a ReplayClient stream) is also closed from here at once, which
+    cancels a call the thread may be waiting on. A generator cannot be closed while the thread runs it
+    ("generator already executing"), so it is left to the thread.
+    """
+    stop.set()
+    if not inspect.isgenerator(source):
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+    if thread is not threading.current_thread():  # a garbage collection in the thread may collect the Loader
+        thread.join(timeout=5)
+
+
 class Loader:
-    """Iterates `source` (numpy batches) in a background thread, yielding tensor dicts on `device`."""
+    """Iterates `source` (numpy batches) in a background thread, yielding tensor dicts on `device`.
+
+    Leaving the iteration early (a `break`, an error in the loop, the iterator dropped), leaving a `with`
+    block, or close() stops the thread and closes the source: no server stream stays open. So does dropping
+    an unclosed Loader: its thread holds only what it fills, so the Loader is collected.
+    """
 
     def __init__(self, source: Iterable[dict[str, np.ndarray]], device: torch.device | str = "cpu",
                  prefetch: int = 4) -> None:
@@ -54,67 +111,42 @@ class Loader:
         self._source = iter(source)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
-        self._finished = False  # the consumer got the end or the source's error: later iterations end at once
-        self._thread = threading.Thread(target=self._fill, name="replayd-loader", daemon=True)
+        self._finished = False  # closed (also once the consumer got the end or the source's error): iterations end
+        self._thread = threading.Thread(target=_fill, args=(self._source, self.device, self._queue, self._stop),
+                                        name="replayd-loader", daemon=True)
+        # Runs once: on close(), or when an unclosed Loader is collected.
+        self._stop_filling = weakref.finalize(self, _stop_filling, self._source, self._stop, self._thread)
+        self._stop_filling.atexit = False  # at exit the daemon thread just ends with the process
         self._thread.start()
 
-    def _fill(self) -> None:
-        try:
-            for batch in self._source:
-                tensors = to_tensors(batch, self.device)
-                if self.device.type == "cuda":
-                    # The copies were queued on the target device's current stream (not the thread's current
-                    # device's, for cuda:1); the learner's stream on that device waits for them.
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(self.device))
-                    tensors = (tensors, event)
-                if not self._put(tensors):
-                    return
-            self._put(_DONE)
-        except BaseException as exc:  # handed to the consumer, raised there (unless it closed the loader)
-            self._put(exc)
-        finally:
-            # Here the source is not running, so even a generator may be closed (cancelling a server stream).
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()
-
-    def _put(self, item: object) -> bool:
-        """Queues `item` unless the loader is closed first (a full queue then has no reader); False if closed."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while not self._finished:
-            item = self._queue.get()
-            if item is _DONE:
-                self._finished = True
-                return
-            if isinstance(item, BaseException):
-                self._finished = True
-                raise item
-            if isinstance(item, tuple):
-                tensors, event = item
-                torch.cuda.current_stream(self.device).wait_event(event)
-                item = tensors
-            yield item
+        try:
+            while not self._finished:
+                try:
+                    # Not a blocking get(): close() from another thread must end a consumer waiting here.
+                    item = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, tuple):
+                    tensors, event = item
+                    torch.cuda.current_stream(self.device).wait_event(event)
+                    item = tensors
+                yield item
+        finally:
+            # Also on a `break` (GeneratorExit here) or an error in the loop body, which would leave it open.
+            self.close()
 
     def close(self) -> None:
-        """Stops the background thread, which closes the source after the batch it is reading.
-
-        A source whose close() is thread-safe (a ReplayClient stream) is also closed from here at once,
-        which cancels a call the thread may be waiting on. A generator cannot be closed while the
-        thread runs it ("generator already executing"), so it is left to the thread.
-        """
-        self._stop.set()
+        """Stops the background thread and closes the source (see _stop_filling); later iterations are empty."""
         self._finished = True
-        if not inspect.isgenerator(self._source):
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()
-        self._thread.join(timeout=5)
+        self._stop_filling()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

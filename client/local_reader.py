@@ -80,13 +80,16 @@ class LocalReader:
         self._rng = np.random.default_rng()
         self._checked = time.monotonic()
 
+    def _has_data(self) -> bool:
+        self._check_current()  # a buffer deleted while we wait never gets data: NotFound, not a timeout
+        return self.ring.sampler.drawable(self.ring)  # a prioritized buffer also needs a positive priority
+
     def _wait_for_data(self, timeout: float | None) -> None:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         try:
-            wait_until(lambda: self.ring.sampleable_steps > 0 or None, deadline, f"data in buffer {self.buffer!r}",
-                       max_delay=0.02)
+            wait_until(self._has_data, deadline, f"data in buffer {self.buffer!r}", max_delay=0.02)
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"buffer {self.buffer!r} got no sampleable steps within {timeout:.3g}s") from exc
+            raise DeadlineExceeded(f"buffer {self.buffer!r} got no step to draw within {timeout:.3g}s") from exc
 
     def _check_current(self) -> None:
         """Raises NotFound once the server deleted (or re-created) the buffer: the mapping outlives the

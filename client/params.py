@@ -9,10 +9,13 @@ if TYPE_CHECKING:
 
 
 def module_to_bytes(module: nn.Module) -> bytes:
+    import torch
     from safetensors.torch import save
 
-    # A copy per entry: tied parameters share storage, which safetensors refuses to save twice.
-    return save({name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()})
+    # A contiguous copy per entry: tied parameters share storage, which safetensors refuses to save twice, and
+    # it refuses non-contiguous tensors (channels_last convs, transposed weights), which clone() alone keeps.
+    return save({name: tensor.detach().cpu().clone(memory_format=torch.contiguous_format)
+                 for name, tensor in module.state_dict().items()})
 
 
 def load_module_bytes(module: nn.Module, payload: bytes) -> None:

@@ -186,7 +186,7 @@ class RateLimiter:
                 or self.diff + self.samples_per_insert <= self.max_diff)
 
     def can_sample(self, ring: EpisodicBuffer, batch_size: int) -> bool:
-        if ring.sampleable_steps < self.min_size_to_sample:
+        if ring.sampleable_steps < self.min_size_to_sample or not ring.sampler.drawable(ring):
             return False
         return self.samples_per_insert == 0 or self.diff - batch_size >= self.min_diff
 
@@ -223,6 +223,8 @@ class RateLimiter:
     def _why(self, ring: EpisodicBuffer) -> str:
         if ring.sampleable_steps < self.min_size_to_sample:
             return f"sampleable_steps={ring.sampleable_steps} < min_size_to_sample={self.min_size_to_sample}"
+        if not ring.sampler.drawable(ring):
+            return f"none of its {ring.sampleable_steps} sampleable steps can be drawn (all priorities 0)"
         return f"inserts are behind (diff={self.diff:g}, min_diff={self.min_diff:g})"
 
     def _wait(self, ring: EpisodicBuffer, ready: Callable[[], bool], timeout: float | None, side: str,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.errors import FailedPrecondition, InvalidArgument
 from service.samplers.geometric import GeometricMode
 from service.samplers.states import StatesMode
 from service.samplers.transitions import TransitionsMode
@@ -310,9 +310,6 @@ def test_rejected_inserts_leave_buffer_byte_identical() -> None:
             (make_rows(rng, 0, 2), Spans(np.array([2], np.uint64), np.array([2]), np.array([True]),
                                          np.array([False]), np.array([False])),
              InvalidArgument, "begins episode 2, which is already open"),
-            # 40 + 40 rows in one request would overwrite its own first episode in a 64-row ring
-            (make_rows(rng, 0, 80), Spans.whole_episodes(np.array([39, 39]), [7, 8], [True, True]),
-             ResourceExhausted, "split it"),
         ]
         for columns, spans, error, message in bad_cases:
             with pytest.raises(error, match=message):
@@ -321,6 +318,48 @@ def test_rejected_inserts_leave_buffer_byte_identical() -> None:
             assert buffer.counters == counters
     finally:
         buffer.close()
+
+
+def _each_span_alone(columns: dict[str, np.ndarray], spans: Spans) -> list[tuple[dict[str, np.ndarray], Spans]]:
+    """The request as one request per span."""
+    ends = np.cumsum(spans.rows)
+    return [({name: column[end - rows:end] for name, column in columns.items()},
+             Spans(spans.episode_ids[i:i + 1], spans.rows[i:i + 1], spans.begins[i:i + 1], spans.ends[i:i + 1],
+                   spans.terminated[i:i + 1]))
+            for i, (end, rows) in enumerate(zip(ends, spans.rows, strict=True))]
+
+
+@pytest.mark.parametrize("case", ["whole episodes outgrow the ring", "an old open episode closes, then is evicted"])
+def test_a_request_that_evicts_what_it_wrote_equals_its_spans_sent_one_by_one(case: str) -> None:
+    """Spans apply in order, each evicting what it needs: a request that outgrows the ring, or whose later
+    spans evict an episode its earlier ones closed, is stored as its spans sent as separate requests."""
+    rng = np.random.default_rng(0)
+    before: list[tuple[dict[str, np.ndarray], Spans]] = []
+    if case == "whole episodes outgrow the ring":  # 40 + 40 + 10 rows into 64
+        columns = make_rows(rng, 0, 90)
+        request = Spans.whole_episodes(np.array([39, 39, 9]), [7, 8, 9], [True, False, True])
+        survivors = {8, 9}
+    else:  # 64 rows: episode 1 opens at the tail (room 8), a whole episode fills the ring up to 50 rows
+        before = [(make_rows(rng, 0, 4), Spans(np.array([1], np.uint64), np.array([4]), np.array([True]),
+                                              np.array([False]), np.array([False]))),
+                  (make_rows(rng, 0, 42), Spans.whole_episodes(np.array([41]), [2], [True]))]
+        columns = make_rows(rng, 0, 22)  # close episode 1 (2 rows), then a 20-row episode that evicts it
+        request = Spans(np.array([1, 3], np.uint64), np.array([2, 20]), np.array([False, True]),
+                        np.array([True, True]), np.array([True, False]))
+        survivors = {2, 3}
+    together = EpisodicBuffer("together", f"test{os.getpid()}", FIELDS, 64)
+    one_by_one = EpisodicBuffer("onebyone", f"test{os.getpid()}", FIELDS, 64)
+    try:
+        for buffer, requests in ((together, [(columns, request)]), (one_by_one, _each_span_alone(columns, request))):
+            for rows, spans in before + requests:
+                buffer.insert(rows, spans)
+        assert snapshot(together) == snapshot(one_by_one)
+        assert {**together.counters, "insert_requests": 0} == {**one_by_one.counters, "insert_requests": 0}
+        batch = together.sample(64, TransitionsMode(), rng, include_keys=True)
+        assert set(np.unique(batch["episode_id"]).tolist()) == survivors
+    finally:
+        together.close()
+        one_by_one.close()
 
 
 def _chi_square_critical(dof: int, z: float = 3.09) -> float:

@@ -147,6 +147,69 @@ def test_episode_writer_chunks_long_episodes(client: ReplayClient) -> None:
     assert (batch["truncated"] == (batch["next_obs"][:, 0] == 105)).all()
 
 
+def test_episode_writer_refuses_a_wrong_value_where_it_is_given_and_goes_on(client: ReplayClient) -> None:
+    client.create_buffer("v", 1000, SCHEMA)
+    writer = EpisodeWriter(client, "v")
+    step = {"obs": np.zeros(4, np.float32), "action": 1, "reward": 0.5}
+    writer.append(**step)
+    with pytest.raises(ValueError, match=r"append: buffer 'v' expects fields \['action', 'obs', 'reward'\], got "
+                                         r"\['acton', 'obs', 'reward'\]"):
+        writer.append(obs=np.zeros(4, np.float32), acton=1, reward=0.5)
+    with pytest.raises(ValueError, match=r"append: field 'obs' expected shape \(4,\), got \(5,\)"):
+        writer.append(**{**step, "obs": np.zeros(5)})
+    with pytest.raises(ValueError, match="append: field 'action' cannot be int64"):
+        writer.append(**{**step, "action": "left"})
+    with pytest.raises(ValueError, match=r"end_episode: field 'obs' expected shape \(4,\), got \(5,\)"):
+        writer.end_episode(terminated=True, obs=np.ones(5, np.float32))
+    writer.append(**step)
+    writer.end_episode(terminated=True, obs=np.ones(4, np.float32))
+    writer.close()
+    info = client.describe("v")
+    assert info["episodes"] == 1 and info["stored_steps"] == 3  # two steps and the final observation
+
+
+def test_episode_writer_keeps_what_the_server_accepts_after_a_refused_flush(client: ReplayClient) -> None:
+    """The writer's open episode is evicted by another actor's episodes: the flush that continues it is
+    refused, the whole episode flushed with it is still stored, and the writer goes on."""
+    client.create_buffer("r", 40, SCHEMA)
+    writer = EpisodeWriter(client, "r", chunk_rows=4, batch_rows=10_000)
+    rng = np.random.default_rng(0)
+
+    def steps(count: int, first: float) -> None:
+        for t in range(count):
+            writer.append(obs=np.full(4, first + t, np.float32), action=0, reward=1.0)
+
+    def evict_the_open_episode() -> None:
+        for _ in range(3):
+            client.insert_episode("r", terminated=True, **episode(rng, 11))
+
+    steps(4, 50)  # episode A: its first chunk goes out
+    evict_the_open_episode()
+    steps(2, 54)
+    writer.end_episode(terminated=True, obs=np.full(4, 56, np.float32))
+    steps(3, 100)  # episode B, whole
+    writer.end_episode(terminated=False, obs=np.full(4, 103, np.float32))
+    code, details = rpc_status(writer.flush)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "not open" in details
+    stored = client.sample("r", 256, seed=1)
+    assert not ((stored["obs"][:, 0] >= 50) & (stored["obs"][:, 0] < 100)).any()  # no row of A
+    assert {100, 101, 102} <= set(stored["obs"][:, 0].tolist())  # B is in
+    assert writer.episodes_written == 1 and writer.pending_rows == 0
+
+    steps(4, 200)  # episode C: its first chunk goes out, then C is evicted while still open
+    evict_the_open_episode()
+    with pytest.raises(grpc.RpcError) as refused:
+        steps(4, 204)  # its next chunk is refused: C goes on as a new episode from its next step
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    steps(2, 208)
+    writer.end_episode(terminated=True, obs=np.full(4, 210, np.float32))
+    writer.close()
+    stored = client.sample("r", 256, seed=2)
+    c_rows = stored["obs"][:, 0] >= 200
+    assert set(stored["obs"][c_rows, 0].tolist()) == {208, 209}  # the new episode's two steps
+    assert writer.episodes_written == 2
+
+
 def test_errors_return_their_codes_and_leave_buffers_untouched(server: ReplayServer, client: ReplayClient) -> None:
     rng = np.random.default_rng(1)
     created = client.create_buffer("e", 100, SCHEMA)
@@ -169,7 +232,7 @@ def test_errors_return_their_codes_and_leave_buffers_untouched(server: ReplaySer
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "capacity_steps=100" in details
     code, details = rpc_status(client.insert, [pb.InsertRequest(buffer="e", steps=b"not arrow", episode_ids=[1],
                                                            span_rows=[2], begins=[True], ends=[True])])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "Arrow" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("insert.steps: malformed Arrow IPC payload")
     code, details = rpc_status(client.create_buffer, "e", 100, SCHEMA)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "already exists" in details
     code, details = rpc_status(client.create_buffer, "bad", 100, {"obs": ("complex64", (2,))})

@@ -1,11 +1,17 @@
+from __future__ import annotations
+
+import contextlib
 import threading
 import time
+import weakref
 
 import numpy as np
+import pytest
 import torch
 
 from client import ReplayClient
 from client.loader import Loader, to_tensors
+from client.polling import wait_until
 
 
 def test_loader_delivers_every_batch_in_order_once() -> None:
@@ -114,3 +120,89 @@ def test_an_exhausted_loader_iterates_empty_instead_of_blocking() -> None:
     loader = Loader(iter([{"i": np.array([0])}]))
     assert len(list(loader)) == 1
     assert list(loader) == []
+
+
+def _endless_stream(client: ReplayClient):
+    """A server stream that never ends by itself (num_batches=0): only closing it ends the call."""
+    client.create_buffer("b", 100, {"obs": ("float32", (2,)), "action": ("int64", ())})
+    client.insert_episode("b", True, obs=np.zeros((11, 2), np.float32), action=np.zeros(10, np.int64))
+    return client.sample_stream("b", 8, timeout=60)
+
+
+@pytest.mark.parametrize("leave", ["break", "raise", "drop the iterator"])
+def test_leaving_the_iteration_early_closes_the_loader_and_its_stream(client: ReplayClient, leave: str) -> None:
+    """A learner that stops consuming without close() must not leave the thread and the server stream open
+    (enough of them and the server refuses new streams)."""
+    stream = _endless_stream(client)
+    loader = Loader(stream, prefetch=2)
+    if leave == "drop the iterator":
+        next(iter(loader))
+    else:
+        with contextlib.suppress(RuntimeError):
+            for step, _ in enumerate(loader):
+                if step == 3:
+                    if leave == "break":
+                        break
+                    raise RuntimeError("the learner failed")
+    assert not loader._thread.is_alive()
+    assert list(stream) == []  # closed (a stream still open would never end)
+
+
+def test_a_with_block_closes_the_loader(client: ReplayClient) -> None:
+    stream = _endless_stream(client)
+    with Loader(stream) as loader:
+        pass
+    assert not loader._thread.is_alive()
+    assert list(stream) == []
+
+
+def test_a_loader_dropped_unclosed_is_collected_and_closes_its_stream(client: ReplayClient) -> None:
+    """Its thread holds the source and the queue, not the Loader."""
+    stream = _endless_stream(client)
+    loader = Loader(stream)
+    thread, collected = loader._thread, weakref.ref(loader)
+    del loader
+    assert collected() is None
+    assert not thread.is_alive()
+    assert list(stream) == []
+
+
+class _OneBatchThenWaits:
+    """One batch, then none until closed, from any thread (as a server stream waiting for data)."""
+
+    def __init__(self) -> None:
+        self.batches = iter([{"i": np.zeros(1)}])
+        self.closed = threading.Event()
+
+    def __iter__(self) -> _OneBatchThenWaits:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = next(self.batches, None)
+        if batch is None:
+            self.closed.wait(timeout=30)
+            raise StopIteration
+        return batch
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_close_from_another_thread_ends_a_consumer_waiting_for_a_batch() -> None:
+    """The consumer waits in next() for a batch the source has not produced: close() must end its iteration
+    (StopIteration) instead of leaving it blocked."""
+    loader = Loader(_OneBatchThenWaits())
+    got: list[object] = []
+
+    def consume() -> None:
+        for batch in loader:
+            got.append(batch)
+        got.append("ended")
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    wait_until(lambda: got, time.monotonic() + 10, "the first batch")  # the consumer then waits for the second
+    loader.close()
+    consumer.join(timeout=10)
+    assert not consumer.is_alive(), "the consumer stayed blocked after close()"
+    assert len(got) == 2 and got[1] == "ended"

@@ -6,12 +6,15 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
 from client import ReplayClient
 from client.local_reader import LocalReader
+from client.polling import wait_until
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import EpisodicRing
 from service.errors import DeadlineExceeded, FailedPrecondition, NotFound
@@ -86,13 +89,48 @@ def test_local_reader_waits_for_data_when_asked(client: ReplayClient) -> None:
     with LocalReader(client, "later") as reader:
         with pytest.raises(FailedPrecondition, match="no sampleable steps"):
             reader.sample(8)
-        with pytest.raises(DeadlineExceeded, match=r"no sampleable steps within 0\.1s"):
+        with pytest.raises(DeadlineExceeded, match=r"got no step to draw within 0\.1s"):
             reader.sample(8, wait=True, timeout=0.1)
         writer = threading.Thread(target=client.insert_episodes, args=("later", [episode], [True]))
         writer.start()
         assert reader.sample(8, wait=True, timeout=30)["obs"].shape == (8, 4)
         assert next(reader.sample_stream(8, wait=True, timeout=30))["obs"].shape == (8, 4)
         writer.join()
+
+
+@pytest.mark.parametrize("wait", [
+    pytest.param(lambda reader: reader.sample(8, wait=True), id="sample without timeout"),
+    pytest.param(lambda reader: reader.sample(8, wait=True, timeout=60), id="sample with timeout"),
+    pytest.param(lambda reader: next(reader.sample_stream(8, wait=True, timeout=60)), id="sample_stream"),
+])
+def test_a_reader_waiting_for_data_stops_when_the_buffer_is_deleted(
+        client: ReplayClient, monkeypatch: pytest.MonkeyPatch, wait: Callable[[LocalReader], object]) -> None:
+    """A deleted buffer never gets data: a reader waiting on it raises NotFound, not DeadlineExceeded at the
+    timeout (or no answer at all without one)."""
+    waiting = threading.Event()
+    deleted_at: list[float] = []
+
+    def wait_until_noted(check: Callable[[], object], deadline: float, what: str, **options: Any) -> object:
+        waiting.set()
+        # At most 5 s, so that a reader that misses the deletion fails this test instead of hanging it.
+        return wait_until(check, min(deadline, time.monotonic() + 5), what, **options)
+
+    def delete_once_waiting() -> None:
+        if waiting.wait(30):
+            client.delete_buffer("empty")
+            deleted_at.append(time.monotonic())
+
+    monkeypatch.setattr("client.local_reader.wait_until", wait_until_noted)
+    client.create_buffer("empty", 1000, SCHEMA)
+    deleter = threading.Thread(target=delete_once_waiting)
+    with LocalReader(client, "empty") as reader:
+        deleter.start()
+        with pytest.raises(NotFound, match="was deleted or re-created"):
+            wait(reader)
+        raised_at = time.monotonic()
+    deleter.join()  # the reader may see the deletion before the deleter's call returns
+    # The reader checks every 50 ms; a second leaves room for a loaded machine.
+    assert raised_at - deleted_at[0] < 1.0
 
 
 def test_local_reader_refuses_buffers_only_the_server_may_sample() -> None:

@@ -4,12 +4,14 @@ stale keys, rejected priorities, and the gRPC round trip."""
 from __future__ import annotations
 
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import InvalidArgument
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from service.samplers.kernels import HOLE
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.states import StatesMode
@@ -142,6 +144,28 @@ def test_positive_priorities_whose_leaf_underflows_are_rejected(alpha: float, ti
         np.testing.assert_array_equal(buffer.sampler.tree.sums, before)
         assert buffer.update_priorities(keys, np.array([kept, 0.0, kept, kept])) == (4, 0)
         assert (buffer.sampler.tree.get(keys % buffer.capacity)[[0, 2, 3]] > 0).all()
+    finally:
+        buffer.close()
+
+
+def test_a_sample_that_may_wait_waits_for_a_positive_priority() -> None:
+    """Priority 0 steps are never drawn: with every step at 0 the buffer cannot be sampled yet, so a sample
+    that may wait waits (until a priority update or an insert), and one that may not fails at once."""
+    buffer = new_buffer(64)
+    try:
+        insert_episodes(buffer, np.random.default_rng(0), [5], first_id=1)
+        keys = live_keys(buffer)
+        buffer.update_priorities(keys, np.zeros(keys.size))
+        with pytest.raises(FailedPrecondition, match="positive priority"):
+            buffer.sample(4, StatesMode())
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match=r"got no step to draw within 0\.2s"):
+            buffer.sample(4, StatesMode(), wait_seconds=0.2)
+        assert time.monotonic() - started >= 0.2
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(buffer.sample, 4, StatesMode(), include_keys=True, wait_seconds=60)
+            buffer.update_priorities(keys[2:3], np.ones(1))
+            assert (waiting.result(timeout=30)["key"] == keys[2]).all()
     finally:
         buffer.close()
 

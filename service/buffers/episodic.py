@@ -488,19 +488,20 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         next_seq = int(self.state[NEXT_SEQ])
         touched: dict[int, _Extent] = {}
         ops: list[_Op] = []
-        first_new_start: int | None = None
         whole = spans.begins & spans.ends
         row_offsets = np.concatenate([[0], np.cumsum(spans.rows)])
         i, count = 0, len(spans.rows)
+        # Ops apply in order, each evicting what it needs first: a later op may evict an episode an earlier
+        # one wrote, as two requests would. Only a single write may not outgrow the ring, so a run of whole
+        # episodes is written in blocks of at most capacity rows.
         while i < count:
             if whole[i]:
-                j = i
-                while j < count and whole[j]:
+                j = i + 1  # one episode fits (_check_spans)
+                while j < count and whole[j] and row_offsets[j + 1] - row_offsets[i] <= self.capacity:
                     j += 1
                 size = int(row_offsets[j] - row_offsets[i])
                 ops.append(_Op("block", i, j, int(row_offsets[i]), int(row_offsets[j]),
                                head_before=head, head_after=head + size))
-                first_new_start = head if first_new_start is None else first_new_start
                 head += size
                 next_seq += j - i
                 i = j
@@ -562,18 +563,8 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
             op.extent = extent
             op.head_after = head
             touched[episode_id] = extent
-            first_new_start = extent.start if first_new_start is None else min(first_new_start, extent.start)
             ops.append(op)
             i += 1
-        boundary = head - self.capacity
-        survivors = [e.start for e in touched.values()]
-        if first_new_start is not None:
-            survivors.append(first_new_start)
-        if survivors and min(survivors) < boundary:
-            raise ResourceExhausted(
-                f"insert: this request needs {head - self.head} rows of ring space, which would overwrite rows it "
-                f"writes itself (capacity_steps={self.capacity}); split it into smaller inserts"
-            )
         return ops
 
     def _apply(self, op: _Op, columns: Mapping[str, np.ndarray], spans: Spans) -> None:
@@ -776,10 +767,11 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
             if self.limiter is not None:
                 self.limiter.await_sample(self, batch_size, wait_seconds, ended)
                 self.check_live()  # await_sample may have waited (which releases the lock)
-            elif wait_seconds is not None and self.sampleable_steps == 0:
-                if not wait_on(self, lambda: self.sampleable_steps > 0, wait_seconds, ended,
+            elif wait_seconds is not None and not self.sampler.drawable(self):
+                if not wait_on(self, lambda: self.sampler.drawable(self), wait_seconds, ended,
                                f"sample of buffer {self.name!r} (waiting for data)"):
-                    raise DeadlineExceeded(f"buffer {self.name!r} got no sampleable steps within {wait_seconds:.3g}s")
+                    raise DeadlineExceeded(f"buffer {self.name!r} got no step to draw within {wait_seconds:.3g}s "
+                                           f"(sampleable_steps={self.sampleable_steps})")
                 self.check_live()  # the wait released the lock
             draw, batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
             self.counters["sampled_batches"] += 1
@@ -799,7 +791,9 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                 f"update_priorities: buffer {self.name!r} uses the {self.sampler.name} sampler, not prioritized"
             )
         with self.live():
-            return self.sampler.update_priorities(self, keys, priorities)
+            applied_and_ignored = self.sampler.update_priorities(self, keys, priorities)
+            self.inserted.notify_all()  # a sample waiting for a positive priority may go on now
+            return applied_and_ignored
 
     # ------------------------------------------------------------------ lifetime
     def wake_waiters(self) -> None:

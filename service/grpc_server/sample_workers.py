@@ -114,16 +114,17 @@ class SampleWorkerServicer:
                  deadline: float | None, context: grpc.ServicerContext) -> bytes:
         self.current(request.buffer, ring)
         mode = sample_mode(request, ring, self.max_message_bytes)
-        if deadline is not None and ring.sampleable_steps == 0:
+        if deadline is not None and not ring.sampler.drawable(ring):
             with self.worker_seats.wait_seat(f"sample of buffer {ring.name!r} (waiting for data)"):
                 delay = _WAIT_POLL_SECONDS[0]
-                while ring.sampleable_steps == 0:
+                while not ring.sampler.drawable(ring):
                     self.current(request.buffer, ring)
                     if not context.is_active():  # cancelled: give the worker (and its seat) back now
                         raise errors.Cancelled(f"sample of buffer {ring.name!r}: the call ended while it waited")
                     if time.monotonic() >= deadline:
                         raise errors.DeadlineExceeded(
-                            f"buffer {ring.name!r} got no sampleable steps before the deadline")
+                            f"buffer {ring.name!r} got no step to draw before the deadline "
+                            f"(sampleable_steps={ring.sampleable_steps})")
                     time.sleep(delay)
                     delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
         batch, _ = ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta)

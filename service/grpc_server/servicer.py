@@ -352,6 +352,14 @@ def sample_mode(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes
     return mode
 
 
+def _decode(payload: bytes | memoryview, field: str) -> dict[str, np.ndarray]:
+    """codec.decode, its errors naming the request field that held the payload."""
+    try:
+        return codec.decode(payload)
+    except codec.CodecError as exc:
+        raise codec.CodecError(f"{field}: {exc}") from exc
+
+
 def sample_message(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
     """A batch as a serialized SampleResponse, what the sampling RPCs send (their response serializer is
     the identity): the columns are copied once, from the sampler's arrays into the message."""
@@ -460,7 +468,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             request = frame.request
             buffer = self.registry.episodic(request.buffer)
             try:
-                columns = codec.decode(frame.steps)
+                columns = _decode(frame.steps, "insert.steps")
                 spans_of_request = convert.spans_from_request(request)
                 if buffer.limiter is not None and call_end is None:
                     call_end = CallEnd(context)
@@ -535,7 +543,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @rpc
     def PushRollout(self, request: pb.PushRolloutRequest, context) -> pb.PushRolloutResponse:
         buffer = self.registry.rollout(request.buffer)
-        columns = codec.decode(request.steps)
+        columns = _decode(request.steps, "push_rollout.steps")
         rows = len(next(iter(columns.values()))) if columns else 0
         envs = request.num_envs
         if envs < 1 or rows % envs:
@@ -544,7 +552,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         cells = {name: array.reshape(steps, envs, *array.shape[1:]) for name, array in columns.items()}
         bootstrap = None
         if request.bootstrap:
-            bootstrap_columns = codec.decode(request.bootstrap)
+            bootstrap_columns = _decode(request.bootstrap, "push_rollout.bootstrap")
             if set(bootstrap_columns) != {"value"}:
                 raise errors.InvalidArgument(
                     f"push_rollout: bootstrap must hold exactly one column 'value', got {sorted(bootstrap_columns)}"

@@ -100,6 +100,10 @@ class PrioritizedSampler:
     def restore_rows(self, ring: EpisodicBuffer, rows: np.ndarray, state: np.ndarray | None) -> None:
         self.tree.update(rows, state)
 
+    def drawable(self, ring: EpisodicBuffer) -> bool:
+        """Whether a draw can succeed now: a sampleable step with a positive priority (0: never drawn)."""
+        return ring.sampleable_steps > 0 and self.tree.total > 0
+
     # ---------------------------------------------------------------- sampling
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0) -> Draw:

@@ -69,6 +69,10 @@ class UniformSampler:
             f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
         )
 
+    def drawable(self, ring: EpisodicBuffer) -> bool:
+        """Whether a draw can succeed now."""
+        return ring.sampleable_steps > 0
+
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
         """Positions [lo, hi) changed (new rows, or rows that just got a successor)."""
 
