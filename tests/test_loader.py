@@ -66,12 +66,13 @@ def test_close_while_the_thread_runs_a_generator_source() -> None:
     """The loader's thread is inside the generator when close() is called: the generator must be closed by
     that thread after its batch ("generator already executing" otherwise), and close() must not raise."""
     loader_ref: list[Loader] = []
-    entered, finalized = threading.Event(), threading.Event()
+    entered, registered, finalized = threading.Event(), threading.Event(), threading.Event()
 
     def source():
         try:
             yield {"i": np.zeros(1)}
             entered.set()
+            assert registered.wait(timeout=10)  # the thread may get here before the loader is in loader_ref
             assert loader_ref[0]._stop.wait(timeout=10)  # still executing when close() sets the flag
             yield {"i": np.ones(1)}
         finally:
@@ -79,7 +80,9 @@ def test_close_while_the_thread_runs_a_generator_source() -> None:
 
     loader = Loader(source(), prefetch=1)
     loader_ref.append(loader)
-    next(iter(loader))
+    registered.set()
+    batches = iter(loader)  # held: dropping a started iterator closes the loader itself
+    next(batches)
     assert entered.wait(timeout=10)
     loader.close()
     assert finalized.is_set() and not loader._thread.is_alive()
