@@ -118,7 +118,7 @@ class EpisodeWriter:
         self._steps.append({**final_row, **self._step_padding})
         span = self._chunk(ends=True, terminated=terminated)
         self._pending.append(span)
-        self._pending_rows += len(next(iter(span.columns.values())))
+        self._pending_rows += span.rows
         self._episode_id = new_episode_id()
         self._rows_sent = 0
         self.episodes_written += 1
@@ -165,7 +165,7 @@ class EpisodeWriter:
             except grpc.RpcError as exc:
                 if exc.code() in RECONNECT:
                     self._pending = [span for later in episodes[sent:] for span in later]
-                    self._pending_rows = sum(len(next(iter(span.columns.values()))) for span in self._pending)
+                    self._pending_rows = sum(span.rows for span in self._pending)
                     raise
                 first_refusal = first_refusal or exc
                 if spans[-1].ends:

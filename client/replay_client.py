@@ -75,6 +75,10 @@ class Span:
     terminated: bool = False
     offset: int = 0
 
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.columns.values())))
+
 
 @dataclass(frozen=True)
 class FetchedWeights:
@@ -96,7 +100,7 @@ def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
     request = pb.InsertRequest(
         buffer=buffer,
         episode_ids=[s.episode_id for s in spans],
-        span_rows=[len(s.columns[names[0]]) for s in spans],
+        span_rows=[s.rows for s in spans],
         begins=[s.begins for s in spans],
         ends=[s.ends for s in spans],
         terminated=[s.terminated for s in spans],
@@ -135,7 +139,7 @@ def split_spans(spans: Sequence[Span], max_request_bytes: int = DEFAULT_MAX_REQU
     current: list[Span] = []
     current_rows = 0
     for span in spans:
-        rows = len(next(iter(span.columns.values())))
+        rows = span.rows
         if rows > max_rows:
             if current:
                 requests.append(current)
