@@ -55,6 +55,8 @@ class BatchStream:
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     raise StopIteration from None
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and self._on_unavailable is not None:
+                    self._on_unavailable()  # before a reopen too: it may have to go elsewhere
                 retry_after = None if self._received else server_retry_after(exc)
                 if retry_after is not None:
                     if not warned:
@@ -66,8 +68,6 @@ class BatchStream:
                         continue
                     if self._closed.is_set():
                         raise StopIteration from None
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and self._on_unavailable is not None:
-                    self._on_unavailable()
                 raise
         self._received = True
         return codec.decode(payload)

@@ -6,13 +6,14 @@ import argparse
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import signal
 import threading
 from pathlib import Path
 
 from service.errors import FailedPrecondition, ReplayError
-from service.grpc_server.auth import check_bind
+from service.grpc_server.auth import check_bind, check_token
 from service.grpc_server.server import ReplayServer
 from service.schema import check_instance_name
 from service.storage.instance_lock import InstanceLock
@@ -46,6 +47,34 @@ def worker_count(text: str) -> int:
     if count < 3:
         raise argparse.ArgumentTypeError(f"expected at least 3 worker threads, got {count}")
     return count
+
+
+def count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 for a free one."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {value}")
+    return value
+
+
+def http_port(text: str) -> int:
+    return -1 if int(text) == -1 else port(text)
+
+
+def positive(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
 
 
 def report_stale_segments(instance: str | None, remove: bool) -> None:
@@ -94,10 +123,10 @@ def list_segments(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> None:
     tune_allocator()
     http_address = None if args.http_port < 0 else f"{args.host}:{args.http_port}"
-    tls_cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
-    tls_key = Path(args.tls_key).read_bytes() if args.tls_key else None
     max_buffer_bytes = None if args.max_buffer_gb is None else int(args.max_buffer_gb * 2**30)
     try:  # takes the instance's lock: from here on, segments named after it are ours or a dead server's
+        tls_cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+        tls_key = Path(args.tls_key).read_bytes() if args.tls_key else None
         server = ReplayServer(f"{args.host}:{args.port}", instance=args.instance,
                               max_message_bytes=int(args.max_message_mb * 2**20), http_address=http_address,
                               token=args.token or None, tls_cert=tls_cert, tls_key=tls_key,
@@ -133,26 +162,26 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--host", default="127.0.0.1",
                               help="bind address (default 127.0.0.1; 0.0.0.0 accepts remote actors and needs "
                                    "--token or --insecure-bind-all)")
-    serve_parser.add_argument("--port", type=int, default=50051)
+    serve_parser.add_argument("--port", type=port, default=50051)
     serve_parser.add_argument("--instance", default=None, type=instance_name,
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
-    serve_parser.add_argument("--max-message-mb", type=float, default=512.0,
+    serve_parser.add_argument("--max-message-mb", type=positive, default=512.0,
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
     serve_parser.add_argument("--recover", action="store_true",
                               help="reattach to the buffers a killed server of this --instance left in shared "
                                    "memory; buffers that fail the consistency checks come from --restore")
     serve_parser.add_argument("--remove-stale", action="store_true",
                               help="unlink segments of this --instance left by a server that died")
-    serve_parser.add_argument("--sample-workers", type=int, default=0,
+    serve_parser.add_argument("--sample-workers", type=count, default=0,
                               help="extra processes serving Sample/SampleStream from the shared memory "
                                    "(sampling then scales with cores; inserts stay with this process)")
     serve_parser.add_argument("--max-workers", type=worker_count, default=64,
                               help="gRPC worker threads: one per call in progress. Open streams may hold 3/8 of "
                                    "them and calls blocked on a rate limiter or waiting for data 3/8; one more gets "
                                    "UNAVAILABLE (retried by clients), so a quarter stays free for short calls")
-    serve_parser.add_argument("--http-port", type=int, default=8080,
+    serve_parser.add_argument("--http-port", type=http_port, default=8080,
                               help="health, /metrics and the status page; 0 picks a free port, -1 turns it off")
-    serve_parser.add_argument("--max-buffer-gb", type=float, default=None,
+    serve_parser.add_argument("--max-buffer-gb", type=positive, default=None,
                               help="shared memory one buffer may take (default: what /dev/shm has free)")
     serve_parser.add_argument("--token", default=os.environ.get("REPLAYD_TOKEN", ""),
                               help="require 'authorization: Bearer <token>' on gRPC calls and HTTP requests but "
@@ -168,9 +197,10 @@ def main(argv: list[str] | None = None) -> None:
                               help="where the Checkpoint RPC writes by default and periodic checkpoints go")
     serve_parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
                               help="write a checkpoint of every buffer this often (needs --checkpoint-dir)")
-    serve_parser.add_argument("--checkpoint-keep", type=int, default=3,
+    serve_parser.add_argument("--checkpoint-keep", type=count, default=3,
                               help="periodic checkpoints keep the newest this many (0: keep all)")
-    serve_parser.add_argument("--log-level", default="INFO")
+    serve_parser.add_argument("--log-level", default="INFO", type=str.upper,
+                              choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     # Actors and learners need the client extras (torch, gymnasium); they are imported only when asked for,
     # so the server never imports torch.
     commands.add_parser("actor", help="run an actor (python -m client.actor --help)", add_help=False)
@@ -199,10 +229,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--recover needs the --instance name of the server that was killed")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
+    if args.max_message_mb * 2**20 > 2**31 - 1:
+        parser.error(f"--max-message-mb: gRPC messages are smaller than 2048 MB, got {args.max_message_mb:g}")
+    if args.tls_cert and args.sample_workers:
+        parser.error("--sample-workers serve plain gRPC: run them without --tls-cert (or put TLS in a proxy)")
     if args.checkpoint_every is not None and (args.checkpoint_dir is None or args.checkpoint_every <= 0):
         parser.error("--checkpoint-every needs --checkpoint-dir and a positive number of seconds")
     try:
         check_bind(args.host, args.token, args.insecure_bind_all)
+        if args.token:
+            check_token(args.token)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

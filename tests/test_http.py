@@ -158,3 +158,22 @@ def test_an_ipv6_http_address_reaches_uvicorn_without_brackets() -> None:
         assert server.http.host == "::1"
     finally:
         server.stop(grace=0)
+
+
+def test_metrics_count_rollout_minibatch_rows(http_server: ReplayServer) -> None:
+    """A rollout buffer's served minibatch rows are its sampled items on /metrics, as on /api/buffers (the
+    series was missing for rollout buffers)."""
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    steps, envs = 4, 2
+    with ReplayClient(http_server.address) as client:
+        client.create_rollout_buffer("ppo", steps, envs, {"obs": ("float32", (3,))})
+        cells = {name: np.zeros((steps, envs), dtype) for name, dtype in
+                 (("reward", np.float32), ("value", np.float32), ("final_value", np.float32),
+                  ("terminated", np.bool_), ("truncated", np.bool_))}
+        client.push_rollout("ppo", 0, 0, 0, bootstrap_value=np.zeros(envs, np.float32),
+                            obs=np.zeros((steps, envs, 3), np.float32), **cells)
+        assert sum(len(batch["obs"]) for batch in client.rollout_minibatches("ppo", 4, epochs=2)) == 16
+    samples, types = _metrics(base)
+    assert types["replayd_buffer_sampled_items"] == "counter"
+    assert _value(samples, "replayd_buffer_sampled_items_total", buffer="ppo") == 16
+    assert httpx.get(f"{base}/api/buffers").json()["buffers"][0]["sampled_items"] == 16

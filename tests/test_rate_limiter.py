@@ -67,6 +67,27 @@ def test_ratio_band_blocks_each_side_and_deadlines_end_blocked_calls() -> None:
         buffer.close()
 
 
+def test_an_insert_that_could_never_land_fails_at_once_while_inserts_are_held() -> None:
+    """A continuation of an episode that is not open is refused at once, not held until its deadline (which
+    clients retry) with the limiter's wait counters changed for a request that stores nothing."""
+    limiter = RateLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
+    buffer = new_buffer(limiter)
+    try:
+        insert_episode(buffer, 4, 1)
+        insert_episode(buffer, 4, 2)  # diff = 16 = max_diff: inserts are held back
+        assert not limiter.can_insert(buffer)
+        before = limiter.snapshot()
+        start = time.monotonic()
+        with pytest.raises(FailedPrecondition, match="continues episode 99, which is not open"):
+            buffer.insert(make_rows(np.random.default_rng(0), 5, 3),
+                          Spans(np.array([99], np.uint64), np.array([3]), np.zeros(1, bool), np.zeros(1, bool),
+                                np.zeros(1, bool)), timeout=30)
+        assert time.monotonic() - start < 10
+        assert limiter.snapshot() == before
+    finally:
+        buffer.close()
+
+
 def test_concurrent_inserters_and_samplers_stay_in_the_band() -> None:
     spi, error_buffer, min_size = 4.0, 40.0, 20
     limiter = RateLimiter(min_size, spi, error_buffer)

@@ -188,6 +188,32 @@ def test_a_worker_stream_of_a_recreated_buffer_ends_with_not_found(worker_server
     assert worker_server.sample_workers.restarts == 0
 
 
+def test_a_client_routed_to_workers_samples_a_buffer_recreated_for_the_server_only(
+        worker_server: ReplayServer) -> None:
+    """A buffer created again with a remover is sampled by its server only: a client whose cached route still
+    names the workers is sent back to the server (UNAVAILABLE: it describes the buffer again), for samples and
+    streams alike; before, every call failed with FAILED_PRECONDITION."""
+
+    def routed_to_workers(client: ReplayClient) -> None:
+        admin.delete_buffer("b")
+        fill(admin, "b")
+        for _ in range(2):  # both workers attach it; the client keeps their route
+            assert client.sample("b", 4)["obs"].shape == (4, 4)
+        admin.delete_buffer("b")
+        fill(admin, "b", remover="max_times_sampled", max_times_sampled=2)
+        assert admin.describe("b")["sample_endpoints"] == []
+
+    with ReplayClient(worker_server.address) as admin:
+        fill(admin, "b")
+        with ReplayClient(worker_server.address) as learner:
+            routed_to_workers(learner)
+            for _ in range(2):
+                assert learner.sample("b", 4)["obs"].shape == (4, 4)
+        with ReplayClient(worker_server.address) as learner:
+            routed_to_workers(learner)
+            assert [batch["obs"].shape for batch in learner.sample_stream("b", 4, num_batches=2)] == [(4, 4)] * 2
+
+
 def test_workers_unmap_deleted_buffers(worker_server: ReplayServer) -> None:
     """A worker drops a deleted buffer's mapping (and its file descriptors), also when nobody asks for
     that buffer again and when streams held it: one cancelled, the others ended by the delete."""

@@ -388,6 +388,8 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         with self.live():
             keep = self.dedup.screen(spans, offsets, self._landed)
             if keep.any() and self.limiter is not None:
+                if not self.limiter.can_insert(self):  # a request that could never land fails now, not at its deadline
+                    self._plan(select(columns, spans, offsets, keep)[1], np.flatnonzero(keep))
                 self.limiter.await_insert(self, timeout, ended)
                 self.check_live()
                 keep = self.dedup.screen(spans, offsets, self._landed)  # the wait released the lock

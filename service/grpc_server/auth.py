@@ -24,6 +24,13 @@ def token_matches(header: str | None, token: str) -> bool:
     return header is not None and hmac.compare_digest(header.encode(), bearer(token).encode())
 
 
+def check_token(token: str) -> None:
+    """A token gRPC metadata and HTTP headers carry as it is: printable ASCII, no spaces at either end."""
+    if not token or not (token.isascii() and token.isprintable()) or token != token.strip():
+        raise ValueError(f"token: expected printable ASCII with no spaces at either end (what gRPC metadata and "
+                         f"HTTP headers carry), got {len(token)} characters that are not")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -62,8 +69,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Admits calls whose `authorization` metadata is `Bearer <token>`."""
 
     def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("token: expected a non-empty string")
+        check_token(token)
         self._token = token
 
     def intercept_service(

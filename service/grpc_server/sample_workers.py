@@ -77,7 +77,13 @@ class SampleWorkerServicer:
             # batch (current); it is unmapped once none holds it (closing it here would unmap it under them).
             if cached is not None:
                 self._retired.append(weakref.ref(cached[1]))
-            ring = EpisodicRing.attach(header)
+                del self._rings[buffer]
+            try:
+                ring = EpisodicRing.attach(header)
+            except errors.FailedPrecondition as exc:
+                # Created again as a buffer only its server samples (a remover, a rate limiter): a client that
+                # an older description routed here asks the server where to sample on UNAVAILABLE, at once.
+                raise errors.Unavailable(f"{exc}; sample it through the server", retry_after_ms=0) from None
             self._rings[buffer] = (inode, ring)
             return ring
 
@@ -169,7 +175,7 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
             servicer.SampleStream, request_deserializer=lenient(pb.SampleStreamRequest.FromString)),
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKER_THREADS, thread_name_prefix="replayd-sampler"),
-                         options=channel_options(max_message_bytes),
+                         options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
                          interceptors=[TokenAuthInterceptor(token)] if token else None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers),))
     port = server.add_insecure_port(address)

@@ -111,18 +111,21 @@ class ReplayServer:
                                            metrics=self.metrics)
             self._server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
-                options=channel_options(max_message_bytes),
+                # gRPC sets SO_REUSEPORT on Linux: a second server would share a port in use, and its calls.
+                options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
                 interceptors=[TokenAuthInterceptor(token)] if token else None,
             )
             self._server.add_generic_rpc_handlers((_method_handlers(self.servicer),))
             host = address.rsplit(":", 1)[0]
-            if tls_cert is not None:
-                credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
-                self.port = self._server.add_secure_port(address, credentials)
-            else:
-                self.port = self._server.add_insecure_port(address)
-            if self.port == 0:
-                raise OSError(f"could not bind {address}")
+            try:
+                if tls_cert is not None:
+                    credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+                    self.port = self._server.add_secure_port(address, credentials)
+                else:
+                    self.port = self._server.add_insecure_port(address)
+            except RuntimeError as exc:
+                raise OSError(f"could not serve gRPC on {address} (port in use, or a bad TLS certificate or key?): "
+                              f"{exc}") from None
             self.address = f"{host}:{self.port}"
             self.sample_workers = SampleWorkers(sample_workers, self.instance, host, max_message_bytes, token)
             self.servicer.sample_endpoints = self.sample_workers.endpoints

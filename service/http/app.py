@@ -162,12 +162,12 @@ class BufferCollector:
             inserted.add_metric([name], stat["inserted_steps"])
             for counter_name, value in counts.items():
                 raw.add_metric([name, counter_name], value)
+            sampled.add_metric([name], stat["sampled_items"])
             if stat["kind"] == "rollout":
                 continue
             sampleable.add_metric([name], stat["sampleable_steps"])
             episodes.add_metric([name], stat["episodes"])
             inserted_episodes.add_metric([name], counts.get("inserted_episodes", 0))
-            sampled.add_metric([name], stat["sampled_items"])
             sampled_batches.add_metric([name], counts.get("sampled_batches", 0))
             if stat["rate_limited"]:
                 for side in ("insert", "sample"):

@@ -1,0 +1,68 @@
+"""`replayd serve` refuses bad flag values with a usage error, and a port in use with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.cli import main as cli_main
+from service.grpc_server.server import ReplayServer
+from tests.conftest import TEST_INSTANCE
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--port", "-5"], "expected a port in 0..65535, got -5"),  # was served on port 65531
+    (["--port", "99999"], "expected a port in 0..65535, got 99999"),
+    (["--http-port", "70000"], "expected a port in 0..65535, got 70000"),
+    (["--max-buffer-gb", "0"], "expected a number > 0, got 0"),  # every create_buffer failed
+    (["--max-message-mb", "-1"], "expected a number > 0, got -1"),  # was no limit at all
+    (["--max-message-mb", "4096"], "gRPC messages are smaller than 2048 MB"),  # an OverflowError traceback
+    (["--sample-workers", "-1"], "expected an integer >= 0, got -1"),  # tracebacks, from here on
+    (["--checkpoint-keep", "-2"], "expected an integer >= 0, got -2"),
+    (["--log-level", "BOGUS"], "invalid choice: 'BOGUS'"),
+    (["--token", "päss"], "token: expected printable ASCII"),  # accepted, then no client could authenticate
+    (["--token", "secret "], "token: expected printable ASCII"),
+    (["--sample-workers", "1", "--tls-cert", "c.pem", "--tls-key", "k.pem"], "--sample-workers serve plain gRPC"),
+])
+def test_bad_flag_values_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", "--instance", f"{TEST_INSTANCE}cli", "--http-port", "-1", *flags])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _serve(*flags: str) -> subprocess.CompletedProcess:
+    """`replayd serve` in a process of its own (it tunes the allocator and logging of the process it runs in)."""
+    return subprocess.run([sys.executable, "-m", "service.cli", "serve", "--http-port", "-1", *flags],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_port_in_use_is_refused() -> None:
+    """gRPC sets SO_REUSEPORT on Linux: a second server on a port in use started, and took part of the first
+    one's calls. Now it is refused, and the serve command says so (it was a RuntimeError traceback)."""
+    first = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}cli1").start()
+    try:
+        try:
+            second = ReplayServer(f"127.0.0.1:{first.port}", instance=f"{TEST_INSTANCE}cli2")
+        except OSError as exc:
+            assert f"could not serve gRPC on 127.0.0.1:{first.port}" in str(exc)
+        else:
+            second.stop(grace=0)
+            pytest.fail("a second server was made on the first one's port")
+        refused = _serve("--instance", f"{TEST_INSTANCE}cli3", "--port", str(first.port))
+        assert refused.returncode == 1
+        assert f"replayd: could not serve gRPC on 127.0.0.1:{first.port}" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    finally:
+        first.stop(grace=0)
+
+
+def test_unreadable_tls_files_are_reported(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.pem")
+    refused = _serve("--instance", f"{TEST_INSTANCE}cli4", "--port", "0", "--tls-cert", missing, "--tls-key", missing)
+    assert refused.returncode == 1
+    assert "replayd: [Errno 2] No such file or directory" in refused.stderr
+    assert "Traceback" not in refused.stderr
