@@ -349,15 +349,21 @@ def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise FailedPrecondition(f"restore {str(path)!r}: unreadable {MANIFEST}: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise FailedPrecondition(f"restore {str(path)!r}: {MANIFEST} holds a {type(manifest).__name__}, not an object")
     if manifest.get("format") != FORMAT or manifest.get("layout_version") != LAYOUT_VERSION:
         raise FailedPrecondition(
             f"restore {str(path)!r}: checkpoint format {manifest.get('format')!r} layout_version "
             f"{manifest.get('layout_version')!r}, this code reads {FORMAT!r} layout_version {LAYOUT_VERSION}"
         )
+    try:
+        entries = [(entry, str(entry["name"])) for entry in manifest["buffers"]]
+    except (KeyError, TypeError) as exc:
+        raise FailedPrecondition(f"restore {str(path)!r}: {MANIFEST} does not list its buffers by name "
+                                 f"({type(exc).__name__}: {exc})") from None
     restored: list[str] = []
     try:
-        for entry in manifest["buffers"]:
-            name = entry["name"]
+        for entry, name in entries:
             if only is not None and name not in only:
                 continue
             try:

@@ -85,6 +85,13 @@ class SpanDedup:
                 local.pop(episode_id, None)
                 continue
             remembered = self._recent.get((episode_id, offset))
+            if remembered is None and offset > 0 and episode_id not in local and landed(episode_id) is None:
+                # A recovered buffer remembers its closed episodes whole (remember_closed): a retried chunk
+                # of one lies within them.
+                whole = self._recent.get((episode_id, 0))
+                if whole is not None and offset + rows <= whole:
+                    new[i] = False
+                    continue
             if remembered is not None:
                 if remembered != rows:
                     raise InvalidArgument(
@@ -118,7 +125,9 @@ class SpanDedup:
         self._recent = OrderedDict(((int(e), int(o)), int(r)) for e, o, r in entries)
 
     def remember_closed(self, episode_ids: np.ndarray, rows: np.ndarray) -> None:
-        """Remembers stored whole episodes (a recovered buffer rebuilds its memory from its extents)."""
+        """Remembers stored whole episodes (a recovered buffer rebuilds its memory from its extents, which do
+        not say how their episodes were chunked: a span of a remembered whole episode that lies within its rows
+        is stored)."""
         for episode_id, count in zip(episode_ids.tolist(), rows.tolist(), strict=True):
             self._recent[(int(episode_id), 0)] = int(count)
         while len(self._recent) > self.window:

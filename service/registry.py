@@ -64,6 +64,12 @@ class BufferRegistry:
             raise NotFound(f"buffer {name!r} does not exist")
         buffer.close(unlink=True)
 
+    def detach(self, name: str) -> None:
+        """Drops a buffer and unmaps it, leaving its shared memory in place."""
+        with self._lock:
+            buffer = self._buffers.pop(name)
+        buffer.close(unlink=False)
+
     def all(self) -> list[tuple[str, Buffer]]:
         with self._lock:
             return list(self._buffers.items())

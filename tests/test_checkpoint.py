@@ -177,6 +177,15 @@ def test_incompatible_checkpoints_are_refused(tmp_path: Path) -> None:
         path.write_text(json.dumps(bad))
         with pytest.raises(FailedPrecondition, match=r"points to file '\.\./\.\./outside\.arrow', expected"):
             restore_checkpoint(tmp_path, other)
+        # A manifest that does not list its buffers by name (was a bare KeyError: a traceback at startup).
+        for broken in ({k: v for k, v in manifest.items() if k != "buffers"},
+                       {**manifest, "buffers": [{k: v for k, v in manifest["buffers"][0].items() if k != "name"}]}):
+            path.write_text(json.dumps(broken))
+            with pytest.raises(FailedPrecondition, match="does not list its buffers by name"):
+                restore_checkpoint(tmp_path, other)
+        path.write_text("[]")
+        with pytest.raises(FailedPrecondition, match="holds a list, not an object"):
+            restore_checkpoint(tmp_path, other)
         assert other.all() == []
     finally:
         registry.close()

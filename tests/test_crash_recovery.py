@@ -17,6 +17,7 @@ import pytest
 from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
+from service.errors import FailedPrecondition
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -269,4 +270,158 @@ def test_writer_killed_while_the_head_episode_grows_in_place(method: str, after:
             recovered.close()
     finally:
         for name in segments(f"rpd_{TEST_INSTANCE}_grow"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def span_at(episode_id: int, rows: int, begins: bool, ends: bool, offset: int) -> tuple[dict, Spans]:
+    """A chunk that names its offset in the episode, as clients send them (for exactly-once retries)."""
+    columns, spans = chunk(episode_id, rows, begins, ends, offset)
+    return columns, Spans(spans.episode_ids, spans.rows, spans.begins, spans.ends, spans.terminated,
+                          np.array([offset]))
+
+
+@pytest.mark.parametrize("bounds_written", [False, True])
+def test_writer_killed_while_closing_an_episode_in_place(bounds_written: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close sets how the episode ended, then its rows' bounds, then its last row. Killed before the last
+    row moved, recovery kept the episode closed at its old last row (an episode that never ended, cut short)
+    and refused the client's retry; now the episode is open again and the retry closes it."""
+    buffer = EpisodicBuffer("close", TEST_INSTANCE, FIELDS, 200)
+    header = buffer.storage.header_name
+    try:
+        buffer.insert(*span_at(100, 5, True, False, 0))  # open, with room for 10 rows
+        buffer.insert(*whole(1, 10))
+        original = buffer._set_ring
+
+        def dies(array: np.ndarray, pos: int, values: np.ndarray) -> None:
+            if array is buffer.row_end and values[0] >= 0:  # the closing bounds
+                if bounds_written:
+                    original(array, pos, values)
+                raise Crash("close")
+            original(array, pos, values)
+
+        monkeypatch.setattr(buffer, "_set_ring", dies)
+        with pytest.raises(Crash):
+            buffer.insert(*span_at(100, 3, False, True, 5))
+        monkeypatch.undo()
+        buffer.storage.close()
+
+        recovered = EpisodicBuffer.recover(header)
+        try:
+            assert live_episodes(recovered) == {100: (0, 4, True), 1: (10, 20, False)}
+            assert recovered.episodes == 1 and recovered.stored_steps == 16
+            assert recovered.insert_result(*span_at(100, 3, False, True, 5)).completed == 1
+            ring_episodes = live_episodes(recovered)
+            assert ring_episodes[100] == (0, 7, False)
+            assert_untorn(recovered, ring_episodes)
+        finally:
+            recovered.close()
+    finally:
+        for name in segments(f"rpd_{TEST_INSTANCE}_close"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_writer_killed_after_a_closing_move_keeps_the_episode_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closing chunk that moves the episode to the head, killed after the new place was committed and
+    before the old one was retired: recovery kept both (the old one open), and the retry stored a third copy."""
+    buffer = EpisodicBuffer("move", TEST_INSTANCE, FIELDS, 200)
+    header = buffer.storage.header_name
+    try:
+        buffer.insert(*span_at(100, 5, True, False, 0))
+        buffer.insert(*whole(1, 10))
+        crash_inside(buffer, "_kill_extent", monkeypatch)
+        with pytest.raises(Crash):
+            buffer.insert(*span_at(100, 20, False, True, 5))  # outgrows its room of 10: moves to the head
+        monkeypatch.undo()
+        buffer.storage.close()
+
+        recovered = EpisodicBuffer.recover(header)
+        try:
+            assert live_episodes(recovered) == {1: (10, 20, False), 100: (21, 45, False)}  # fails on a second copy
+            assert recovered.episodes == 2 and recovered.stored_steps == 36 and recovered.open_episodes == 0
+            result = recovered.insert_result(*span_at(100, 20, False, True, 5))  # the unacknowledged retry
+            assert (result.completed, result.duplicate_spans) == (1, 1)
+            assert live_episodes(recovered) == {1: (10, 20, False), 100: (21, 45, False)}
+            assert_untorn(recovered, live_episodes(recovered))
+        finally:
+            recovered.close()
+    finally:
+        for name in segments(f"rpd_{TEST_INSTANCE}_move"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_writer_killed_between_the_two_tail_stores_of_an_eviction() -> None:
+    """An eviction publishes the tail position, then the first live extent: killed in between, the oldest
+    extents start below the tail. Recovery refused the segments (and the buffer was lost); now it finishes
+    the eviction."""
+    buffer = EpisodicBuffer("evict", TEST_INSTANCE, FIELDS, 60)
+    header = buffer.storage.header_name
+    try:
+        for episode_id in range(3):
+            buffer.insert(*whole(episode_id, 15))  # rows 0..47
+        state = buffer.state
+        state[6] = buffer.extent_start[(int(state[1]) + 1) % buffer.extent_slots]  # TAIL_POS past episode 0 only
+        buffer.storage.close()
+
+        recovered = EpisodicBuffer.recover(header)
+        try:
+            assert live_episodes(recovered) == {1: (16, 31, False), 2: (32, 47, False)}
+            assert recovered.episodes == 2 and recovered.stored_steps == 32 and recovered.sampleable_steps == 30
+            recovered.insert(*whole(9, 30))  # rows 48..78: evicts episode 1 (rows 16..31) to make room
+            assert set(live_episodes(recovered)) == {2, 9}
+            batch = recovered.sample(64, TransitionsMode(1, 0.9), np.random.default_rng(0), include_keys=True)
+            np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
+        finally:
+            recovered.close()
+    finally:
+        for name in segments(f"rpd_{TEST_INSTANCE}_evict"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_retried_closing_chunk_is_acknowledged_after_recovery() -> None:
+    """The server stored a closing chunk and died before acknowledging it: the client's retry was refused
+    ("not open") after recovery, which remembers closed episodes whole, not by chunk."""
+    buffer = EpisodicBuffer("dedup", TEST_INSTANCE, FIELDS, 200)
+    header = buffer.storage.header_name
+    try:
+        buffer.insert(*span_at(100, 5, True, False, 0))
+        buffer.insert(*span_at(100, 3, False, True, 5))
+        buffer.storage.close()
+        recovered = EpisodicBuffer.recover(header)
+        try:
+            result = recovered.insert_result(*span_at(100, 3, False, True, 5))
+            assert (result.completed, result.duplicate_spans) == (1, 1)
+            assert recovered.episodes == 1 and recovered.stored_steps == 8
+        finally:
+            recovered.close()
+    finally:
+        for name in segments(f"rpd_{TEST_INSTANCE}_dedup"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -> None:
+    """--recover --restore DIR where DIR holds no checkpoint (a mistyped path, or a kill before the first
+    one): the start fails, and it used to unlink the buffers it had just reattached, their only copy."""
+    from service.grpc_server.server import ReplayServer
+    from service.storage.shared_arrays import SharedArrays
+
+    instance = f"{TEST_INSTANCE}keep"
+    try:
+        for name in ("good", "bad"):
+            buffer = EpisodicBuffer(name, instance, FIELDS, 200)
+            buffer.insert(*whole(7, 10))
+            buffer.storage.close()  # the server died; the segments stay
+        corrupt = SharedArrays.attach(f"rpd_{instance}_bad", readonly=False)
+        corrupt.arrays["state"][0] = -5  # head: "bad" is lost, and would come from the checkpoint
+        corrupt.close()
+        with pytest.raises(FailedPrecondition, match="no complete checkpoint"):
+            ReplayServer("127.0.0.1:0", instance=instance, recover=True, restore_from=str(tmp_path)).start()
+        assert segments(f"rpd_{instance}_") == [f"rpd_{instance}_good", f"rpd_{instance}_good.data"]
+        server = ReplayServer("127.0.0.1:0", instance=instance, recover=True).start()
+        try:
+            assert server.registry.episodic("good").episodes == 1
+        finally:
+            server.stop(grace=0)
+    finally:
+        for name in segments(f"rpd_{instance}_"):
             os.unlink(f"/dev/shm/{name}")

@@ -300,6 +300,14 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         seqs = np.arange(tail_seq, next_seq, dtype=np.int64)
         slots = seqs % slots_total
         starts = self.extent_start[slots]
+        # An eviction publishes the tail position before the first live extent: one killed in between left
+        # evicted extents (starting below the tail) in the range. Finish it.
+        evicted = int(np.argmin(starts < tail_pos)) if np.any(starts >= tail_pos) else len(starts)
+        if evicted:
+            self.extent_flags[slots[:evicted]] = 0
+            tail_seq += evicted
+            state[TAIL_SEQ] = tail_seq
+            seqs, slots, starts = seqs[evicted:], slots[evicted:], starts[evicted:]
         committed = int(np.count_nonzero(starts < head))
         if np.any(starts[:committed] < tail_pos) or np.any(np.diff(starts[:committed]) <= 0):
             raise FailedPrecondition(f"recover {self.name!r}: extent starts are not ordered within the ring")
@@ -310,10 +318,17 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         alive = (flags & ALIVE) != 0
         is_open = alive & ((flags & IS_OPEN) != 0)
         ids = self.extent_episode_id[slots]
-        # An interrupted move leaves an open episode in two extents: the newer one is complete.
-        open_index = np.flatnonzero(is_open)
-        _, first = np.unique(ids[open_index][::-1], return_index=True)
-        newest = open_index[::-1][first]
+        # A close in place sets how the episode ended, then its rows' bounds, then its last row: one killed
+        # before the last row moved leaves the first row's bound off the extent's last row. The episode is
+        # still open at its old last row (the client's retry closes it).
+        torn = alive & ~is_open & (self.row_end[starts % capacity] != self.extent_last[slots])
+        self.extent_flags[slots[torn]] = ALIVE | IS_OPEN
+        is_open |= torn
+        # An interrupted move leaves an open episode in two extents, the newer one (open, or closed by the
+        # move) complete: an open extent is stale when a newer live extent has its id.
+        open_index, alive_index = np.flatnonzero(is_open), np.flatnonzero(alive)
+        _, first = np.unique(ids[alive_index][::-1], return_index=True)
+        newest = alive_index[::-1][first]
         stale = np.setdiff1d(open_index, newest)
         self.extent_flags[slots[stale]] = 0
         alive[stale] = is_open[stale] = False

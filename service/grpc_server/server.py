@@ -97,6 +97,7 @@ class ReplayServer:
         self.checkpoint_keep = checkpoint_keep
         self.restore_from = restore_from
         self.recover = recover
+        self._recovered: list[str] = []  # buffers reattached by recover_instance
         self.max_buffer_bytes = max_buffer_bytes
         self._stop_checkpoints = threading.Event()
         self._checkpoint_thread: threading.Thread | None = None
@@ -143,10 +144,13 @@ class ReplayServer:
 
     def start(self, timeout: float = 30.0) -> ReplayServer:
         """Restores or recovers buffers, then serves. A failure on the way stops everything started and
-        unlinks every buffer restored so far before it is raised."""
+        unlinks every buffer restored so far before it is raised; recovered buffers stay in shared memory
+        (their only copy) for the next --recover."""
         try:
             self._start(timeout)
         except BaseException:
+            for name in self._recovered:
+                self.registry.detach(name)
             self.stop(grace=0)
             raise
         return self
@@ -155,6 +159,7 @@ class ReplayServer:
         # Before serving: no client sees a partly restored registry.
         if self.recover:
             recovery = recover_instance(self.registry)
+            self._recovered = recovery.recovered
             if recovery.lost and self.restore_from is not None:
                 # Buffers whose segments failed the checks come back from the latest checkpoint.
                 restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes,
