@@ -37,7 +37,9 @@ def new_episode_id() -> int:
 
 def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
     which = info.WhichOneof("config")
-    config = getattr(info, which) if which else None
+    config = getattr(info, which)
+    # A rollout buffer holds (num_steps, num_envs) cells.
+    capacity = config.capacity_steps if which == "episodic" else config.num_steps * config.num_envs
     return {
         "name": info.name,
         "kind": info.kind,
@@ -48,8 +50,8 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "sampleable_steps": info.sampleable_steps,
         "episodes": info.episodes,
         "counters": dict(info.counters),
-        "capacity_steps": getattr(config, "capacity_steps", 0),
-        "fields": {f.name: (f.dtype, tuple(f.shape), f.observation) for f in getattr(config, "fields", [])},
+        "capacity_steps": capacity,
+        "fields": {f.name: (f.dtype, tuple(f.shape), f.observation) for f in config.fields},
         "policy_version": info.policy_version,
         "missing_steps": info.missing_steps,
         "rollout_complete": info.rollout_complete,

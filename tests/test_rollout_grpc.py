@@ -64,6 +64,7 @@ def test_actors_push_learner_streams_minibatches(client: ReplayClient) -> None:
         np.testing.assert_array_equal(batch["obs"], full["obs"].reshape(-1, 3)[index])
     np.testing.assert_array_equal(seen, 2)  # every sample exactly once per epoch
     assert client.describe("ppo")["counters"]["served_samples"] == 2 * T * N  # the status page's samples/s
+    assert client.describe("ppo")["capacity_steps"] == T * N  # was 0: a rollout buffer has cells, not a ring
 
 
 def test_stale_and_incomplete_rollouts_are_rejected(client: ReplayClient) -> None:
