@@ -17,6 +17,11 @@ class FailedPrecondition(ReplayError):
     pass
 
 
+class ShortOfDraws(FailedPrecondition):
+    """A batch larger than the draws its buffer's steps have left (a remover retires steps after k draws):
+    nothing was drawn; a sample that may wait waits for inserts."""
+
+
 class RingChanged(FailedPrecondition):
     """A draw found no item in a range the writer emptied under it: only a lock-free reader meets it, and
     draws again."""

@@ -8,7 +8,7 @@ states of earlier steps in its episode still read it. Its row is reclaimed by th
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -18,7 +18,10 @@ from service.storage.shared_arrays import ArraySpec
 if TYPE_CHECKING:
     from service.buffers.episodic import EpisodicBuffer
 
-_NOTHING = np.empty(0, dtype=np.int64)
+class DrawCounts(NamedTuple):
+    rows: np.ndarray  # the rows a round drew, each once
+    before: np.ndarray  # their draw counts before it
+    retired: int  # steps it retired
 
 
 class FifoRemover:
@@ -43,9 +46,6 @@ class FifoRemover:
     def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
         pass
 
-    def on_sampled(self, ring: EpisodicBuffer, positions: np.ndarray) -> np.ndarray:
-        return _NOTHING
-
     def state_of_rows(self, rows: np.ndarray) -> np.ndarray | None:
         """Per-row item state to carry when an open episode's steps move to the head (None: none kept)."""
         return None
@@ -64,8 +64,10 @@ class MaxTimesSampledRemover(FifoRemover):
     """Reverb's MaxTimesSampled with item = step: a step sampled `max_times_sampled` times is retired.
 
     A per-row counter in shared memory counts draws. Retired rows read as holes to the samplers
-    (EpisodicBuffer.episode_bounds) and leave the buffer's sampleable count. A step drawn several
-    times in one batch counts each draw, so a batch may hold a step more often than it had draws left.
+    (EpisodicBuffer.episode_bounds) and leave the buffer's sampleable count. A batch is drawn in rounds
+    (EpisodicBuffer.sample): a round's draws past a step's draws left are dropped and drawn again, so a
+    step comes back at most max_times_sampled times, within one batch too (as Reverb retires an item
+    within a batch).
     """
 
     name = "max_times_sampled"
@@ -116,19 +118,33 @@ class MaxTimesSampledRemover(FifoRemover):
         retired = self.times_sampled.take(positions % ring.capacity) >= self.max_times_sampled
         ring.state[SAMPLEABLE] -= int(np.count_nonzero(retired))
 
-    def on_sampled(self, ring: EpisodicBuffer, positions: np.ndarray) -> np.ndarray:
-        """Counts the draws; returns the positions retired by them (each once)."""
+    def count_draws(self, ring: EpisodicBuffer, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, DrawCounts]:
+        """Counts a round's draws (in draw order) up to each step's draws left: returns (kept: a mask of the
+        draws within them, retired: the positions the kept draws used up, each once, what uncount_draws needs)."""
         from service.buffers.episodic import SAMPLEABLE
 
-        unique, draws = np.unique(positions, return_counts=True)
+        unique, inverse, draws = np.unique(positions, return_inverse=True, return_counts=True)
+        # Each draw's rank among the draws of its position, in draw order.
+        by_position = np.argsort(inverse, kind="stable")
+        rank = np.empty(positions.size, dtype=np.int64)
+        rank[by_position] = np.arange(positions.size) - np.repeat(np.cumsum(draws) - draws, draws)
         rows = unique % ring.capacity
         before = self.times_sampled.take(rows)
-        after = before + draws
+        kept = before[inverse] + rank < self.max_times_sampled
+        after = np.minimum(before + draws, self.max_times_sampled)
         self.times_sampled[rows] = after
         retired = unique[(before < self.max_times_sampled) & (after >= self.max_times_sampled)]
         ring.state[SAMPLEABLE] -= retired.size
         self.counters["retired_steps"] += retired.size
-        return retired
+        return kept, retired, DrawCounts(rows, before, retired.size)
+
+    def uncount_draws(self, ring: EpisodicBuffer, counts: DrawCounts) -> None:
+        """Takes back a round's count_draws (rounds in reverse order) when its batch is not served."""
+        from service.buffers.episodic import SAMPLEABLE
+
+        self.times_sampled[counts.rows] = counts.before
+        ring.state[SAMPLEABLE] += counts.retired
+        self.counters["retired_steps"] -= counts.retired
 
     def config(self) -> dict[str, float]:
         return {"max_times_sampled": float(self.max_times_sampled)}

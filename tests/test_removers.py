@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import FailedPrecondition, InvalidArgument
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from service.removers import MaxTimesSampledRemover
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.states import StatesMode
@@ -42,8 +43,10 @@ def test_each_step_is_drawn_at_most_k_times_then_retired(sampler) -> None:
         insert_episodes(buffer, [40, 40], 2)  # evicts the retired episodes: counts stay consistent
         assert buffer.sampleable_steps == 80
         assert buffer.remover.counters["retired_steps"] == 10
-        keys = buffer.sample(2000, StatesMode(), rng, include_keys=True)["key"]
-        assert (keys >= buffer.tail_position()).all()
+        # One batch of every draw left: each of the 80 new steps exactly k times, within the batch too.
+        keys, counts = np.unique(buffer.sample(240, StatesMode(), rng, include_keys=True)["key"], return_counts=True)
+        assert keys.size == 80 and (counts == k).all() and (keys >= buffer.tail_position()).all()
+        assert buffer.sampleable_steps == 0
     finally:
         buffer.close()
 
@@ -73,8 +76,8 @@ def test_retired_steps_stay_retired_when_their_open_episode_moves(sampler) -> No
         buffer.insert(*chunk(1, 10, False, first_t=3))  # outgrows its room: moved to the head
         assert buffer.counters["moved_open_episodes"] == 1
         assert buffer.sampleable_steps == 10  # t = 2..11 of episode 1; t = 0, 1 were retired before the move
-        t = buffer.sample(500, StatesMode(), rng)["t"]
-        assert set(t.tolist()) <= set(range(2, 12))
+        t = buffer.sample(10, StatesMode(), rng)["t"]
+        assert sorted(t.tolist()) == list(range(2, 12))
     finally:
         buffer.close()
 
@@ -93,5 +96,73 @@ def test_priorities_move_with_their_open_episode() -> None:
         assert buffer.counters["moved_open_episodes"] == 1
         leaves = buffer.sampler.tree.get(np.array([key_of(0), key_of(1)]) % 64)
         np.testing.assert_array_equal(leaves, [50.0, 1.0])  # not reset to the max priority (50) or lost
+    finally:
+        buffer.close()
+
+
+@pytest.mark.parametrize("sampler", [None, PrioritizedSampler(0.5)], ids=["uniform", "prioritized"])
+def test_a_batch_holds_a_step_at_most_its_draws_left(sampler) -> None:
+    """Draws are counted as a batch is drawn (as Reverb retires an item within a batch): with k = 1 a batch
+    never repeats a step (it held one step 3 times in 8 draws from 10 steps), and a batch larger than the
+    draws left is refused with every count and priority as it was."""
+    buffer = EpisodicBuffer("quota", f"test{os.getpid()}", FIELDS, 100, sampler=sampler,
+                            remover=MaxTimesSampledRemover(1))
+    rng = np.random.default_rng(0)
+    try:
+        insert_episodes(buffer, [10], 0)
+        first = buffer.sample(8, StatesMode(), rng, include_keys=True)["key"]
+        assert np.unique(first).size == 8 and buffer.sampleable_steps == 2
+        before = {name: array.copy() for name, array in buffer.storage.arrays.items()}
+        with pytest.raises(FailedPrecondition, match="fewer draws left than batch_size=8"):
+            buffer.sample(8, StatesMode(), rng)
+        for name, array in buffer.storage.arrays.items():
+            np.testing.assert_array_equal(array, before[name], err_msg=name)
+        assert buffer.remover.counters["retired_steps"] == 8
+        rest = buffer.sample(2, StatesMode(), rng, include_keys=True)["key"]
+        assert sorted(np.concatenate([first, rest]).tolist()) == list(range(10))
+    finally:
+        buffer.close()
+
+
+def test_draws_left_hold_across_random_batches() -> None:
+    k = 2
+    buffer = EpisodicBuffer("quota2", f"test{os.getpid()}", FIELDS, 1000, remover=MaxTimesSampledRemover(k))
+    rng = np.random.default_rng(1)
+    try:
+        insert_episodes(buffer, [30, 7, 12], 0)
+        drawn = []
+        while buffer.sampleable_steps:
+            size = int(rng.integers(1, 9))
+            try:
+                drawn.append(buffer.sample(size, StatesMode(), rng, include_keys=True)["key"])
+            except FailedPrecondition:
+                drawn.append(buffer.sample(1, StatesMode(), rng, include_keys=True)["key"])
+        keys, counts = np.unique(np.concatenate(drawn), return_counts=True)
+        assert keys.size == 49 and (counts == k).all()
+    finally:
+        buffer.close()
+
+
+def test_a_waiting_sample_waits_for_draws_left() -> None:
+    """A sample that may wait, short of draws left, waits for an insert instead of failing."""
+    import threading
+
+    buffer = EpisodicBuffer("quota3", f"test{os.getpid()}", FIELDS, 100, remover=MaxTimesSampledRemover(1))
+    rng = np.random.default_rng(2)
+    try:
+        insert_episodes(buffer, [4], 0)
+        result: list[np.ndarray] = []
+        waiter = threading.Thread(target=lambda: result.append(
+            buffer.sample(6, StatesMode(), rng, include_keys=True, wait_seconds=30)["key"]))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while buffer.worker_seats.taken["waits"] == 0:  # until the sample waits (in a wait seat)
+            assert time.monotonic() < deadline, "the sample did not wait"
+            time.sleep(0.001)
+        insert_episodes(buffer, [5], 1)
+        waiter.join(30)
+        assert not waiter.is_alive() and np.unique(result[0]).size == 6
+        with pytest.raises(DeadlineExceeded, match="fewer draws left than batch_size=6"):
+            buffer.sample(6, StatesMode(), rng, wait_seconds=0.05)
     finally:
         buffer.close()

@@ -22,6 +22,7 @@ Commit order within an insert: rows first, then row bounds, then the extent tabl
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,9 +49,10 @@ from service.buffers.ring import (
     shm_name,
 )
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted, ShortOfDraws
 from service.limiters import RateLimiter, WorkerSeats, wait_on
-from service.removers import FifoRemover, MaxTimesSampledRemover
+from service.removers import DrawCounts, FifoRemover, MaxTimesSampledRemover
+from service.samplers.draw import Draw
 from service.samplers.kernels import REWARD_DTYPES
 from service.samplers.modes import BatchMode
 from service.samplers.prioritized import PrioritizedSampler
@@ -775,31 +777,79 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                importance_beta: float = 0.0, ended: threading.Event | None = None) -> dict[str, np.ndarray]:
         """One batch: indices from the sampler, columns from the mode, gathered under the lock.
 
-        With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back) is waited on
-        (a condition, not a spin) for that long, or until `ended` is set (the call was cancelled:
-        Cancelled); without, it fails at once.
+        With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back, or steps with fewer
+        draws left than the batch needs) is waited on (a condition, not a spin) for that long, or until
+        `ended` is set (the call was cancelled: Cancelled); without, it fails at once.
         """
         mode.check(self)  # a request this buffer can never serve fails now, not after waiting for data
+        deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
         with self.live():
-            if self.limiter is not None:
-                self.limiter.await_sample(self, batch_size, wait_seconds, ended)
-                self.check_live()  # await_sample may have waited (which releases the lock)
-            elif wait_seconds is not None and not self.sampler.drawable(self):
-                if not wait_on(self, lambda: self.sampler.drawable(self), wait_seconds, ended,
-                               f"sample of buffer {self.name!r} (waiting for data)"):
-                    raise DeadlineExceeded(f"buffer {self.name!r} got no step to draw within {wait_seconds:.3g}s "
-                                           f"(sampleable_steps={self.sampleable_steps})")
+            while True:
+                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                if self.limiter is not None:
+                    self.limiter.await_sample(self, batch_size, remaining, ended)
+                    self.check_live()  # await_sample may have waited (which releases the lock)
+                elif remaining is not None and not self.sampler.drawable(self):
+                    if not wait_on(self, lambda: self.sampler.drawable(self), remaining, ended,
+                                   f"sample of buffer {self.name!r} (waiting for data)"):
+                        raise DeadlineExceeded(f"buffer {self.name!r} got no step to draw within {wait_seconds:.3g}s "
+                                               f"(sampleable_steps={self.sampleable_steps})")
+                    self.check_live()  # the wait released the lock
+                if not self.remover.retires:
+                    batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)[1]
+                    break
+                try:
+                    batch = self._gather_within_draws_left(batch_size, mode, rng or self.rng, include_keys,
+                                                           importance_beta)
+                    break
+                except ShortOfDraws:
+                    if deadline is None:
+                        raise
+                inserts = self.counters["insert_requests"]
+                if not wait_on(self, lambda inserts=inserts: self.counters["insert_requests"] != inserts,
+                               max(deadline - time.monotonic(), 0.0), ended,
+                               f"sample of buffer {self.name!r} (waiting for draws left)"):
+                    raise DeadlineExceeded(
+                        f"buffer {self.name!r}: its steps had fewer draws left than batch_size={batch_size} for "
+                        f"{wait_seconds:.3g}s (sampleable_steps={self.sampleable_steps})")
                 self.check_live()  # the wait released the lock
-            draw, batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)
             self.counters["sampled_batches"] += 1
             self.counters["sampled_items"] += batch_size
-            retired = self.remover.on_sampled(self, draw.positions)
-            if retired.size:
-                self.sampler.on_positions_cleared(self, retired)
             if self.limiter is not None:
                 self.limiter.record_sample(batch_size)
                 self.inserted.notify_all()  # `inserted` also wakes inserts the limiter holds back
         return batch
+
+    def _gather_within_draws_left(self, batch_size: int, mode: BatchMode, rng: np.random.Generator,
+                                  include_keys: bool, importance_beta: float) -> dict[str, np.ndarray]:
+        """A batch of a buffer whose remover retires steps, drawn in rounds: each round's draws are counted
+        as they are taken, and those past a step's draws left are drawn again, so that a step comes back
+        at most as often as it has draws left, within the batch too. A batch its steps' draws left cannot
+        fill is refused (ShortOfDraws) with every count and priority as it was."""
+        parts: list[Draw] = []
+        taken: list[tuple[DrawCounts, np.ndarray, object]] = []
+        need = batch_size
+        try:
+            while need:
+                draw = self.draw(need, rng, importance_beta)
+                kept, retired, counts = self.remover.count_draws(self, draw.positions)
+                retired_rows = retired % self.capacity
+                taken.append((counts, retired_rows, self.sampler.state_of_rows(retired_rows)))
+                self.sampler.on_positions_cleared(self, retired)
+                parts.append(draw if kept.all() else draw.select(kept))
+                need -= int(np.count_nonzero(kept))
+        except FailedPrecondition as exc:  # no step left to draw
+            if not taken:
+                raise
+            for counts, retired_rows, state in reversed(taken):
+                self.sampler.restore_rows(self, retired_rows, state)
+                self.remover.uncount_draws(self, counts)
+            raise ShortOfDraws(
+                f"sample of buffer {self.name!r}: its steps have fewer draws left than batch_size={batch_size} "
+                f"(max_times_sampled={self.remover.max_times_sampled}; {exc})"
+            ) from None
+        draw = Draw.concatenate(parts)
+        return self.batch_of(draw, mode, rng, include_keys)
 
     def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
         """(applied, ignored_stale): see PrioritizedSampler.update_priorities."""

@@ -186,13 +186,18 @@ class EpisodicRing:
         """(draw, batch): indices from the sampler, columns from the mode. The callers (sample, sample_shared)
         ensure consistency and have the mode check the ring."""
         draw = self.draw(batch_size, rng, importance_beta)
+        return draw, self.batch_of(draw, mode, rng, include_keys)
+
+    def batch_of(self, draw: Draw, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False
+                 ) -> dict[str, np.ndarray]:
+        """The batch of a draw: columns from the mode, keys and episode ids if asked, the sampler's extras."""
         batch = mode.build(self, draw, rng)
         if include_keys:
             batch["key"] = draw.positions
             batch["episode_id"] = self.episode_ids_of(draw)
         if draw.extra:
             batch.update(draw.extra)
-        return draw, batch
+        return batch
 
     def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
                       importance_beta: float = 0.0) -> tuple[dict[str, np.ndarray], int]:

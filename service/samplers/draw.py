@@ -17,3 +17,19 @@ class Draw:
     # takes the episode's id from it, as the episode may move (and its rows' sequence numbers go) later.
     open_seq: np.ndarray
     extra: dict[str, np.ndarray] | None = None  # sampler-specific columns, e.g. probability, weight
+
+    def select(self, kept: np.ndarray) -> Draw:
+        """The draws a mask keeps."""
+        extra = None if self.extra is None else {name: column[kept] for name, column in self.extra.items()}
+        return Draw(self.positions[kept], self.rows[kept], self.bounds[kept], self.closed[kept], self.open_seq[kept],
+                    extra)
+
+    @staticmethod
+    def concatenate(parts: list[Draw]) -> Draw:
+        """The draws of several rounds as one batch, in order."""
+        if len(parts) == 1:
+            return parts[0]
+        extra = None if parts[0].extra is None else {
+            name: np.concatenate([part.extra[name] for part in parts]) for name in parts[0].extra}
+        return Draw(*(np.concatenate([getattr(part, name) for part in parts])
+                      for name in ("positions", "rows", "bounds", "closed", "open_seq")), extra)
