@@ -9,6 +9,7 @@ random-walk episodes in four rooms. Implementations live in client/actors/.
 from __future__ import annotations
 
 import argparse
+import secrets
 
 from client.actors.common import ActorReport, flush_with_retry, refresh_weights, wait_for_buffer
 from client.actors.dqn import DQNActorConfig, run_dqn_actor
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     refuse_foreign_options(parser, algo_name, args, (algo.actor_config,))
     if args["seconds"] is None:
         args["seconds"] = 3600.0
+    if args["seed"] is None and algo_name != "ppo":  # ppo actors seed from their --actor-index
+        # Actors started alike (one command line each, compose's --scale) must not write the same episodes.
+        args["seed"] = secrets.randbits(31)
+        print(f"actor: seed {args['seed']} (--seed fixes it)", flush=True)
     report = algo.actor(build(algo.actor_config, **args))
     print(f"actor: {report.env_steps} env steps, weights version {report.weights_version}, "
           f"{report.pushed} pushed", flush=True)

@@ -63,3 +63,21 @@ def test_ppo_actor_stops_on_the_learners_final_weights(client: ReplayClient) -> 
         lambda: client.publish_weights("pi", 2, module_to_bytes(model), final=True))
     # No rollout for the final weights: nobody would train on it.
     assert took < 30 and report.weights_version == 1 and report.pushed == 1
+
+
+def test_actors_started_alike_write_different_episodes(client: ReplayClient) -> None:
+    """Two `replayd actor --algo allo` with the same command line (as one per actor, or compose's --scale,
+    start them) wrote the same random walks: both used seed 0. Each now draws its own seed."""
+    from client.actor import main as actor_main
+    from client.learners.allo import GRID_SCHEMA
+
+    client.create_buffer("fourrooms", 10_000, GRID_SCHEMA)
+    for _ in range(2):
+        actor_main(["--algo", "allo", "--address", client.address, "--episodes", "5"])
+    assert client.describe("fourrooms")["episodes"] == 10
+    batch = client.sample("fourrooms", 20_000, "states", include_keys=True)
+    walks = {}
+    for episode_id, key, obs in zip(batch["episode_id"].tolist(), batch["key"].tolist(), batch["obs"], strict=True):
+        walks.setdefault(episode_id, {})[key] = tuple(obs.tolist())
+    trajectories = {tuple(steps[key] for key in sorted(steps)) for steps in walks.values()}
+    assert len(walks) == 10 and len(trajectories) == 10
