@@ -219,3 +219,23 @@ def test_rows_too_large_to_describe_are_refused_when_encoding() -> None:
     huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(1, 2**31), strides=(0, 0))
     with pytest.raises(codec.CodecError, match="'x': row shape"):
         codec.encode({"x": huge})
+
+
+def test_big_endian_dtype_metadata_decodes_in_native_order_every_time() -> None:
+    """A payload whose dtype metadata says '>f4' (bodies are little-endian whatever it says): the first decode
+    (through Arrow) was right, the ones after it (from the learned layout) byte-swapped."""
+    values = pa.array(np.array([1.0, 2.0, 3.0], np.float32))
+    schema = pa.schema([pa.field("x", pa.float32(), metadata={b"dtype": b">f4", b"shape": b"[]"})])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays([values], schema=schema))
+    payload = sink.getvalue().to_pybytes()
+    for _ in range(3):
+        decoded = codec.decode(payload)["x"]
+        assert decoded.dtype == np.dtype("float32") and decoded.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_rows_of_a_rank_decode_refuses_are_not_encoded() -> None:
+    with pytest.raises(codec.CodecError, match="exceeds rank 32"):
+        codec.encode({"a": np.zeros((1,) * 34)})
+    assert codec.decode(codec.encode({"a": np.zeros((1,) * 33)}))["a"].shape == (1,) * 33

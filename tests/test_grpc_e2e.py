@@ -489,6 +489,28 @@ def test_the_size_check_counts_every_column_a_batch_holds(sampler: str) -> None:
             buffer.close()
 
 
+def test_the_size_check_bounds_the_framing_of_wide_schemas() -> None:
+    """Many columns with long names and rank-8 rows: the framing outgrows the flat 64 KiB the size check
+    allowed, so a batch it admitted could be drawn (and counted) and then refused. It now allows 1 KiB
+    per column the batch may hold."""
+    shape = (1,) * 8
+    observations = [Field(f"o{i:02d}".ljust(64, "x"), "uint8", shape, observation=True) for i in range(64)]
+    steps = [Field(f"s{i:02d}".ljust(64, "x"), "uint8", shape) for i in range(64)]
+    fields = [*observations, *steps, Field("reward", "float32", ())]
+    buffer = EpisodicBuffer("wide", f"{TEST_INSTANCE}wide", fields, 200, sampler=PrioritizedSampler(0.6))
+    try:
+        columns = {f.name: np.zeros((41, *f.shape), f.dtype) for f in fields}
+        buffer.insert(columns, Spans.whole_episodes(np.array([40]), np.array([1]), np.array([True])))
+        request = pb.SampleRequest(batch_size=8, transitions=pb.TransitionsMode(n_step=3), include_keys=True)
+        mode = sample_mode(request, buffer, 2**30)
+        item_bytes = mode.item_bytes(buffer) + buffer.sampler.extra_item_bytes + KEY_ITEM_BYTES
+        batch = buffer.sample(8, mode, np.random.default_rng(0), include_keys=True, importance_beta=0.4)
+        framing = codec.encoded_size(codec.encode_parts(batch)) - 8 * item_bytes
+        assert codec.FRAMING_BYTES < framing <= codec.framing_bytes(3 * len(fields) + 8)
+    finally:
+        buffer.close()
+
+
 def test_a_buffer_deleted_while_the_list_is_made_is_left_out(server: ReplayServer, client: ReplayClient,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     client.create_buffer("kept", 100, SCHEMA)

@@ -183,10 +183,15 @@ def test_an_oversized_minibatch_is_refused_before_any_is_cut() -> None:
                 client.push_rollout("wide", 0, env, 0, bootstrap_value=np.zeros(1, np.float32),
                                     obs=np.zeros((steps, 1, 16384), np.float32),
                                     **{k: v[:, env:env + 1] for k, v in columns.items()})
+            arrays = server.registry.rollout("wide").shared.arrays
+            before = {name: array.copy() for name, array in arrays.items()}
             code, details = rpc_status(lambda: list(client.rollout_minibatches("wide", 32)))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "minibatch_size=32" in details and "max_message_bytes=1048576" in details
-            assert client.describe("wide")["counters"]["minibatches_served"] == 0
+            counters = client.describe("wide")["counters"]
+            assert counters["minibatches_served"] == 0 and counters.get("gae_computations", 0) == 0  # GAE ran first
+            for name, array in arrays.items():
+                np.testing.assert_array_equal(array, before[name], err_msg=name)
             assert [b["obs"].shape for b in client.rollout_minibatches("wide", 8)] == [(8, 16384)] * 4
     finally:
         server.stop(grace=0)

@@ -343,7 +343,9 @@ def sample_mode(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes
     mode.check(ring)
     item_bytes = (mode.item_bytes(ring) + ring.sampler.extra_item_bytes
                   + (KEY_ITEM_BYTES if request.include_keys else 0))
-    needed = request.batch_size * item_bytes + codec.FRAMING_BYTES
+    # A batch holds at most each observation field thrice (obs, next, bootstrap), the step fields, two flags,
+    # two targets, keys and ids, and the sampler's columns.
+    needed = request.batch_size * item_bytes + codec.framing_bytes(3 * len(ring.fields) + 8)
     if needed > max_message_bytes:
         raise errors.ResourceExhausted(
             f"sample: batch_size={request.batch_size} needs up to {needed} bytes ({item_bytes} per item), over "
@@ -565,17 +567,19 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @stream_rpc
     def RolloutMinibatches(self, request: pb.RolloutMinibatchesRequest, context) -> Iterator[bytes]:
         buffer = self.registry.rollout(request.buffer)
-        minibatches = buffer.minibatches(
-            request.minibatch_size, request.epochs or 1, request.normalize_advantages, request.drop_last,
-            request.seed if request.HasField("seed") else None,
-        )
-        needed = request.minibatch_size * buffer.sample_bytes + codec.FRAMING_BYTES
-        if needed > self.max_message_bytes:  # refused before a minibatch is cut (and counted)
+        config = buffer.config
+        # The columns and advantage and return; refused before GAE runs and a minibatch is cut (and counted).
+        needed = request.minibatch_size * buffer.sample_bytes + codec.framing_bytes(len(config.columns) + 2)
+        if 1 <= request.minibatch_size <= config.num_steps * config.num_envs and needed > self.max_message_bytes:
             raise errors.ResourceExhausted(
                 f"rollout_minibatches: minibatch_size={request.minibatch_size} needs up to {needed} bytes "
                 f"({buffer.sample_bytes} per sample), over the server's max_message_bytes={self.max_message_bytes}; "
                 "lower minibatch_size or raise --max-message-mb"
             )
+        minibatches = buffer.minibatches(
+            request.minibatch_size, request.epochs or 1, request.normalize_advantages, request.drop_last,
+            request.seed if request.HasField("seed") else None,
+        )
         for batch in minibatches:
             if not context.is_active():
                 return

@@ -47,8 +47,15 @@ _PARTS_MIN_BYTES = 256 * 2**10
 _MAX_ROW_VALUES = 2**31 - 1
 _MAX_RANK = 32
 # Room around a payload's column bytes: the Arrow schema (names, shapes, dtypes), buffer padding and
-# protobuf framing; a few KB for any batch replayd builds.
+# protobuf framing: a few KB, and up to 1 KB per column (its schema entry with a 64-character name and its
+# dtype and shape metadata, its nodes, buffers and padding: about 350 bytes measured for such a column).
 FRAMING_BYTES = 64 * 2**10
+COLUMN_FRAMING_BYTES = 2**10
+
+
+def framing_bytes(columns: int) -> int:
+    """The most a payload of `columns` columns holds besides their bytes."""
+    return FRAMING_BYTES + columns * COLUMN_FRAMING_BYTES
 
 
 class CodecError(ValueError):
@@ -216,8 +223,9 @@ def encode_parts(columns: Mapping[str, np.ndarray]) -> tuple:
         seen[id(array)] = name
         if not array.dtype.isnative:  # Arrow bodies are little-endian, as is every host replayd runs on
             array = array.astype(array.dtype.newbyteorder("="))
-        if math.prod(array.shape[1:]) > _MAX_ROW_VALUES:
-            raise CodecError(f"field {name!r}: row shape {array.shape[1:]} exceeds {_MAX_ROW_VALUES} values")
+        if array.ndim - 1 > _MAX_RANK or math.prod(array.shape[1:]) > _MAX_ROW_VALUES:  # as decode requires
+            raise CodecError(f"field {name!r}: row shape {array.shape[1:]} exceeds rank {_MAX_RANK} or "
+                             f"{_MAX_ROW_VALUES} values")
         arrays.append(array)
         layout.append((name, array.dtype.str, array.shape[1:]))
     key = (tuple(layout), tuple(aliases))
@@ -255,7 +263,8 @@ def _decode_plan(schema_message: bytes, schema: pa.Schema) -> _Plan:
         if _DTYPE_KEY not in metadata or _SHAPE_KEY not in metadata:
             raise CodecError(f"field {field.name!r}: missing dtype/shape metadata")
         try:
-            dtype = check_dtype(field.name, metadata[_DTYPE_KEY].decode())
+            # Bodies are little-endian whatever the metadata's byte order says (">f4" is float32 too).
+            dtype = np.dtype(check_dtype(field.name, metadata[_DTYPE_KEY].decode()).name)
             shape = json.loads(metadata[_SHAPE_KEY])
         except (TypeError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise CodecError(f"field {field.name!r}: bad dtype/shape metadata ({exc})") from exc
