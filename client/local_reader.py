@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import numpy as np
 
-from client.polling import wait_until
+from client.polling import never, wait_until
 from client.replay_client import ReplayClient
 from service.buffers.ring import EpisodicRing
 from service.errors import DeadlineExceeded, NotFound
@@ -27,6 +28,26 @@ from service.samplers.transitions import TransitionsMode
 from service.storage.shared_arrays import segment_identity
 
 CHECK_EVERY = 0.05  # seconds between checks that the buffer still exists on the server
+
+
+class LocalStream:
+    """A LocalReader's batches. close(), from any thread, ends the iteration, also while it waits for data
+    (a Loader closes its source from the consumer's thread while its own thread is reading it)."""
+
+    def __init__(self, batches: Callable[[Callable[[], bool]], Iterator[dict[str, np.ndarray]]]) -> None:
+        self._closed = threading.Event()
+        self._batches = batches(self._closed.is_set)
+
+    def __iter__(self) -> LocalStream:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._closed.is_set():
+            raise StopIteration
+        return next(self._batches)
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 def batch_mode(mode: str, n_step: int = 1, gamma: float = 0.99, discount: float | None = None) -> BatchMode:
@@ -84,10 +105,12 @@ class LocalReader:
         self._check_current()  # a buffer deleted while we wait never gets data: NotFound, not a timeout
         return self.ring.sampler.drawable(self.ring)  # a prioritized buffer also needs a positive priority
 
-    def _wait_for_data(self, timeout: float | None) -> None:
+    def _wait_for_data(self, timeout: float | None, stopped: Callable[[], bool] = never) -> bool:
+        """Polls until the buffer has a step to draw (True) or `stopped()` (False)."""
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         try:
-            wait_until(self._has_data, deadline, f"data in buffer {self.buffer!r}", max_delay=0.02)
+            return bool(wait_until(self._has_data, deadline, f"data in buffer {self.buffer!r}", stopped=stopped,
+                                   max_delay=0.02))
         except TimeoutError as exc:
             raise DeadlineExceeded(f"buffer {self.buffer!r} got no step to draw within {timeout:.3g}s") from exc
 
@@ -129,17 +152,21 @@ class LocalReader:
     def sample_stream(self, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
                       seed: int | None = None, include_keys: bool = False, importance_beta: float = 0.0,
                       wait: bool = False, timeout: float | None = None,
-                      **options: Any) -> Iterator[dict[str, np.ndarray]]:
-        """Batches until `num_batches` (0: forever); one generator, so a seeded stream is reproducible.
+                      **options: Any) -> LocalStream:
+        """Batches until `num_batches` (0: forever); one random stream, so a seeded stream is reproducible.
         `wait` and `timeout` as in `sample`, for the first batch."""
         rng = np.random.default_rng(seed)
         chosen = batch_mode(mode, **options)
-        if wait:
-            self._wait_for_data(timeout)
-        sent = 0
-        while num_batches == 0 or sent < num_batches:
-            self._check_current()
-            batch, torn = self.ring.sample_shared(batch_size, chosen, rng, include_keys, importance_beta)
-            self.torn_redraws += torn
-            yield batch
-            sent += 1
+
+        def batches(stopped: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
+            if wait and not self._wait_for_data(timeout, stopped):
+                return
+            sent = 0
+            while num_batches == 0 or sent < num_batches:
+                self._check_current()
+                batch, torn = self.ring.sample_shared(batch_size, chosen, rng, include_keys, importance_beta)
+                self.torn_redraws += torn
+                yield batch
+                sent += 1
+
+        return LocalStream(batches)

@@ -12,7 +12,7 @@ import os
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -316,6 +316,12 @@ class ReplayClient:
         self._buffer_sampling.pop(buffer, None)
         self._stateful_sampling.pop(buffer, None)
 
+    def _changes_state_or_unknown(self, buffer: str) -> bool:
+        try:
+            return self._sampling_changes_state(buffer)
+        except grpc.RpcError:
+            return True
+
     def _sampling_changes_state(self, buffer: str) -> bool:
         stateful = self._stateful_sampling.get(buffer)
         if stateful is None:
@@ -342,7 +348,7 @@ class ReplayClient:
         return self._with_retries(lambda remaining: call(request, timeout=remaining), self.RETRYABLE,
                                   self._deadline(timeout))
 
-    def _with_retries(self, attempt: Callable[[float | None], T], codes: tuple[grpc.StatusCode, ...],
+    def _with_retries(self, attempt: Callable[[float | None], T], codes: Collection[grpc.StatusCode],
                       timeout: float | None) -> T:
         """`attempt(seconds)` with a deadline of `timeout` seconds (None: none), retried `self.retries` times
         on `codes` with exponential backoff and jitter, each retry with a deadline of its own.
@@ -576,6 +582,9 @@ class ReplayClient:
                **options: Any) -> dict[str, np.ndarray]:
         """One batch as read-only numpy arrays (views into the received bytes)."""
         request = self.sample_request(buffer, batch_size, mode, **options)
+        # A lost response after the server drew would count the draws twice: only side-effect-free
+        # sampling is retried.
+        codes = [] if self._sampling_changes_state(buffer) else list(self.RETRYABLE)
 
         def attempt(remaining: float | None) -> bytes:
             try:
@@ -583,11 +592,12 @@ class ReplayClient:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._forget_sampling(buffer)  # the retry asks the server where its workers are now
+                    # The call may have drawn: retried only if the buffer, maybe created again since by another
+                    # client, still samples without side effects (or the server refused it untouched).
+                    if server_retry_after(exc) is None and codes and self._changes_state_or_unknown(buffer):
+                        codes.clear()
                 raise
 
-        # A lost response after the server drew would count the draws twice: only side-effect-free
-        # sampling is retried.
-        codes = () if self._sampling_changes_state(buffer) else self.RETRYABLE
         return codec.decode(self._with_retries(attempt, codes, self._deadline(timeout)))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,

@@ -309,3 +309,24 @@ def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClien
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert faults.calls == (2 if retried else 1)
     assert client.describe("s")["sampling_changes_state"] is not retried
+
+
+def test_a_sample_is_not_sent_again_once_its_buffer_was_created_again_with_a_remover(client: ReplayClient) -> None:
+    """The client had learned that sampling "s" changes nothing; another client then created "s" again with a
+    max_times_sampled remover. A lost response was retried from the stale answer: one batch retired twice."""
+    rng = np.random.default_rng(9)
+    client.create_buffer("s", 1000, SCHEMA)
+    client.insert_episodes("s", [episode(rng, 100)], [True])
+    client.use_sample_workers = False
+    client.sample("s", 4)  # learns: no side effects
+    with ReplayClient(client.address) as other:
+        other.delete_buffer("s")
+        other.create_buffer("s", 1000, SCHEMA, remover="max_times_sampled", max_times_sampled=1)
+        other.insert_episodes("s", [episode(rng, 100)], [True])
+    faults = _LoseFirstResponses(1)
+    client._server_sampling = _SamplingCalls.on(grpc.intercept_channel(client._channel, faults))
+    with pytest.raises(grpc.RpcError) as caught:
+        client.sample("s", 10)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert faults.calls == 1
+    assert client.describe("s")["counters"]["remover.retired_steps"] == 10

@@ -99,6 +99,22 @@ def test_close_cancels_a_server_stream_the_thread_waits_on(client: ReplayClient)
     assert list(loader) == []  # the cancellation is not raised to the consumer: the loader just ends
 
 
+def test_close_ends_a_local_reader_stream_the_thread_waits_on(client: ReplayClient) -> None:
+    """The same with a LocalReader's stream: close() took 5 s (the join's timeout) and left the thread
+    polling the empty buffer until it was deleted."""
+    from client.local_reader import LocalReader
+
+    client.create_buffer("empty", 100, {"obs": ("float32", (2,)), "action": ("int64", ())})
+    with LocalReader(client, "empty") as reader:
+        stream = reader.sample_stream(8, wait=True)
+        loader = Loader(stream)
+        wait_until(lambda: loader._thread.is_alive(), time.monotonic() + 10, "the loader's thread")
+        started = time.monotonic()
+        loader.close()
+        assert time.monotonic() - started < 2 and not loader._thread.is_alive()
+        assert list(stream) == [] and list(loader) == []
+
+
 def test_close_with_a_full_queue_and_an_ended_source_returns_at_once() -> None:
     """The thread waits to queue the end marker (or the source's error) behind unread batches: close() must
     stop it there, not wait out its join timeout."""
