@@ -54,7 +54,7 @@ import pyarrow as pa
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.ring import HEAD, TAIL_POS
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.errors import FailedPrecondition, NotFound, ReplayError
+from service.errors import FailedPrecondition, NotFound, ReplayError, Unavailable
 from service.registry import BufferRegistry
 
 log = logging.getLogger("replayd")
@@ -231,6 +231,9 @@ def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, kee
                     continue
                 _fsync(buffer_dir)
                 buffers.append({"name": name, **entry})
+            if registry.closed:  # the server stopped under this checkpoint: its buffers went, not by a delete
+                raise Unavailable("checkpoint: the server stopped while it was being written; it was discarded "
+                                  "(LATEST still names the previous checkpoint)")
             manifest = {"format": FORMAT, "layout_version": LAYOUT_VERSION, "instance": registry.instance,
                         "buffers": buffers}
             with open(tmp / MANIFEST, "w") as file:

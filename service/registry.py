@@ -20,6 +20,7 @@ class BufferRegistry:
         self.worker_seats = worker_seats or WorkerSeats()
         self._buffers: dict[str, Buffer] = {}
         self._lock = threading.Lock()
+        self.closed = False  # by close(): the server is stopping
 
     def add(self, name: str, buffer: Buffer) -> None:
         with self._lock:
@@ -77,6 +78,7 @@ class BufferRegistry:
     def close(self) -> None:
         """Unlinks every buffer's shared memory (clean shutdown)."""
         with self._lock:
+            self.closed = True
             buffers, self._buffers = list(self._buffers.values()), {}
         for buffer in buffers:
             buffer.close(unlink=True)

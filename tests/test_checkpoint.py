@@ -20,7 +20,7 @@ from client import ReplayClient
 from client.replay_client import Span, spans_request
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.checkpoint import LATEST, MANIFEST, latest_checkpoint, restore_checkpoint, write_checkpoint
-from service.errors import FailedPrecondition
+from service.errors import FailedPrecondition, Unavailable
 from service.grpc_server.server import ReplayServer
 from service.registry import BufferRegistry
 from service.samplers.transitions import TransitionsMode
@@ -338,6 +338,29 @@ def test_a_buffer_deleted_during_a_checkpoint_is_left_out_and_the_rest_is_saved(
         assert [entry["name"] for entry in json.loads(manifest.read_text())["buffers"]] == ["a"]
         assert not (manifest.parent / "b").exists()
         assert restored_episodes(tmp_path) == {"a": 20}
+    finally:
+        registry.close()
+
+
+def test_a_checkpoint_the_server_stopped_under_is_discarded(tmp_path: Path) -> None:
+    """A Checkpoint call still writing when the server stops: the stop unlinks every buffer under it. It
+    left them all out and published an empty checkpoint as LATEST (a --restore then started empty)."""
+    registry = BufferRegistry(new_instance())
+    try:
+        for name in ("a", "b"):
+            registry.add(name, EpisodicBuffer(name, registry.instance, FIELDS, 1000))
+            insert(registry.episodic(name), list(range(1, 21)), 9)
+        first = write_checkpoint(registry, tmp_path)
+
+        def stop() -> None:  # the server stops while "a" is being written
+            if not registry.closed:
+                registry.close()
+
+        with pytest.raises(Unavailable, match="server stopped while it was being written"):
+            write_checkpoint(registry, tmp_path, chunk_bytes=32 * 40, on_chunk=stop)
+        assert latest_checkpoint(tmp_path) == first.parent
+        assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, first.parent.name]
+        assert restored_episodes(tmp_path) == {"a": 20, "b": 20}
     finally:
         registry.close()
 

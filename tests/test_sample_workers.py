@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -118,6 +120,29 @@ def _children(pid: int) -> set[int]:
             if int(fields[1]) == pid:
                 found.add(int(entry))
     return found
+
+
+def test_a_worker_restarting_while_the_server_stops_is_stopped_too(worker_server: ReplayServer) -> None:
+    """The monitor restarts a dead worker; a stop during that restart left the new worker running (stop
+    terminated the dead one, then the restart put the new one in its place)."""
+    workers = worker_server.sample_workers
+    spawning, release = threading.Event(), threading.Event()
+    spawn = workers._spawn
+
+    def slow_spawn(port: int) -> tuple:
+        spawning.set()
+        release.wait(10)
+        return spawn(port)
+
+    workers._spawn = slow_spawn
+    os.kill(workers._processes[0].pid, signal.SIGKILL)
+    assert spawning.wait(30), "the monitor did not restart the worker"
+    stopping = threading.Thread(target=worker_server.stop, kwargs={"grace": 0})
+    stopping.start()
+    release.set()
+    stopping.join(60)
+    assert not stopping.is_alive() and not workers._monitor.is_alive()
+    assert [p for p in multiprocessing.active_children() if p.name == "replayd-sample-worker"] == []
 
 
 def test_workers_of_a_killed_server_exit() -> None:

@@ -238,6 +238,8 @@ class SampleWorkers:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._monitor.is_alive():
+            self._monitor.join()  # a restart under way lands in _processes before they are terminated
         for process in self._processes:
             process.terminate()
         for process in self._processes:
