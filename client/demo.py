@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -169,4 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    # SIGTERM (kill, docker stop) ends the demo as Ctrl-C does: what it started (the server and its shared
+    # memory, the actors) is stopped on the way out. By default it ended the process alone.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     main()

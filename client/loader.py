@@ -21,10 +21,11 @@ import torch
 _DONE = object()
 
 
-def to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+def to_tensors(batch: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
     """The batch's arrays as tensors on `device` (on the CPU, views of the arrays: no copy). A field the
     batch aliases (`bootstrap_obs` is `next_obs` for 1-step samples) stays one tensor: it is staged and
     copied once."""
+    device = torch.device(device)
     tensors: dict[str, torch.Tensor] = {}
     by_array: dict[int, tuple[np.ndarray, torch.Tensor]] = {}  # the array is held: its id stays its own
     with warnings.catch_warnings():

@@ -81,3 +81,25 @@ def test_actors_started_alike_write_different_episodes(client: ReplayClient) -> 
         walks.setdefault(episode_id, {})[key] = tuple(obs.tolist())
     trajectories = {tuple(steps[key] for key in sorted(steps)) for steps in walks.values()}
     assert len(walks) == 10 and len(trajectories) == 10
+
+
+def test_a_learner_publishes_above_an_earlier_runs_final_weights(client: ReplayClient, tmp_path) -> None:
+    """A learner started on a server where an earlier run left its final weights (version 50): it
+    published from version 1 (refused, unnoticed), and a new actor took the old final weights and stopped
+    at once."""
+    from client.learners.dqn import DQNLearnerConfig, learn_dqn
+
+    client.publish_weights("q", 50, module_to_bytes(QNetwork(4, 2, (16,))), final=True)
+    actor_config = DQNActorConfig(address=client.address, seconds=BUDGET, fetch_every=10, hidden=(16,))
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            actor = pool.submit(run_dqn_actor, actor_config, stop)
+            summary = learn_dqn(DQNLearnerConfig(address=client.address, run_dir=str(tmp_path), seconds=2,
+                                                 hidden=(16,), learning_starts=200, eval_every=10_000,
+                                                 eval_episodes=1))
+            report = actor.result(timeout=60)
+        finally:
+            stop.set()
+    assert summary["weights_version"] > 51  # the first, some during training, the final one
+    assert report.env_steps >= 200 and report.weights_version == summary["weights_version"]

@@ -51,6 +51,39 @@ def test_demo_processes_end_to_end(tmp_path: Path) -> None:
     assert saved["actors"] == summary["actors"]  # the run folder's summary has the actors' reports too
 
 
+def test_sigterm_stops_everything_the_demo_started(tmp_path: Path) -> None:
+    """SIGTERM (kill, docker stop) to the demo alone: it ended the demo process and left its server (with
+    the shared memory) and actors running. Now it stops them on the way out, as Ctrl-C does."""
+    import signal
+
+    instance = f"test{os.getpid()}term"
+    demo = subprocess.Popen([sys.executable, "-m", "client.demo", "--seconds", "60", "--instance", instance,
+                             "--run-dir", str(tmp_path)], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+    def group_alive() -> bool:
+        try:
+            os.killpg(demo.pid, 0)
+        except ProcessLookupError:
+            return False
+        demo.poll()  # reaps the demo itself once it ended (a zombie still counts in its group)
+        return True
+
+    try:
+        wait_until(lambda: os.path.exists(f"/dev/shm/rpd_{instance}_cartpole"), time.monotonic() + 120,
+                   "the demo's buffer")
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(60) == 128 + signal.SIGTERM
+        wait_until(lambda: not group_alive(), time.monotonic() + 60, "the demo's server and actors ending")
+        assert [name for name in os.listdir("/dev/shm") if instance in name] == []
+    finally:
+        if group_alive():
+            os.killpg(demo.pid, signal.SIGKILL)
+        for name in os.listdir("/dev/shm"):
+            if instance in name:
+                os.unlink(f"/dev/shm/{name}")
+
+
 def test_demo_learner_can_sample_shared_memory_directly(tmp_path: Path) -> None:
     # No evaluation within the budget: the learner still evaluates its final policy and counts env steps.
     # The learner also runs the compiled Q-loss (compiled before its clock starts).

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from client.params import module_to_bytes
 from client.polling import wait_until
 from client.replay_client import ReplayClient
 
@@ -147,6 +148,23 @@ def _replace_atomically(path: Path, write: Callable[[Any], object]) -> None:
     with open(tmp, "wb") as file:
         write(file)
     os.replace(tmp, path)
+
+
+class WeightsPublisher:
+    """A learner's weights under one name, in versions above any stored there (an earlier run on the same
+    server would have its lower versions refused, and its final weights would stop new actors at once)."""
+
+    def __init__(self, client: ReplayClient, name: str) -> None:
+        self.client, self.name = client, name
+        self.version = client.fetch_weights(name).version  # 0: none stored
+
+    def publish(self, module: torch.nn.Module, final: bool = False, version: int | None = None) -> int:
+        """Publishes `module` as the next version (or `version`); raises if the server refuses it."""
+        self.version = self.version + 1 if version is None else version
+        if not self.client.publish_weights(self.name, self.version, module_to_bytes(module), final=final):
+            raise RuntimeError(f"weights {self.name!r} version {self.version} were refused: another learner "
+                               "publishes under that name")
+        return self.version
 
 
 def start_learner(config: Any, score_key: str, report: Callable[[Progress], None]) -> tuple[Tracker, ReplayClient]:

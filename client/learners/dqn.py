@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from client.learners.common import (
     CurvePlot,
     Progress,
+    WeightsPublisher,
     env_steps,
     evaluate_greedy,
     finish_learner,
@@ -19,7 +20,6 @@ from client.learners.common import (
 )
 from client.loader import Loader
 from client.local_reader import LocalReader
-from client.params import module_to_bytes
 from client.trainers.dqn import DQNTrainer
 
 CARTPOLE_SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -53,12 +53,12 @@ class DQNLearnerConfig:
 
 def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
     tracker, client = start_learner(config, "eval_return", report)
-    client.create_buffer(config.buffer, config.capacity_steps, CARTPOLE_SCHEMA)
     trainer = DQNTrainer(4, 2, hidden=config.hidden, lr=config.lr, double=True,
                          target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device,
                          compile_loss=config.compile_loss)
-    version = 1
-    client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
+    weights = WeightsPublisher(client, config.weights)
+    weights.publish(trainer.online)  # before the buffer: actors wait for it, then fetch the weights
+    client.create_buffer(config.buffer, config.capacity_steps, CARTPOLE_SCHEMA)
     wait_for_steps(client, config.buffer, config.learning_starts)
 
     progress = tracker.progress
@@ -92,8 +92,7 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
             trainer.step(batch)
             tracker.stepped()
             if progress.learner_steps % config.publish_every == 0:
-                version += 1
-                client.publish_weights(config.weights, version, module_to_bytes(trainer.online))
+                weights.publish(trainer.online)
             if progress.learner_steps % config.eval_every == 0:
                 evaluate()
             if solved or tracker.out_of_time():
@@ -103,12 +102,11 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
             loader.close()
         if reader is not None:
             reader.close()
-    version += 1  # the last weights, published final: the actors stop
-    client.publish_weights(config.weights, version, module_to_bytes(trainer.online), final=True)
+    weights.publish(trainer.online, final=True)  # the last weights: the actors stop
     if not progress.curve or progress.learner_steps % config.eval_every:
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
                      f"DQN on {config.env_id} via replayd", config.target_return)
     return finish_learner(config, client, tracker, plot, {
         "solved": solved, "final_eval_return": progress.score, "target_return": config.target_return,
-        "weights_version": version})
+        "weights_version": weights.version})

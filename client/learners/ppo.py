@@ -21,12 +21,12 @@ from client.learners.common import (
     STARTUP_SECONDS,
     CurvePlot,
     Progress,
+    WeightsPublisher,
     evaluate_greedy,
     finish_learner,
     start_learner,
 )
 from client.loader import Loader
-from client.params import module_to_bytes
 from client.polling import wait_until
 from client.trainers.ppo import PPOTrainer
 
@@ -67,15 +67,17 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
     obs_shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
     slots = config.actors * config.num_envs
     schema = {"obs": ("float32", obs_shape), "action": ("int64", ()), "log_prob": ("float32", ())}
-    client.create_rollout_buffer(config.buffer, config.rollout_steps, slots, schema, config.gamma, config.gae_lambda)
     trainer = PPOTrainer(int(torch.Size(obs_shape).numel()), n_actions, config.hidden, lr=config.lr,
                          clip_coef=config.clip_coef, vf_coef=config.vf_coef, ent_coef=config.ent_coef,
                          norm_adv=False, max_grad_norm=config.max_grad_norm, device=config.device)
+    weights = WeightsPublisher(client, config.weights)
+    # Before the buffer: actors wait for it, then fetch the weights (and wait for finish_rollout to reach them).
+    version = weights.publish(trainer.model)
+    client.create_rollout_buffer(config.buffer, config.rollout_steps, slots, schema, config.gamma, config.gae_lambda)
+    client.finish_rollout(config.buffer, version)
     minibatch_size = config.rollout_steps * slots // config.minibatches
     progress = tracker.progress
-    version, rollouts, solved = 1, 0, False
-    client.finish_rollout(config.buffer, version)
-    client.publish_weights(config.weights, version, module_to_bytes(trainer.model))
+    rollouts, solved = 0, False
 
     def evaluate() -> None:
         nonlocal solved
@@ -106,11 +108,11 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
             loader.close()
         version += 1
         client.finish_rollout(config.buffer, version)
-        client.publish_weights(config.weights, version, module_to_bytes(trainer.model))
+        weights.publish(trainer.model, version=version)
         if rollouts % config.eval_every == 0:
             evaluate()
     # Published final, the actors stop instead of collecting for it (no policy version: no rollout uses it).
-    client.publish_weights(config.weights, version + 1, module_to_bytes(trainer.model), final=True)
+    weights.publish(trainer.model, final=True)
     if not progress.curve or rollouts % config.eval_every:
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"deterministic return (mean of {config.eval_episodes} episodes)",
