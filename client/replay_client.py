@@ -349,9 +349,11 @@ class ReplayClient:
                                   self._deadline(timeout))
 
     def _with_retries(self, attempt: Callable[[float | None], T], codes: Collection[grpc.StatusCode],
-                      timeout: float | None) -> T:
-        """`attempt(seconds)` with a deadline of `timeout` seconds (None: none), retried `self.retries` times
-        on `codes` with exponential backoff and jitter, each retry with a deadline of its own.
+                      timeout: float | None, deadline_per_attempt: bool = False) -> T:
+        """`attempt(seconds)` within `timeout` seconds in all, retries and their pauses included (None: no
+        deadline), retried `self.retries` times on `codes` with exponential backoff and jitter.
+        `deadline_per_attempt`: each retry gets `timeout` seconds of its own instead (inserts: one a rate
+        limiter held past its deadline is sent again).
 
         A call the server refused before doing anything (busy: see WorkerSeats) is retried whatever
         `codes` says, within the same deadline: waiting for a seat is part of waiting for the call."""
@@ -362,20 +364,22 @@ class ReplayClient:
             try:
                 return attempt(seconds)
             except grpc.RpcError as exc:
-                retry_after = server_retry_after(exc)
-                if retry_after is not None:
+                retry_after = server_retry_after(exc)  # None unless the server refused it untouched (busy)
+                if retry_after is None:
+                    if exc.code() not in codes or tried == self.retries:
+                        raise
+                    tried += 1
+                else:
                     delay = max(delay, retry_after)
-                    time.sleep(min(delay * (1 + random.random()), max(give_up - time.monotonic(), 0.0)))
+                pause = delay * (1 + random.random())
+                if deadline_per_attempt and retry_after is None:
+                    time.sleep(pause)
+                    give_up = math.inf if timeout is None else time.monotonic() + timeout
+                else:
+                    time.sleep(min(pause, max(give_up - time.monotonic(), 0.0)))
                     if time.monotonic() >= give_up:
                         raise
-                    seconds = None if timeout is None else give_up - time.monotonic()
-                elif exc.code() not in codes or tried == self.retries:
-                    raise
-                else:
-                    tried += 1
-                    time.sleep(delay * (1 + random.random()))
-                    give_up = math.inf if timeout is None else time.monotonic() + timeout
-                    seconds = timeout
+                seconds = None if timeout is None else give_up - time.monotonic()
                 delay = min(delay * 2, 2.0)
 
     # ---------------------------------------------------------------- buffers
@@ -534,7 +538,7 @@ class ReplayClient:
             return self._insert(iter(requests), timeout=self._deadline(timeout))
         frames = requests if isinstance(requests, list | tuple) else list(requests)
         return self._with_retries(lambda remaining: self._insert(iter(frames), timeout=remaining),
-                                  self.INSERT_RETRYABLE, self._deadline(timeout))
+                                  self.INSERT_RETRYABLE, self._deadline(timeout), deadline_per_attempt=True)
 
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
                        **columns: np.ndarray) -> int:

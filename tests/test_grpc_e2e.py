@@ -400,6 +400,22 @@ def test_requests_fit_the_clients_message_limit_whatever_max_request_bytes_says(
         assert client.describe("long")["stored_steps"] == 4001
 
 
+def test_a_timeout_bounds_a_retried_call_in_all() -> None:
+    """Retries of an idempotent call stay within its timeout (each retry used to get a timeout of its own:
+    0.3 s took about 2 s against a port nothing listens on)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with ReplayClient(f"127.0.0.1:{port}", retries=5, timeout=0.3) as client:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            client.describe("any")
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 0.8
+
+
 def test_an_explicit_zero_timeout_is_passed_on_not_replaced_by_the_default(client: ReplayClient) -> None:
     client.create_buffer("z", 100, SCHEMA)
     client.insert_episode("z", terminated=True, **episode(np.random.default_rng(0), 10))
