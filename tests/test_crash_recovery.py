@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 
 import numpy as np
 import pytest
@@ -25,6 +27,16 @@ from service.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE
 
 FIELDS = [Field("obs", "float64", (2,), observation=True), Field("reward", "float32")]
+
+
+@contextmanager
+def segments_removed(prefix: str) -> Iterator[None]:
+    """Removes the segments named `prefix`... at the end: a writer that "died" leaves them behind."""
+    try:
+        yield
+    finally:
+        for name in segments(prefix):
+            os.unlink(f"/dev/shm/{name}")
 
 
 class Crash(BaseException):
@@ -84,10 +96,10 @@ def crash_inside(buffer: EpisodicBuffer, method: str, monkeypatch: pytest.Monkey
                                               ("_write_rows", False), ("_evict_before", True),
                                               ("_kill_extent", False), ("_write_extent_rows", True)])
 def test_writer_killed_mid_insert_is_repaired(method: str, after: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    buffer = EpisodicBuffer("crash", TEST_INSTANCE, FIELDS, 200, sampler=PrioritizedSampler(0.5))
-    header = buffer.storage.header_name
-    committed = {}
-    try:
+    with segments_removed(f"rpd_{TEST_INSTANCE}_crash"):
+        buffer = EpisodicBuffer("crash", TEST_INSTANCE, FIELDS, 200, sampler=PrioritizedSampler(0.5))
+        header = buffer.storage.header_name
+        committed = {}
         for episode_id in range(4):
             buffer.insert(*whole(episode_id, 20))
             committed[episode_id] = 21
@@ -103,8 +115,7 @@ def test_writer_killed_mid_insert_is_repaired(method: str, after: bool, monkeypa
         monkeypatch.undo()
         buffer.storage.close()  # the process is gone; the segments stay
 
-        recovered = EpisodicBuffer.recover(header)
-        try:
+        with closing(EpisodicBuffer.recover(header)) as recovered:
             ring_episodes = live_episodes(recovered)
             assert_untorn(recovered, {k: v for k, v in ring_episodes.items() if not v[2]})
             assert 100 in ring_episodes and ring_episodes[100][2]  # the open episode survived, once
@@ -121,11 +132,6 @@ def test_writer_killed_mid_insert_is_repaired(method: str, after: bool, monkeypa
             np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
             np.testing.assert_array_equal(batch["bootstrap_obs"][:, 0], batch["episode_id"].astype(np.float64))
             assert np.all(batch["probability"] > 0)
-        finally:
-            recovered.close()
-    finally:
-        for name in segments(f"rpd_{TEST_INSTANCE}_crash"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def _free_port() -> int:
@@ -245,9 +251,9 @@ def test_writer_killed_while_the_head_episode_grows_in_place(method: str, after:
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The open episode at the head grows its room without moving; a crash there must not leave its last
     row past the head (recovery refused the whole buffer)."""
-    buffer = EpisodicBuffer("grow", TEST_INSTANCE, FIELDS, 200)
-    header = buffer.storage.header_name
-    try:
+    with segments_removed(f"rpd_{TEST_INSTANCE}_grow"):
+        buffer = EpisodicBuffer("grow", TEST_INSTANCE, FIELDS, 200)
+        header = buffer.storage.header_name
         buffer.insert(*whole(1, 20))
         buffer.insert(*chunk(100, 5, True, False))  # the head extent, with a small room
         crash_inside(buffer, method, monkeypatch, after)
@@ -256,8 +262,7 @@ def test_writer_killed_while_the_head_episode_grows_in_place(method: str, after:
         monkeypatch.undo()
         buffer.storage.close()
 
-        recovered = EpisodicBuffer.recover(header)
-        try:
+        with closing(EpisodicBuffer.recover(header)) as recovered:
             ring_episodes = live_episodes(recovered)
             assert set(ring_episodes) == {1, 100} and ring_episodes[100][2]
             assert_untorn(recovered, {1: ring_episodes[1]})
@@ -266,11 +271,6 @@ def test_writer_killed_while_the_head_episode_grows_in_place(method: str, after:
             np.testing.assert_array_equal(recovered.columns["obs"][np.arange(start, last + 1) % 200][:, 0], 100)
             recovered.insert(*chunk(100, 3, False, True, last - start + 1))
             assert recovered.sample(16, TransitionsMode(1, 0.9), np.random.default_rng(0))["obs"].shape == (16, 2)
-        finally:
-            recovered.close()
-    finally:
-        for name in segments(f"rpd_{TEST_INSTANCE}_grow"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def span_at(episode_id: int, rows: int, begins: bool, ends: bool, offset: int) -> tuple[dict, Spans]:
@@ -286,9 +286,9 @@ def test_writer_killed_while_closing_an_episode_in_place(bounds_written: bool,
     """A close sets how the episode ended, then its rows' bounds, then its last row. Killed before the last
     row moved, recovery kept the episode closed at its old last row (an episode that never ended, cut short)
     and refused the client's retry; now the episode is open again and the retry closes it."""
-    buffer = EpisodicBuffer("close", TEST_INSTANCE, FIELDS, 200)
-    header = buffer.storage.header_name
-    try:
+    with segments_removed(f"rpd_{TEST_INSTANCE}_close"):
+        buffer = EpisodicBuffer("close", TEST_INSTANCE, FIELDS, 200)
+        header = buffer.storage.header_name
         buffer.insert(*span_at(100, 5, True, False, 0))  # open, with room for 10 rows
         buffer.insert(*whole(1, 10))
         original = buffer._set_ring
@@ -306,27 +306,21 @@ def test_writer_killed_while_closing_an_episode_in_place(bounds_written: bool,
         monkeypatch.undo()
         buffer.storage.close()
 
-        recovered = EpisodicBuffer.recover(header)
-        try:
+        with closing(EpisodicBuffer.recover(header)) as recovered:
             assert live_episodes(recovered) == {100: (0, 4, True), 1: (10, 20, False)}
             assert recovered.episodes == 1 and recovered.stored_steps == 16
             assert recovered.insert_result(*span_at(100, 3, False, True, 5)).completed == 1
             ring_episodes = live_episodes(recovered)
             assert ring_episodes[100] == (0, 7, False)
             assert_untorn(recovered, ring_episodes)
-        finally:
-            recovered.close()
-    finally:
-        for name in segments(f"rpd_{TEST_INSTANCE}_close"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def test_writer_killed_after_a_closing_move_keeps_the_episode_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A closing chunk that moves the episode to the head, killed after the new place was committed and
     before the old one was retired: recovery kept both (the old one open), and the retry stored a third copy."""
-    buffer = EpisodicBuffer("move", TEST_INSTANCE, FIELDS, 200)
-    header = buffer.storage.header_name
-    try:
+    with segments_removed(f"rpd_{TEST_INSTANCE}_move"):
+        buffer = EpisodicBuffer("move", TEST_INSTANCE, FIELDS, 200)
+        header = buffer.storage.header_name
         buffer.insert(*span_at(100, 5, True, False, 0))
         buffer.insert(*whole(1, 10))
         crash_inside(buffer, "_kill_extent", monkeypatch)
@@ -335,68 +329,50 @@ def test_writer_killed_after_a_closing_move_keeps_the_episode_once(monkeypatch: 
         monkeypatch.undo()
         buffer.storage.close()
 
-        recovered = EpisodicBuffer.recover(header)
-        try:
+        with closing(EpisodicBuffer.recover(header)) as recovered:
             assert live_episodes(recovered) == {1: (10, 20, False), 100: (21, 45, False)}  # fails on a second copy
             assert recovered.episodes == 2 and recovered.stored_steps == 36 and recovered.open_episodes == 0
             result = recovered.insert_result(*span_at(100, 20, False, True, 5))  # the unacknowledged retry
             assert (result.completed, result.duplicate_spans) == (1, 1)
             assert live_episodes(recovered) == {1: (10, 20, False), 100: (21, 45, False)}
             assert_untorn(recovered, live_episodes(recovered))
-        finally:
-            recovered.close()
-    finally:
-        for name in segments(f"rpd_{TEST_INSTANCE}_move"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def test_writer_killed_between_the_two_tail_stores_of_an_eviction() -> None:
     """An eviction publishes the tail position, then the first live extent: killed in between, the oldest
     extents start below the tail. Recovery refused the segments (and the buffer was lost); now it finishes
     the eviction."""
-    buffer = EpisodicBuffer("evict", TEST_INSTANCE, FIELDS, 60)
-    header = buffer.storage.header_name
-    try:
+    with segments_removed(f"rpd_{TEST_INSTANCE}_evict"):
+        buffer = EpisodicBuffer("evict", TEST_INSTANCE, FIELDS, 60)
+        header = buffer.storage.header_name
         for episode_id in range(3):
             buffer.insert(*whole(episode_id, 15))  # rows 0..47
         state = buffer.state
         state[6] = buffer.extent_start[(int(state[1]) + 1) % buffer.extent_slots]  # TAIL_POS past episode 0 only
         buffer.storage.close()
 
-        recovered = EpisodicBuffer.recover(header)
-        try:
+        with closing(EpisodicBuffer.recover(header)) as recovered:
             assert live_episodes(recovered) == {1: (16, 31, False), 2: (32, 47, False)}
             assert recovered.episodes == 2 and recovered.stored_steps == 32 and recovered.sampleable_steps == 30
             recovered.insert(*whole(9, 30))  # rows 48..78: evicts episode 1 (rows 16..31) to make room
             assert set(live_episodes(recovered)) == {2, 9}
             batch = recovered.sample(64, TransitionsMode(1, 0.9), np.random.default_rng(0), include_keys=True)
             np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
-        finally:
-            recovered.close()
-    finally:
-        for name in segments(f"rpd_{TEST_INSTANCE}_evict"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def test_a_retried_closing_chunk_is_acknowledged_after_recovery() -> None:
     """The server stored a closing chunk and died before acknowledging it: the client's retry was refused
     ("not open") after recovery, which remembers closed episodes whole, not by chunk."""
-    buffer = EpisodicBuffer("dedup", TEST_INSTANCE, FIELDS, 200)
-    header = buffer.storage.header_name
-    try:
+    with segments_removed(f"rpd_{TEST_INSTANCE}_dedup"):
+        buffer = EpisodicBuffer("dedup", TEST_INSTANCE, FIELDS, 200)
+        header = buffer.storage.header_name
         buffer.insert(*span_at(100, 5, True, False, 0))
         buffer.insert(*span_at(100, 3, False, True, 5))
         buffer.storage.close()
-        recovered = EpisodicBuffer.recover(header)
-        try:
+        with closing(EpisodicBuffer.recover(header)) as recovered:
             result = recovered.insert_result(*span_at(100, 3, False, True, 5))
             assert (result.completed, result.duplicate_spans) == (1, 1)
             assert recovered.episodes == 1 and recovered.stored_steps == 8
-        finally:
-            recovered.close()
-    finally:
-        for name in segments(f"rpd_{TEST_INSTANCE}_dedup"):
-            os.unlink(f"/dev/shm/{name}")
 
 
 def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -> None:
@@ -406,7 +382,7 @@ def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -
     from service.storage.shared_arrays import SharedArrays
 
     instance = f"{TEST_INSTANCE}keep"
-    try:
+    with segments_removed(f"rpd_{instance}_"):
         for name in ("good", "bad"):
             buffer = EpisodicBuffer(name, instance, FIELDS, 200)
             buffer.insert(*whole(7, 10))
@@ -422,6 +398,3 @@ def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -
             assert server.registry.episodic("good").episodes == 1
         finally:
             server.stop(grace=0)
-    finally:
-        for name in segments(f"rpd_{instance}_"):
-            os.unlink(f"/dev/shm/{name}")

@@ -783,6 +783,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         """
         mode.check(self)  # a request this buffer can never serve fails now, not after waiting for data
         deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
+        rng = rng or self.rng
         with self.live():
             while True:
                 remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -796,11 +797,10 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                                                f"(sampleable_steps={self.sampleable_steps})")
                     self.check_live()  # the wait released the lock
                 if not self.remover.retires:
-                    batch = self.gather(batch_size, mode, rng or self.rng, include_keys, importance_beta)[1]
+                    batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)[1]
                     break
                 try:
-                    batch = self._gather_within_draws_left(batch_size, mode, rng or self.rng, include_keys,
-                                                           importance_beta)
+                    batch = self._gather_within_draws_left(batch_size, mode, rng, include_keys, importance_beta)
                     break
                 except ShortOfDraws:
                     if deadline is None:
