@@ -1,13 +1,12 @@
-"""The compiled sampling kernels never index off the ring, whatever the tables they read say.
+"""The compiled sampling kernels never index off the ring, whatever the tables they read say, and refuse
+arrays they cannot read safely.
 
 A lock-free reader reads tables the writer is changing (a torn bound can lie laps ahead, the live range
 it read can exceed the capacity) and a prioritized reader may draw a position that just became a hole.
-The kernels do not bounds-check, so every row they compute must be wrapped onto the ring.
+The kernels do not bounds-check their table reads, so every row they compute must be wrapped onto the ring.
 """
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -41,7 +40,7 @@ def test_transition_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
     target_rows, flags, targets = transition_outputs(4)
     kernels.transition_targets(
         positions, rows, bounds, np.ones(4, bool), 1000, 0.9 ** np.arange(1001), CAPACITY,
-        np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
+        np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64), np.zeros(7, np.uint8), 7,
         target_rows, flags, targets)
     assert np.all((target_rows >= 0) & (target_rows < CAPACITY))  # next and bootstrap rows
 
@@ -82,30 +81,23 @@ def test_bound_lookup_wraps_negative_and_huge_keys() -> None:
     np.testing.assert_array_equal(bounds, row_end[keys % CAPACITY])
 
 
-class FirstRoundOnFinalRows:
-    """A generator stand-in whose first uniforms all land on final observations (rejected): the uniform
-    sampler must top the batch up in further rounds."""
-
-    def __init__(self, final_fraction_points: np.ndarray) -> None:
-        self.first = final_fraction_points
-        self.rng = np.random.default_rng(0)
-        self.calls = 0
-
-    def random(self, size: int) -> np.ndarray:
-        self.calls += 1
-        return np.resize(self.first, size) if self.calls == 1 else self.rng.random(size)
-
-
-def test_uniform_draw_tops_up_when_a_round_falls_short() -> None:
+def test_uniform_draw_tops_up_when_a_round_falls_short(monkeypatch: pytest.MonkeyPatch) -> None:
     buffer = EpisodicBuffer("topup", f"test{os.getpid()}", [Field("obs", "float32", (), observation=True)], 40)
     try:
         lengths = np.full(10, 3)  # 10 episodes of 3 steps: rows 3, 7, 11, ... are final observations
         buffer.insert({"obs": np.arange(40, dtype=np.float32)},
                       Spans.whole_episodes(lengths, np.arange(10), np.ones(10, bool)))
         final_rows = (np.arange(10) * 4 + 3 + 0.5) / 40  # uniforms whose candidate is a final row
-        rng = FirstRoundOnFinalRows(final_rows)
-        draw = buffer.draw(64, rng)
-        assert rng.calls >= 2
+        rounds = []
+        real_uniforms = kernels.uniforms
+
+        def first_round_on_final_rows(rng: np.random.Generator, count: int) -> np.ndarray:
+            rounds.append(count)
+            return np.resize(final_rows, count) if len(rounds) == 1 else real_uniforms(rng, count)
+
+        monkeypatch.setattr(kernels, "uniforms", first_round_on_final_rows)
+        draw = buffer.draw(64, np.random.default_rng(0))
+        assert len(rounds) >= 2
         assert len(draw.positions) == 64
         assert np.all(draw.positions % 4 != 3) and np.all(draw.positions < draw.bounds)
     finally:
@@ -118,49 +110,70 @@ def test_transition_targets_stay_in_their_tables_for_a_far_position_on_a_hole() 
     kernels.transition_targets(
         positions, positions % CAPACITY, np.array([kernels.HOLE], np.int64), np.ones(1, bool), 3,
         0.9 ** np.arange(4), CAPACITY, np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64),
-        np.zeros(7, np.int64), 7, target_rows, flags, targets)
+        np.zeros(7, np.uint8), 7, target_rows, flags, targets)
     assert np.all((target_rows >= 0) & (target_rows < CAPACITY))
     assert np.all(np.isfinite(targets))
 
 
-_NO_COMPILE_AT_SAMPLE = """
-import os
-import numpy as np
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.ring import EpisodicRing
-from service.samplers import kernels
-from service.samplers.geometric import GeometricMode
-from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.states import StatesMode
-from service.samplers.transitions import TransitionsMode
-from service.schema import Field
-
-compiled = {name: len(k.signatures) for name, k in vars(kernels).items() if hasattr(k, "signatures")}
-modes = [TransitionsMode(1, 0.9), TransitionsMode(3, 0.9), GeometricMode(0.9), StatesMode()]
-for reward_dtype in ("float32", "float64"):
-    for sampler in (None, PrioritizedSampler(0.6)):
-        fields = [Field("obs", "float32", (2,), observation=True), Field("reward", reward_dtype)]
-        writer = EpisodicBuffer("w", f"kc{os.getpid()}", fields, 64, sampler=sampler)
-        try:
-            writer.insert({"obs": np.zeros((11, 2), np.float32), "reward": np.zeros(11, reward_dtype)},
-                          Spans.whole_episodes(np.array([10]), np.array([1]), np.array([True])))
-            reader = EpisodicRing.attach(writer.storage.header_name)
-            try:
-                for mode in modes:
-                    writer.sample(8, mode, include_keys=True)
-                    reader.sample_shared(8, mode, np.random.default_rng(0), include_keys=True)
-            finally:
-                reader.close()
-        finally:
-            writer.close()
-grown = {name: (count, len(getattr(kernels, name).signatures)) for name, count in compiled.items()
-         if len(getattr(kernels, name).signatures) != count}
-print("compiled at sample time:", grown)
-"""
+def test_draws_are_the_generators_own() -> None:
+    """kernels.uniforms and kernels.exponentials draw what Generator.random and standard_exponential would,
+    and advance the generator as they do: a seeded request samples the same batch as before."""
+    ours, numpy_own = np.random.default_rng(11), np.random.default_rng(11)
+    np.testing.assert_array_equal(kernels.uniforms(ours, 300), numpy_own.random(300))
+    np.testing.assert_array_equal(kernels.exponentials(ours, 257), numpy_own.standard_exponential(257))
+    assert ours.random() == numpy_own.random()
 
 
-def test_samples_by_writers_and_readers_use_only_kernels_compiled_at_import() -> None:
-    """A kernel specialization first met at sample time is compiled there (a stall of seconds)."""
-    result = subprocess.run([sys.executable, "-c", _NO_COMPILE_AT_SAMPLE], capture_output=True, text=True,
-                            timeout=300, check=True)
-    assert result.stdout.strip() == "compiled at sample time: {}", result.stdout + result.stderr
+@pytest.mark.parametrize(("dtype", "shape"), [("uint8", (84, 84, 4)), ("float32", (376,)), ("float32", (4,)),
+                                              ("int64", ()), ("bool", ()), ("float64", (3, 5))])
+def test_take_rows_is_numpy_take(dtype: str, shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(0)
+    column = rng.integers(0, 200, (50, *shape)).astype(dtype)
+    column.flags.writeable = False  # a reader's shared memory
+    rows = rng.integers(0, 50, 33)
+    batch: dict[str, np.ndarray] = {"kept": np.zeros(1)}
+    kernels.gather_columns(batch, rows, kernels.Columns(("obs", "again"), (column, column)), "next_")
+    assert list(batch) == ["kept", "next_obs", "next_again"]
+    for name in ("next_obs", "next_again"):
+        assert batch[name].dtype == column.dtype and batch[name].flags.c_contiguous
+        np.testing.assert_array_equal(batch[name], column.take(rows, axis=0))
+
+
+def test_take_rows_refuses_rows_off_a_column_and_leaves_the_batch_as_it_was() -> None:
+    column = np.arange(10, dtype=np.float32)
+    batch: dict[str, np.ndarray] = {}
+    for rows in ([0, 10], [-1]):
+        with pytest.raises(IndexError, match=r"row -?\d+ is off a column of 10 rows"):
+            kernels.take_rows(batch, ("a", "b"), np.array(rows, np.int64), (column, column))
+        assert batch == {}
+
+
+def test_kernels_refuse_arrays_they_cannot_read_and_name_the_argument() -> None:
+    positions = np.arange(4, dtype=np.int64)
+    tables = [CAPACITY, np.zeros(CAPACITY, np.int64), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
+              np.empty(0, np.int64), 0]
+    located, closed = np.empty((4, 4), np.int64), np.empty(4, bool)
+
+    def draw(**changes: object) -> None:
+        arguments = {"uniforms": np.zeros(4), "located": located, "closed": closed}
+        arguments.update(changes)
+        kernels.draw_uniform(arguments["uniforms"], 0, 4, arguments["located"], arguments["closed"], 0, *tables)
+
+    with pytest.raises(TypeError, match=r"uniforms: expected numpy\.float64 items, got numpy\.float32"):
+        draw(uniforms=np.zeros(4, np.float32))
+    with pytest.raises(TypeError, match="uniforms: expected a numpy array, got list"):
+        draw(uniforms=[0.0, 0.5])
+    with pytest.raises(ValueError, match="located: expected a C-contiguous"):
+        draw(located=np.empty((4, 8), np.int64)[:, ::2])
+    with pytest.raises(ValueError, match="located: expected at least 16 items, got 8"):
+        draw(located=np.empty((2, 4), np.int64))
+    read_only = closed.copy()
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="closed: expected a writable array"):
+        draw(closed=read_only)
+    tables[1] = np.zeros(CAPACITY - 1, np.int64)  # a row_end shorter than the ring
+    with pytest.raises(ValueError, match="row_end: expected at least 10 items, got 9"):
+        kernels.episode_bounds(positions, *tables)
+    tables[1] = np.zeros(CAPACITY, np.int32)
+    with pytest.raises(TypeError, match=r"row_end: expected numpy\.int64 items, got numpy\.int32"):
+        kernels.episode_bounds(positions, *tables)

@@ -21,6 +21,7 @@ from service.errors import FailedPrecondition, InvalidArgument, RingChanged
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers import kernels
 from service.samplers.draw import Draw
+from service.samplers.kernels import Columns
 from service.samplers.modes import BatchMode
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.uniform import UniformSampler
@@ -76,10 +77,9 @@ class EpisodicRing:
         self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
         arrays = storage.arrays
         self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
-        # (name, column) pairs the batch modes gather, looked up once: a sample pays per dict lookup.
-        self.observation_columns = tuple((f.name, self.columns[f.name]) for f in self.observation_fields)
-        self.step_columns = tuple((f.name, self.columns[f.name]) for f in self.step_fields)
-        self.observation_and_step_columns = self.observation_columns + self.step_columns  # a transition's order
+        # The columns the batch modes gather, looked up once: a sample pays per dict lookup.
+        self.observation_columns = Columns.of(self.columns, self.observation_fields)
+        self.observation_and_step_columns = Columns.of(self.columns, self.observation_fields + self.step_fields)
         self.reward_column = NO_REWARD if self.reward_field is None else self.columns[self.reward_field]
         self.observation_row_bytes = sum(f.row_bytes for f in self.observation_fields)  # sizes a batch's items
         self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]

@@ -32,11 +32,10 @@ class GeometricMode:
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
         count = draw.rows.size
         offsets_and_future_rows = np.empty((2, count), np.int64)
-        kernels.geometric_offsets(rng.standard_exponential(count), self.discount, draw.positions, draw.rows,
+        kernels.geometric_offsets(kernels.exponentials(rng, count), self.discount, draw.positions, draw.rows,
                                   draw.bounds, ring.capacity, offsets_and_future_rows)
-        batch = {name: column.take(draw.rows, axis=0) for name, column in ring.observation_columns}
-        future_rows = offsets_and_future_rows[1]
-        for name, column in ring.observation_columns:
-            batch["future_" + name] = column.take(future_rows, axis=0)
+        batch: dict[str, np.ndarray] = {}
+        kernels.gather_columns(batch, draw.rows, ring.observation_columns)
+        kernels.gather_columns(batch, offsets_and_future_rows[1], ring.observation_columns, "future_")
         batch["offset"] = offsets_and_future_rows[0]
         return batch

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from service.samplers import kernels
 from service.samplers.draw import Draw
 
 if TYPE_CHECKING:
@@ -20,4 +21,6 @@ class StatesMode:
         return ring.observation_row_bytes
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        return {name: column.take(draw.rows, axis=0) for name, column in ring.observation_columns}
+        batch: dict[str, np.ndarray] = {}
+        kernels.gather_columns(batch, draw.rows, ring.observation_columns)
+        return batch

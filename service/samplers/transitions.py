@@ -56,18 +56,17 @@ class TransitionsMode:
         kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,
                                    ring.capacity, ring.reward_column, ring.row_seq, ring.extent_flags,
                                    ring.extent_slots, target_rows, flags, targets)
-        batch = {name: column.take(rows, axis=0) for name, column in ring.observation_and_step_columns}
-        next_rows = target_rows[0]
-        for name, column in ring.observation_columns:
-            batch["next_" + name] = column.take(next_rows, axis=0)
+        batch: dict[str, np.ndarray] = {}
+        kernels.gather_columns(batch, rows, ring.observation_and_step_columns)
+        kernels.gather_columns(batch, target_rows[0], ring.observation_columns, "next_")
         batch["terminated"] = flags[0]
         batch["truncated"] = flags[1]
         if ring.reward_field is None:
             return batch
         batch["n_step_return"] = targets[0]
         batch["bootstrap_discount"] = targets[1]
-        bootstrap_rows = target_rows[1]
-        for name, column in ring.observation_columns:
-            batch["bootstrap_" + name] = (batch["next_" + name] if self.n_step == 1
-                                          else column.take(bootstrap_rows, axis=0))
+        if self.n_step == 1:
+            batch.update({"bootstrap_" + name: batch["next_" + name] for name in ring.observation_columns.names})
+        else:
+            kernels.gather_columns(batch, target_rows[1], ring.observation_columns, "bootstrap_")
         return batch

@@ -60,8 +60,8 @@ class UniformSampler:
         closed = np.empty(batch_size, np.bool_)
         filled = 0
         for _ in range(_MAX_ROUNDS):
-            filled = kernels.draw_uniform(rng.random(int((batch_size - filled) * candidates_per_step) + 8), low, high,
-                                          located, closed, filled, *ring.bound_tables)
+            candidates = kernels.uniforms(rng, int((batch_size - filled) * candidates_per_step) + 8)
+            filled = kernels.draw_uniform(candidates, low, high, located, closed, filled, *ring.bound_tables)
             if filled == batch_size:
                 return Draw(located[0], located[1], located[2], closed, located[3])
         raise RingChanged(

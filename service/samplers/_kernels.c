@@ -1,0 +1,527 @@
+/* The sampling hot path's per-sample loops, compiled: see kernels.py for what each computes and why.
+ *
+ * Each array argument's item type, length, contiguity and alignment are checked on entry (a mismatch raises
+ * TypeError or ValueError naming the argument), and every computed row is wrapped
+ * onto the ring before it indexes a table, so tables a lock-free reader reads mid-write can give wrong
+ * answers (which the reader detects and redraws) but never an access outside an array.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#include <numpy/arrayobject.h>
+#include <numpy/random/distributions.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define OPEN (-1)
+#define HOLE (-2)
+#define TERMINATED 4
+/* Copies above this many bytes run with the GIL released (below it, releasing costs more than it frees). */
+#define RELEASE_GIL_BYTES (1 << 16)
+
+/* ------------------------------------------------------------------ arguments */
+
+/* A C-contiguous, aligned array of `type` (any type: -1), writable if asked, of at least `min_items` items;
+ * NULL with TypeError or ValueError naming the argument otherwise. A borrowed reference. */
+static PyArrayObject *array_arg(PyObject *obj, const char *name, int type, int writable, npy_intp min_items) {
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "kernel argument %s: expected a numpy array, got %s", name, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyArrayObject *array = (PyArrayObject *)obj;
+    if (type >= 0 && !PyArray_EquivTypenums(PyArray_TYPE(array), type)) {
+        PyArray_Descr *expected = PyArray_DescrFromType(type);
+        PyErr_Format(PyExc_TypeError, "kernel argument %s: expected %s items, got %s", name,
+                     expected->typeobj->tp_name, PyArray_DESCR(array)->typeobj->tp_name);
+        Py_DECREF(expected);
+        return NULL;
+    }
+    if (!PyArray_IS_C_CONTIGUOUS(array) || !PyArray_ISALIGNED(array) || !PyArray_ISNOTSWAPPED(array)) {
+        PyErr_Format(PyExc_ValueError, "kernel argument %s: expected a C-contiguous, aligned, native array", name);
+        return NULL;
+    }
+    if (writable && !PyArray_ISWRITEABLE(array)) {
+        PyErr_Format(PyExc_ValueError, "kernel argument %s: expected a writable array", name);
+        return NULL;
+    }
+    if (PyArray_SIZE(array) < min_items) {
+        PyErr_Format(PyExc_ValueError, "kernel argument %s: expected at least %zd items, got %zd", name,
+                     (Py_ssize_t)min_items, (Py_ssize_t)PyArray_SIZE(array));
+        return NULL;
+    }
+    return array;
+}
+
+static Py_ssize_t items(PyArrayObject *array) { return (Py_ssize_t)PyArray_SIZE(array); }
+
+static int int_arg(PyObject *obj, const char *name, int64_t *out) {
+    long long value = PyLong_AsLongLong(obj);
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "kernel argument %s: expected an int", name);
+        return -1;
+    }
+    *out = (int64_t)value;
+    return 0;
+}
+
+static int check_nargs(const char *function, Py_ssize_t nargs, Py_ssize_t expected) {
+    if (nargs == expected) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", function, expected, nargs);
+    return -1;
+}
+
+/* A row index wrapped onto the ring; divides only when it is off the ring. */
+static inline int64_t wrap(int64_t row, int64_t capacity) {
+    if (row >= 0 && row < capacity) return row;
+    row %= capacity;
+    return row < 0 ? row + capacity : row;
+}
+
+/* ------------------------------------------------------------------ bound lookup */
+
+/* The arguments after `positions` of the bound-lookup kernels (EpisodicRing.bound_tables). */
+typedef struct {
+    int64_t capacity;
+    const int64_t *row_end, *row_seq, *extent_last;
+    int64_t extent_slots;
+    const int64_t *times_sampled; /* NULL: no remover retires steps */
+    int64_t max_times_sampled;
+} Tables;
+
+static int tables_arg(PyObject *const *args, Tables *tables) {
+    PyArrayObject *row_end, *row_seq, *extent_last, *times_sampled;
+    if (int_arg(args[0], "capacity", &tables->capacity) || int_arg(args[4], "extent_slots", &tables->extent_slots)
+        || int_arg(args[6], "max_times_sampled", &tables->max_times_sampled))
+        return -1;
+    if (tables->capacity < 1 || tables->extent_slots < 1) {
+        PyErr_SetString(PyExc_ValueError, "kernel arguments capacity and extent_slots must be >= 1");
+        return -1;
+    }
+    if (!(row_end = array_arg(args[1], "row_end", NPY_INT64, 0, tables->capacity))
+        || !(row_seq = array_arg(args[2], "row_seq", NPY_INT64, 0, tables->capacity))
+        || !(extent_last = array_arg(args[3], "extent_last", NPY_INT64, 0, tables->extent_slots))
+        || !(times_sampled = array_arg(args[5], "times_sampled", NPY_INT64, 0, 0)))
+        return -1;
+    if (items(times_sampled) && items(times_sampled) < tables->capacity) {
+        PyErr_Format(PyExc_ValueError, "kernel argument times_sampled: expected 0 or >= %lld items, got %zd",
+                     (long long)tables->capacity, items(times_sampled));
+        return -1;
+    }
+    tables->row_end = PyArray_DATA(row_end);
+    tables->row_seq = PyArray_DATA(row_seq);
+    tables->extent_last = PyArray_DATA(extent_last);
+    tables->times_sampled = items(times_sampled) ? PyArray_DATA(times_sampled) : NULL;
+    return 0;
+}
+
+/* bounds, closed and open_seq of ring rows (each in 0..capacity-1). */
+static void bounds_of_rows(Py_ssize_t count, const int64_t *rows, const Tables *t, int64_t *bounds, char *closed,
+                           int64_t *open_seq) {
+    for (Py_ssize_t i = 0; i < count; i++) bounds[i] = t->row_end[rows[i]]; /* the random reads alone */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t row = rows[i], bound = bounds[i], seq = -1;
+        closed[i] = 1;
+        if (bound == OPEN) { /* the open episode's bound is its last landed row, kept in the extent table */
+            seq = t->row_seq[row];
+            /* A lock-free reader may find the row turned into a hole since (its episode moved): no item. */
+            bound = seq >= 0 ? t->extent_last[seq % t->extent_slots] : HOLE;
+            closed[i] = 0;
+        }
+        if (t->times_sampled && t->times_sampled[row] >= t->max_times_sampled) bound = HOLE; /* retired */
+        bounds[i] = bound;
+        open_seq[i] = seq;
+    }
+}
+
+/* episode_bounds(positions, capacity, row_end, row_seq, extent_last, extent_slots, times_sampled,
+ *                max_times_sampled, located (3, n) int64: rows, bounds, open_seq; closed (n,) bool) */
+static PyObject *episode_bounds(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Tables tables;
+    PyArrayObject *positions, *located, *closed;
+    if (check_nargs("episode_bounds", nargs, 10) || !(positions = array_arg(args[0], "positions", NPY_INT64, 0, 0))
+        || tables_arg(args + 1, &tables))
+        goto fail;
+    Py_ssize_t count = items(positions);
+    if (!(located = array_arg(args[8], "located", NPY_INT64, 1, 3 * count))
+        || !(closed = array_arg(args[9], "closed", NPY_BOOL, 1, count)))
+        goto fail;
+    const int64_t *keys = PyArray_DATA(positions);
+    int64_t *rows = PyArray_DATA(located), *bounds = rows + count, *open_seq = rows + 2 * count;
+    for (Py_ssize_t i = 0; i < count; i++) rows[i] = wrap(keys[i], tables.capacity);
+    bounds_of_rows(count, rows, &tables, bounds, PyArray_DATA(closed), open_seq);
+    Py_RETURN_NONE;
+fail:
+    return NULL;
+}
+
+/* draw_uniform(uniforms, low, high, located (4, B), closed (B,), filled, capacity, row_end, row_seq, extent_last,
+ *              extent_slots, times_sampled, max_times_sampled) -> filled */
+static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Tables tables;
+    PyArrayObject *uniforms_view, *located, *closed_view;
+    int64_t low, high, filled;
+    if (check_nargs("draw_uniform", nargs, 13)
+        || !(uniforms_view = array_arg(args[0], "uniforms", NPY_FLOAT64, 0, 0)) || int_arg(args[1], "low", &low)
+        || int_arg(args[2], "high", &high) || !(closed_view = array_arg(args[4], "closed", NPY_BOOL, 1, 0))
+        || int_arg(args[5], "filled", &filled) || tables_arg(args + 6, &tables))
+        goto fail;
+    Py_ssize_t batch = items(closed_view), count = items(uniforms_view);
+    if (!(located = array_arg(args[3], "located", NPY_INT64, 1, 4 * batch))) goto fail;
+    if (filled < 0 || filled > batch) {
+        PyErr_Format(PyExc_ValueError, "kernel argument filled: expected 0..%zd, got %lld", batch, (long long)filled);
+        goto fail;
+    }
+    int64_t *scratch = PyMem_Malloc(count * (3 * sizeof(int64_t) + 1) + 1);
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    int64_t *rows = scratch, *bounds = rows + count, *open_seq = bounds + count;
+    char *candidate_closed = (char *)(open_seq + count), *closed = PyArray_DATA(closed_view);
+    const double *uniforms = PyArray_DATA(uniforms_view);
+    int64_t *out_positions = PyArray_DATA(located), *out_rows = out_positions + batch, *out_bounds = out_rows + batch,
+            *out_open_seq = out_bounds + batch;
+    int64_t span = high - low, low_row = wrap(low, tables.capacity);
+    for (Py_ssize_t i = 0; i < count; i++) rows[i] = wrap(low_row + (int64_t)(uniforms[i] * span), tables.capacity);
+    bounds_of_rows(count, rows, &tables, bounds, candidate_closed, open_seq);
+    for (Py_ssize_t i = 0; i < count && filled < batch; i++) {
+        int64_t position = low + (int64_t)(uniforms[i] * span);
+        if (position < bounds[i]) { /* a step: it has a successor in its episode */
+            out_positions[filled] = position;
+            out_rows[filled] = rows[i];
+            out_bounds[filled] = bounds[i];
+            out_open_seq[filled] = open_seq[i];
+            closed[filled] = candidate_closed[i];
+            filled++;
+        }
+    }
+    PyMem_Free(scratch);
+    return PyLong_FromLongLong(filled);
+fail:
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ batch targets */
+
+/* transition_targets(positions, rows, bounds, closed, n_step, powers, capacity, reward, row_seq, extent_flags,
+ *                    extent_slots, target_rows (2, B) int64, flags (2, B) bool, targets (2, B) float32) */
+static PyObject *transition_targets(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *positions_view, *rows_view, *bounds_view, *closed_view, *powers_view, *reward_view, *row_seq_view,
+        *flags_table_view, *target_rows_view, *flags_view, *targets_view;
+    int64_t n_step, capacity, extent_slots;
+    if (check_nargs("transition_targets", nargs, 14)
+        || !(positions_view = array_arg(args[0], "positions", NPY_INT64, 0, 0)))
+        goto fail;
+    Py_ssize_t count = items(positions_view);
+    if (!(rows_view = array_arg(args[1], "rows", NPY_INT64, 0, count))
+        || !(bounds_view = array_arg(args[2], "bounds", NPY_INT64, 0, count))
+        || !(closed_view = array_arg(args[3], "closed", NPY_BOOL, 0, count)) || int_arg(args[4], "n_step", &n_step)
+        || int_arg(args[6], "capacity", &capacity) || int_arg(args[10], "extent_slots", &extent_slots))
+        goto fail;
+    if (n_step < 1 || capacity < 1 || extent_slots < 1) {
+        PyErr_SetString(PyExc_ValueError, "kernel arguments n_step, capacity and extent_slots must be >= 1");
+        goto fail;
+    }
+    if (!(powers_view = array_arg(args[5], "powers", NPY_FLOAT64, 0, n_step + 1))
+        || !(reward_view = array_arg(args[7], "reward", -1, 0, 0))
+        || !(row_seq_view = array_arg(args[8], "row_seq", NPY_INT64, 0, capacity))
+        || !(flags_table_view = array_arg(args[9], "extent_flags", NPY_UINT8, 0, extent_slots))
+        || !(target_rows_view = array_arg(args[11], "target_rows", NPY_INT64, 1, 2 * count))
+        || !(flags_view = array_arg(args[12], "flags", NPY_BOOL, 1, 2 * count))
+        || !(targets_view = array_arg(args[13], "targets", NPY_FLOAT32, 1, 2 * count)))
+        goto fail;
+    int reward_type = PyArray_TYPE(reward_view);
+    if (reward_type != NPY_FLOAT32 && reward_type != NPY_FLOAT64) {
+        PyErr_SetString(PyExc_TypeError, "kernel argument reward: expected float32 or float64 items");
+        goto fail;
+    }
+    int has_reward = items(reward_view) > 0;
+    if (has_reward && items(reward_view) < capacity) {
+        PyErr_Format(PyExc_ValueError, "kernel argument reward: expected 0 or >= %lld items", (long long)capacity);
+        goto fail;
+    }
+    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view),
+                  *row_seq = PyArray_DATA(row_seq_view);
+    const char *closed = PyArray_DATA(closed_view);
+    const uint8_t *extent_flags = PyArray_DATA(flags_table_view);
+    const double *powers = PyArray_DATA(powers_view);
+    const float *reward32 = reward_type == NPY_FLOAT32 ? PyArray_DATA(reward_view) : NULL;
+    const double *reward64 = reward_type == NPY_FLOAT64 ? PyArray_DATA(reward_view) : NULL;
+#define REWARD(row) (reward32 ? (double)reward32[row] : reward64[row])
+    int64_t *next_rows = PyArray_DATA(target_rows_view), *bootstrap_rows = next_rows + count;
+    char *terminated = PyArray_DATA(flags_view), *truncated = terminated + count;
+    float *n_step_return = PyArray_DATA(targets_view), *bootstrap_discount = n_step_return + count;
+    double *first_reward = PyMem_Malloc(sizeof(double) * (has_reward ? count : 0) + 1);
+    if (!first_reward) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (has_reward) /* the random reads alone: a tight loop keeps many cache misses in flight */
+        for (Py_ssize_t i = 0; i < count; i++) first_reward[i] = REWARD(rows[i]);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t position = positions[i], row = rows[i], left = bounds[i] - position;
+        /* A position at or past its bound is no step (a torn or hole bound a reader will redraw); 0 keeps the
+           reads below on the ring and in `powers`. */
+        int64_t n_eff = left < n_step ? left : n_step;
+        if (n_eff < 0) n_eff = 0;
+        next_rows[i] = wrap(row + 1, capacity);
+        bootstrap_rows[i] = wrap(row + n_eff, capacity);
+        /* Only a window that reaches a closed episode's final row can see its termination. */
+        int episode_terminated = 0;
+        if (closed[i] && bounds[i] == position + n_eff) {
+            int64_t seq = row_seq[row] % extent_slots;
+            episode_terminated = (extent_flags[seq < 0 ? seq + extent_slots : seq] & TERMINATED) != 0;
+        }
+        int last_step = closed[i] && bounds[i] == position + 1; /* the 1-step transition ends the episode */
+        terminated[i] = last_step && episode_terminated;
+        truncated[i] = last_step && !episode_terminated;
+        if (has_reward) {
+            double total = n_eff > 0 ? first_reward[i] : 0.0; /* powers[0] = 1 */
+            for (int64_t k = 1; k < n_eff; k++) total += powers[k] * REWARD(wrap(row + k, capacity));
+            n_step_return[i] = (float)total;
+            bootstrap_discount[i] = episode_terminated ? 0.0f : (float)powers[n_eff];
+        }
+    }
+#undef REWARD
+    PyMem_Free(first_reward);
+    Py_RETURN_NONE;
+fail:
+    return NULL;
+}
+
+/* geometric_offsets(exponentials, discount, positions, rows, bounds, capacity, offsets_and_future_rows (2, B)) */
+static PyObject *geometric_offsets(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *exponentials_view, *positions_view, *rows_view, *bounds_view, *out_view;
+    int64_t capacity;
+    if (check_nargs("geometric_offsets", nargs, 7)
+        || !(positions_view = array_arg(args[2], "positions", NPY_INT64, 0, 0)))
+        goto fail;
+    Py_ssize_t count = items(positions_view);
+    double discount = PyFloat_AsDouble(args[1]);
+    if (discount == -1.0 && PyErr_Occurred()) goto fail;
+    if (!(exponentials_view = array_arg(args[0], "exponentials", NPY_FLOAT64, 0, count))
+        || !(rows_view = array_arg(args[3], "rows", NPY_INT64, 0, count))
+        || !(bounds_view = array_arg(args[4], "bounds", NPY_INT64, 0, count))
+        || int_arg(args[5], "capacity", &capacity)
+        || !(out_view = array_arg(args[6], "offsets_and_future_rows", NPY_INT64, 1, 2 * count)))
+        goto fail;
+    if (capacity < 1 || !(discount >= 0.0 && discount <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "kernel arguments: capacity must be >= 1, discount in [0, 1]");
+        goto fail;
+    }
+    const double *exponentials = PyArray_DATA(exponentials_view);
+    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view);
+    int64_t *offsets = PyArray_DATA(out_view), *future_rows = offsets + count;
+    double scale = (discount > 0.0 && discount < 1.0) ? -1.0 / log(discount) : 0.0; /* 1 / lambda */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t horizon = bounds[i] - positions[i], offset;
+        if (horizon <= 1 || discount == 0.0) {
+            offset = horizon < 1 ? horizon : 1; /* below 1 only for a torn read, which the reader discards */
+        } else if (discount == 1.0) {
+            offset = (int64_t)(-expm1(-exponentials[i]) * (double)horizon);
+            offset = (offset < horizon - 1 ? offset : horizon - 1) + 1;
+        } else {
+            /* K = floor(E / -ln g), then K mod M. Below 2^53 the remainder is computed exactly in doubles (an
+               integer division costs ~40 cycles here, and most draws of a short episode need one); fmod, exact
+               too but slow, takes the rest (astronomically rare: a discount within ~1e-14 of 1). */
+            double k = floor(exponentials[i] * scale), span = (double)horizon;
+            if (k >= span) {
+                if (k < 9007199254740992.0) {
+                    k -= span * floor(k / span); /* floor(k / span) may be one off: the checks below mend it */
+                    if (k >= span) k -= span;
+                    else if (k < 0.0) k += span;
+                } else {
+                    k = fmod(k, span);
+                }
+            }
+            offset = (int64_t)k + 1;
+        }
+        offsets[i] = offset;
+        future_rows[i] = wrap(rows[i] + offset, capacity);
+    }
+    Py_RETURN_NONE;
+fail:
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ lock-free reader checks */
+
+/* bounds_kept(rows, bounds, closed, row_end) -> bool */
+static PyObject *bounds_kept(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *rows_view, *bounds_view, *closed_view, *row_end_view;
+    if (check_nargs("bounds_kept", nargs, 4) || !(rows_view = array_arg(args[0], "rows", NPY_INT64, 0, 0)))
+        goto fail;
+    Py_ssize_t count = items(rows_view);
+    if (!(bounds_view = array_arg(args[1], "bounds", NPY_INT64, 0, count))
+        || !(closed_view = array_arg(args[2], "closed", NPY_BOOL, 0, count))
+        || !(row_end_view = array_arg(args[3], "row_end", NPY_INT64, 0, 1)))
+        goto fail;
+    const int64_t *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view), *row_end = PyArray_DATA(row_end_view);
+    const char *closed = PyArray_DATA(closed_view);
+    int64_t capacity = items(row_end_view);
+    int kept = 1;
+    for (Py_ssize_t i = 0; i < count && kept; i++) {
+        int64_t now = row_end[wrap(rows[i], capacity)];
+        kept = closed[i] ? now == bounds[i] : (now == OPEN || now == HOLE || now > bounds[i]);
+    }
+    return PyBool_FromLong(kept);
+fail:
+    return NULL;
+}
+
+/* drawn_live(positions, bounds, tail) -> bool */
+static PyObject *drawn_live(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *positions_view, *bounds_view;
+    int64_t tail;
+    if (check_nargs("drawn_live", nargs, 3)
+        || !(positions_view = array_arg(args[0], "positions", NPY_INT64, 0, 0)))
+        goto fail;
+    Py_ssize_t count = items(positions_view);
+    if (!(bounds_view = array_arg(args[1], "bounds", NPY_INT64, 0, count)) || int_arg(args[2], "tail", &tail))
+        goto fail;
+    const int64_t *positions = PyArray_DATA(positions_view), *bounds = PyArray_DATA(bounds_view);
+    int live = 1;
+    for (Py_ssize_t i = 0; i < count && live; i++) live = positions[i] >= tail && positions[i] < bounds[i];
+    return PyBool_FromLong(live);
+fail:
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ gathers */
+
+static void copy_rows(char *out, const char *source, const int64_t *rows, Py_ssize_t count, Py_ssize_t row_bytes) {
+    /* Fixed sizes let the compiler inline the copy (numpy's take special-cases them the same way). */
+#define COPY_ROWS(SIZE)                                                                                             \
+    for (Py_ssize_t i = 0; i < count; i++) memcpy(out + i * (SIZE), source + rows[i] * (SIZE), (SIZE));          \
+    return;
+    switch (row_bytes) {
+    case 1: COPY_ROWS(1)
+    case 2: COPY_ROWS(2)
+    case 4: COPY_ROWS(4)
+    case 8: COPY_ROWS(8)
+    case 16: COPY_ROWS(16)
+    case 32: COPY_ROWS(32)
+    default: COPY_ROWS(row_bytes)
+    }
+#undef COPY_ROWS
+}
+
+/* take_rows(batch, names, rows, sources): batch[names[j]] = sources[j][rows] for every column j, in one call.
+ * `sources` are whole ring columns of any type and row shape (first axis: the ring's rows). Rows off a
+ * column raise IndexError (and `batch` is left as it was). */
+static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *rows_view;
+    if (check_nargs("take_rows", nargs, 4) || !(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, 0))) return NULL;
+    PyObject *batch = args[0], *names = args[1], *sources = args[3];
+    if (!PyDict_Check(batch) || !PyTuple_Check(names) || !PyTuple_Check(sources)
+        || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(sources)) {
+        PyErr_SetString(PyExc_TypeError, "take_rows: expected a dict, then names and sources as tuples of one length");
+        return NULL;
+    }
+    Py_ssize_t count = items(rows_view), columns = PyTuple_GET_SIZE(sources);
+    const int64_t *rows = PyArray_DATA(rows_view);
+    for (Py_ssize_t j = 0; j < columns; j++) {
+        PyArrayObject *source = array_arg(PyTuple_GET_ITEM(sources, j), "sources[j]", -1, 0, 0);
+        if (!source) return NULL;
+        if (PyArray_NDIM(source) < 1 || PyArray_DIM(source, 0) < 1) {
+            PyErr_SetString(PyExc_ValueError, "take_rows: a source column must have at least one row");
+            return NULL;
+        }
+        npy_intp capacity = PyArray_DIM(source, 0);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (rows[i] < 0 || rows[i] >= capacity) {
+                PyErr_Format(PyExc_IndexError, "take_rows: row %lld is off a column of %zd rows", (long long)rows[i],
+                             (Py_ssize_t)capacity);
+                return NULL;
+            }
+        }
+    }
+    for (Py_ssize_t j = 0; j < columns; j++) {
+        PyArrayObject *source = (PyArrayObject *)PyTuple_GET_ITEM(sources, j);
+        npy_intp shape[NPY_MAXDIMS];
+        memcpy(shape, PyArray_DIMS(source), PyArray_NDIM(source) * sizeof(npy_intp));
+        shape[0] = count;
+        PyArray_Descr *descr = PyArray_DESCR(source);
+        Py_INCREF(descr);
+        PyArrayObject *taken = (PyArrayObject *)PyArray_Empty(PyArray_NDIM(source), shape, descr, 0);
+        if (!taken) return NULL;
+        Py_ssize_t row_bytes = PyArray_NBYTES(source) / PyArray_DIM(source, 0);
+        if (count * row_bytes > RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            copy_rows(PyArray_DATA(taken), PyArray_DATA(source), rows, count, row_bytes);
+            Py_END_ALLOW_THREADS
+        } else {
+            copy_rows(PyArray_DATA(taken), PyArray_DATA(source), rows, count, row_bytes);
+        }
+        int failed = PyDict_SetItem(batch, PyTuple_GET_ITEM(names, j), (PyObject *)taken);
+        Py_DECREF(taken);
+        if (failed) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ random draws */
+
+/* The bit generator of a numpy Generator's `bit_generator.capsule`; the caller holds its lock. */
+static bitgen_t *bit_generator_arg(PyObject *capsule) {
+    bitgen_t *bit_generator = PyCapsule_GetPointer(capsule, "BitGenerator");
+    if (!bit_generator) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "kernel argument bit_generator: expected a BitGenerator's capsule");
+    }
+    return bit_generator;
+}
+
+/* fill_uniform(bit_generator, out float64): the draws of Generator.random(out.size), in that order. */
+static PyObject *fill_uniform(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    bitgen_t *bit_generator;
+    PyArrayObject *out;
+    if (check_nargs("fill_uniform", nargs, 2) || !(bit_generator = bit_generator_arg(args[0]))
+        || !(out = array_arg(args[1], "out", NPY_FLOAT64, 1, 0)))
+        return NULL;
+    random_standard_uniform_fill(bit_generator, PyArray_SIZE(out), PyArray_DATA(out));
+    Py_RETURN_NONE;
+}
+
+/* fill_exponential(bit_generator, out float64): the draws of Generator.standard_exponential(out.size). */
+static PyObject *fill_exponential(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    bitgen_t *bit_generator;
+    PyArrayObject *out;
+    if (check_nargs("fill_exponential", nargs, 2) || !(bit_generator = bit_generator_arg(args[0]))
+        || !(out = array_arg(args[1], "out", NPY_FLOAT64, 1, 0)))
+        return NULL;
+    double *draws = PyArray_DATA(out);
+    for (npy_intp i = 0; i < PyArray_SIZE(out); i++) draws[i] = random_standard_exponential(bit_generator);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ module */
+
+#define KERNEL(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, NULL}
+static PyMethodDef kernel_methods[] = {
+    KERNEL(episode_bounds),
+    KERNEL(draw_uniform),
+    KERNEL(transition_targets),
+    KERNEL(geometric_offsets),
+    KERNEL(bounds_kept),
+    KERNEL(drawn_live),
+    KERNEL(take_rows),
+    KERNEL(fill_uniform),
+    KERNEL(fill_exponential),
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef kernels_module = {
+    .m_base = PyModuleDef_HEAD_INIT, .m_name = "_kernels", .m_size = -1, .m_methods = kernel_methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    import_array();
+    PyObject *module = PyModule_Create(&kernels_module);
+    if (module && (PyModule_AddIntConstant(module, "OPEN", OPEN) || PyModule_AddIntConstant(module, "HOLE", HOLE)
+                   || PyModule_AddIntConstant(module, "TERMINATED", TERMINATED))) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
