@@ -18,14 +18,40 @@ from service.schema import Field
 CAPACITY = 10
 
 
+def generator_capsule(seed: int) -> object:
+    return np.random.default_rng(seed).bit_generator.capsule
+
+
 def test_draw_uniform_rows_stay_on_the_ring_when_the_range_exceeds_it() -> None:
     row_end = np.full(CAPACITY, 10**9, np.int64)  # every row a step of a far-away episode
     tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0)
-    located, closed = np.empty((4, 50), np.int64), np.empty(50, bool)
-    assert kernels.draw_uniform(np.linspace(0, 0.999, 50), 5, 5 + 4 * CAPACITY, located, closed, 0, *tables) == 50
+    located, _ = kernels.draw_uniform(generator_capsule(0), 50, 5, 5 + 4 * CAPACITY, 1.0, 1, *tables)
     positions, rows, _, _ = located
+    assert np.all((positions >= 5) & (positions < 5 + 4 * CAPACITY))
     np.testing.assert_array_equal(rows, positions % CAPACITY)
+
+
+def test_draw_uniform_keeps_the_steps_among_the_generators_uniforms_in_order() -> None:
+    """The candidates are low + floor(u * span) for the uniforms Generator.random would draw, round after round,
+    and the draw keeps the steps among them in order: a seeded sample is the one numpy's draws give."""
+    capacity = 64
+    row_end = np.repeat(np.arange(3, 64, 4), 4)  # episodes of 3 steps: rows 3, 7, ... are final observations
+    tables = (capacity, row_end, np.zeros(capacity, np.int64), np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
+    located, closed = kernels.draw_uniform(generator_capsule(3), 40, 0, capacity, 0.25, 64, *tables)
+    numpy_own, expected = np.random.default_rng(3), []
+    while len(expected) < 40:  # the rounds: int(missing * 0.25) + 8 candidates each
+        candidates = (numpy_own.random(int((40 - len(expected)) * 0.25) + 8) * capacity).astype(np.int64)
+        expected += [int(c) for c in candidates if c % 4 != 3][:40 - len(expected)]
+    np.testing.assert_array_equal(located[0], expected)
+    np.testing.assert_array_equal(located[2], row_end[expected])
+    assert closed.all() and np.all(located[3] == -1)
+
+
+def test_draw_uniform_gives_up_after_max_rounds() -> None:
+    row_end = np.full(CAPACITY, kernels.HOLE, np.int64)  # no step anywhere (evictions emptied a reader's range)
+    tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
+    assert kernels.draw_uniform(generator_capsule(0), 8, 0, CAPACITY, 2.0, 3, *tables) is None
 
 
 def transition_outputs(count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -81,25 +107,18 @@ def test_bound_lookup_wraps_negative_and_huge_keys() -> None:
     np.testing.assert_array_equal(bounds, row_end[keys % CAPACITY])
 
 
-def test_uniform_draw_tops_up_when_a_round_falls_short(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_uniform_draw_tops_up_when_a_round_falls_short() -> None:
     buffer = EpisodicBuffer("topup", f"test{os.getpid()}", [Field("obs", "float32", (), observation=True)], 40)
     try:
         lengths = np.full(10, 3)  # 10 episodes of 3 steps: rows 3, 7, 11, ... are final observations
         buffer.insert({"obs": np.arange(40, dtype=np.float32)},
                       Spans.whole_episodes(lengths, np.arange(10), np.ones(10, bool)))
-        final_rows = (np.arange(10) * 4 + 3 + 0.5) / 40  # uniforms whose candidate is a final row
-        rounds = []
-        real_uniforms = kernels.uniforms
-
-        def first_round_on_final_rows(rng: np.random.Generator, count: int) -> np.ndarray:
-            rounds.append(count)
-            return np.resize(final_rows, count) if len(rounds) == 1 else real_uniforms(rng, count)
-
-        monkeypatch.setattr(kernels, "uniforms", first_round_on_final_rows)
-        draw = buffer.draw(64, np.random.default_rng(0))
-        assert len(rounds) >= 2
-        assert len(draw.positions) == 64
-        assert np.all(draw.positions % 4 != 3) and np.all(draw.positions < draw.bounds)
+        # Draws of 64 from 40 positions, 30 of them steps: a first round of int(64 * 1.0625 * 40 / 30) + 8 = 98
+        # candidates holds fewer than 64 steps for 6 of these 400 seeds, which take a second round.
+        for seed in range(400):
+            draw = buffer.draw(64, np.random.default_rng(seed))
+            assert len(draw.positions) == 64
+            assert np.all(draw.positions % 4 != 3) and np.all(draw.positions < draw.bounds)
     finally:
         buffer.close()
 
@@ -115,11 +134,10 @@ def test_transition_targets_stay_in_their_tables_for_a_far_position_on_a_hole() 
     assert np.all(np.isfinite(targets))
 
 
-def test_draws_are_the_generators_own() -> None:
-    """kernels.uniforms and kernels.exponentials draw what Generator.random and standard_exponential would,
-    and advance the generator as they do: a seeded request samples the same batch as before."""
+def test_exponential_draws_are_the_generators_own() -> None:
+    """kernels.exponentials draws what Generator.standard_exponential would, and advances the generator as it
+    does: a seeded request samples the same batch as numpy's own draws would give."""
     ours, numpy_own = np.random.default_rng(11), np.random.default_rng(11)
-    np.testing.assert_array_equal(kernels.uniforms(ours, 300), numpy_own.random(300))
     np.testing.assert_array_equal(kernels.exponentials(ours, 257), numpy_own.standard_exponential(257))
     assert ours.random() == numpy_own.random()
 
@@ -152,25 +170,32 @@ def test_kernels_refuse_arrays_they_cannot_read_and_name_the_argument() -> None:
     positions = np.arange(4, dtype=np.int64)
     tables = [CAPACITY, np.zeros(CAPACITY, np.int64), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0]
-    located, closed = np.empty((4, 4), np.int64), np.empty(4, bool)
+    target_rows, flags, targets = transition_outputs(4)
 
-    def draw(**changes: object) -> None:
-        arguments = {"uniforms": np.zeros(4), "located": located, "closed": closed}
+    def targets_of(**changes: object) -> None:
+        arguments = {"positions": positions, "reward": np.ones(CAPACITY, np.float32), "target_rows": target_rows,
+                     "flags": flags}
         arguments.update(changes)
-        kernels.draw_uniform(arguments["uniforms"], 0, 4, arguments["located"], arguments["closed"], 0, *tables)
+        kernels.transition_targets(arguments["positions"], positions, positions + 1, np.ones(4, bool), 1,
+                                   np.ones(2), CAPACITY, arguments["reward"], np.zeros(CAPACITY, np.int64),
+                                   np.zeros(7, np.uint8), 7, arguments["target_rows"], arguments["flags"], targets)
 
-    with pytest.raises(TypeError, match=r"uniforms: expected numpy\.float64 items, got numpy\.float32"):
-        draw(uniforms=np.zeros(4, np.float32))
-    with pytest.raises(TypeError, match="uniforms: expected a numpy array, got list"):
-        draw(uniforms=[0.0, 0.5])
-    with pytest.raises(ValueError, match="located: expected a C-contiguous"):
-        draw(located=np.empty((4, 8), np.int64)[:, ::2])
-    with pytest.raises(ValueError, match="located: expected at least 16 items, got 8"):
-        draw(located=np.empty((2, 4), np.int64))
-    read_only = closed.copy()
+    with pytest.raises(TypeError, match=r"positions: expected numpy\.int64 items, got numpy\.float64"):
+        targets_of(positions=positions.astype(float))
+    with pytest.raises(TypeError, match="positions: expected a numpy array, got list"):
+        targets_of(positions=[0, 1, 2, 3])
+    with pytest.raises(TypeError, match="reward: expected float32 or float64 items"):
+        targets_of(reward=np.ones(CAPACITY, np.int64))
+    with pytest.raises(ValueError, match="target_rows: expected a C-contiguous"):
+        targets_of(target_rows=np.empty((2, 8), np.int64)[:, ::2])
+    with pytest.raises(ValueError, match="target_rows: expected at least 8 items, got 4"):
+        targets_of(target_rows=np.empty((1, 4), np.int64))
+    read_only = flags.copy()
     read_only.flags.writeable = False
-    with pytest.raises(ValueError, match="closed: expected a writable array"):
-        draw(closed=read_only)
+    with pytest.raises(ValueError, match="flags: expected a writable array"):
+        targets_of(flags=read_only)
+    with pytest.raises(TypeError, match="bit_generator: expected a BitGenerator's capsule"):
+        kernels.draw_uniform(object(), 4, 0, 4, 1.0, 1, *tables)
     tables[1] = np.zeros(CAPACITY - 1, np.int64)  # a row_end shorter than the ring
     with pytest.raises(ValueError, match="row_end: expected at least 10 items, got 9"):
         kernels.episode_bounds(positions, *tables)

@@ -155,51 +155,79 @@ fail:
     return NULL;
 }
 
-/* draw_uniform(uniforms, low, high, located (4, B), closed (B,), filled, capacity, row_end, row_seq, extent_last,
- *              extent_slots, times_sampled, max_times_sampled) -> filled */
+/* The bit generator of a numpy Generator's `bit_generator.capsule`; the caller holds its lock. */
+static bitgen_t *bit_generator_arg(PyObject *capsule) {
+    bitgen_t *bit_generator = PyCapsule_GetPointer(capsule, "BitGenerator");
+    if (!bit_generator) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "kernel argument bit_generator: expected a BitGenerator's capsule");
+    }
+    return bit_generator;
+}
+
+/* draw_uniform(bit_generator, batch_size, low, high, candidates_per_step, max_rounds, capacity, row_end, row_seq,
+ *              extent_last, extent_slots, times_sampled, max_times_sampled)
+ *   -> (located (4, B) int64: positions, rows, bounds, open_seq; closed (B,) bool), or None if max_rounds fell short
+ *
+ * Rejection sampling over [low, high): each round draws int(missing * candidates_per_step) + 8 uniforms (the
+ * numbers Generator.random(that many) would give) and keeps, in draw order, the candidates that are steps. */
 static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Tables tables;
-    PyArrayObject *uniforms_view, *located, *closed_view;
-    int64_t low, high, filled;
-    if (check_nargs("draw_uniform", nargs, 13)
-        || !(uniforms_view = array_arg(args[0], "uniforms", NPY_FLOAT64, 0, 0)) || int_arg(args[1], "low", &low)
-        || int_arg(args[2], "high", &high) || !(closed_view = array_arg(args[4], "closed", NPY_BOOL, 1, 0))
-        || int_arg(args[5], "filled", &filled) || tables_arg(args + 6, &tables))
-        goto fail;
-    Py_ssize_t batch = items(closed_view), count = items(uniforms_view);
-    if (!(located = array_arg(args[3], "located", NPY_INT64, 1, 4 * batch))) goto fail;
-    if (filled < 0 || filled > batch) {
-        PyErr_Format(PyExc_ValueError, "kernel argument filled: expected 0..%zd, got %lld", batch, (long long)filled);
-        goto fail;
+    bitgen_t *bit_generator;
+    int64_t batch, low, high, max_rounds;
+    if (check_nargs("draw_uniform", nargs, 13) || !(bit_generator = bit_generator_arg(args[0]))
+        || int_arg(args[1], "batch_size", &batch) || int_arg(args[2], "low", &low) || int_arg(args[3], "high", &high)
+        || int_arg(args[5], "max_rounds", &max_rounds) || tables_arg(args + 6, &tables))
+        return NULL;
+    double candidates_per_step = PyFloat_AsDouble(args[4]);
+    if (candidates_per_step == -1.0 && PyErr_Occurred()) return NULL;
+    if (batch < 1 || high <= low || !(candidates_per_step > 0.0 && candidates_per_step <= 1e6)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "draw_uniform: expected batch_size >= 1, low < high and candidates_per_step in (0, 1e6]");
+        return NULL;
     }
-    int64_t *scratch = PyMem_Malloc(count * (3 * sizeof(int64_t) + 1) + 1);
-    if (!scratch) {
-        PyErr_NoMemory();
-        goto fail;
+    npy_intp located_shape[2] = {4, batch}, closed_shape[1] = {batch};
+    PyObject *located = PyArray_SimpleNew(2, located_shape, NPY_INT64);
+    PyObject *closed_array = PyArray_SimpleNew(1, closed_shape, NPY_BOOL);
+    Py_ssize_t most = (Py_ssize_t)(batch * candidates_per_step) + 8; /* the first round draws the most */
+    char *scratch = PyMem_Malloc(most * (4 * sizeof(int64_t) + 1));
+    if (!located || !closed_array || !scratch) {
+        Py_XDECREF(located);
+        Py_XDECREF(closed_array);
+        PyMem_Free(scratch);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
-    int64_t *rows = scratch, *bounds = rows + count, *open_seq = bounds + count;
-    char *candidate_closed = (char *)(open_seq + count), *closed = PyArray_DATA(closed_view);
-    const double *uniforms = PyArray_DATA(uniforms_view);
-    int64_t *out_positions = PyArray_DATA(located), *out_rows = out_positions + batch, *out_bounds = out_rows + batch,
-            *out_open_seq = out_bounds + batch;
-    int64_t span = high - low, low_row = wrap(low, tables.capacity);
-    for (Py_ssize_t i = 0; i < count; i++) rows[i] = wrap(low_row + (int64_t)(uniforms[i] * span), tables.capacity);
-    bounds_of_rows(count, rows, &tables, bounds, candidate_closed, open_seq);
-    for (Py_ssize_t i = 0; i < count && filled < batch; i++) {
-        int64_t position = low + (int64_t)(uniforms[i] * span);
-        if (position < bounds[i]) { /* a step: it has a successor in its episode */
-            out_positions[filled] = position;
-            out_rows[filled] = rows[i];
-            out_bounds[filled] = bounds[i];
-            out_open_seq[filled] = open_seq[i];
-            closed[filled] = candidate_closed[i];
-            filled++;
+    double *uniforms = (double *)scratch;
+    int64_t *rows = (int64_t *)(uniforms + most), *bounds = rows + most, *open_seq = bounds + most;
+    char *candidate_closed = (char *)(open_seq + most), *closed = PyArray_DATA((PyArrayObject *)closed_array);
+    int64_t *out_positions = PyArray_DATA((PyArrayObject *)located), *out_rows = out_positions + batch,
+            *out_bounds = out_rows + batch, *out_open_seq = out_bounds + batch;
+    int64_t span = high - low, low_row = wrap(low, tables.capacity), filled = 0;
+    for (int64_t round = 0; round < max_rounds && filled < batch; round++) {
+        Py_ssize_t count = (Py_ssize_t)((batch - filled) * candidates_per_step) + 8;
+        random_standard_uniform_fill(bit_generator, count, uniforms);
+        for (Py_ssize_t i = 0; i < count; i++)
+            rows[i] = wrap(low_row + (int64_t)(uniforms[i] * span), tables.capacity);
+        bounds_of_rows(count, rows, &tables, bounds, candidate_closed, open_seq);
+        for (Py_ssize_t i = 0; i < count && filled < batch; i++) {
+            int64_t position = low + (int64_t)(uniforms[i] * span);
+            if (position < bounds[i]) { /* a step: it has a successor in its episode */
+                out_positions[filled] = position;
+                out_rows[filled] = rows[i];
+                out_bounds[filled] = bounds[i];
+                out_open_seq[filled] = open_seq[i];
+                closed[filled] = candidate_closed[i];
+                filled++;
+            }
         }
     }
     PyMem_Free(scratch);
-    return PyLong_FromLongLong(filled);
-fail:
-    return NULL;
+    if (filled < batch) {
+        Py_DECREF(located);
+        Py_DECREF(closed_array);
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(NN)", located, closed_array);
 }
 
 /* ------------------------------------------------------------------ batch targets */
@@ -463,27 +491,6 @@ static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
 
 /* ------------------------------------------------------------------ random draws */
 
-/* The bit generator of a numpy Generator's `bit_generator.capsule`; the caller holds its lock. */
-static bitgen_t *bit_generator_arg(PyObject *capsule) {
-    bitgen_t *bit_generator = PyCapsule_GetPointer(capsule, "BitGenerator");
-    if (!bit_generator) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "kernel argument bit_generator: expected a BitGenerator's capsule");
-    }
-    return bit_generator;
-}
-
-/* fill_uniform(bit_generator, out float64): the draws of Generator.random(out.size), in that order. */
-static PyObject *fill_uniform(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    bitgen_t *bit_generator;
-    PyArrayObject *out;
-    if (check_nargs("fill_uniform", nargs, 2) || !(bit_generator = bit_generator_arg(args[0]))
-        || !(out = array_arg(args[1], "out", NPY_FLOAT64, 1, 0)))
-        return NULL;
-    random_standard_uniform_fill(bit_generator, PyArray_SIZE(out), PyArray_DATA(out));
-    Py_RETURN_NONE;
-}
-
 /* fill_exponential(bit_generator, out float64): the draws of Generator.standard_exponential(out.size). */
 static PyObject *fill_exponential(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     bitgen_t *bit_generator;
@@ -507,7 +514,6 @@ static PyMethodDef kernel_methods[] = {
     KERNEL(bounds_kept),
     KERNEL(drawn_live),
     KERNEL(take_rows),
-    KERNEL(fill_uniform),
     KERNEL(fill_exponential),
     {NULL, NULL, 0, NULL},
 };

@@ -24,7 +24,6 @@ from service.samplers._kernels import (
     draw_uniform,
     drawn_live,
     fill_exponential,
-    fill_uniform,
     geometric_offsets,
     take_rows,
     transition_targets,
@@ -38,8 +37,7 @@ TERMINATED = _kernels.TERMINATED  # extent flag
 REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_targets reads
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
-           "episode_bounds", "exponentials", "gather_columns", "geometric_offsets", "take_rows", "transition_targets",
-           "uniforms"]
+           "episode_bounds", "exponentials", "gather_columns", "geometric_offsets", "take_rows", "transition_targets"]
 
 
 def episode_bounds(positions: np.ndarray, capacity: int, row_end: np.ndarray, row_seq: np.ndarray,
@@ -75,15 +73,6 @@ def _prefixed(prefix: str, names: tuple[str, ...]) -> tuple[str, ...]:
 def gather_columns(batch: dict[str, np.ndarray], rows: np.ndarray, columns: Columns, prefix: str = "") -> None:
     """batch[prefix + name] = column[rows] for every column, in one compiled call."""
     take_rows(batch, _prefixed(prefix, columns.names), rows, columns.arrays)
-
-
-def uniforms(rng: np.random.Generator, count: int) -> np.ndarray:
-    """rng.random(count): the same draws, without the Generator method's argument handling (1 µs a call)."""
-    out = np.empty(count)
-    bit_generator = rng.bit_generator
-    with bit_generator.lock:
-        fill_uniform(bit_generator.capsule, out)
-    return out
 
 
 def exponentials(rng: np.random.Generator, count: int) -> np.ndarray:

@@ -56,18 +56,17 @@ class UniformSampler:
         # observations and holes are dropped. One oversampled round almost always yields enough; a
         # second round tops up.
         candidates_per_step = 1.0625 * (high - low) / max(sampleable, 1)  # <= 17: dense enough
-        located = np.empty((4, batch_size), np.int64)  # positions, rows, bounds, open_seq
-        closed = np.empty(batch_size, np.bool_)
-        filled = 0
-        for _ in range(_MAX_ROUNDS):
-            candidates = kernels.uniforms(rng, int((batch_size - filled) * candidates_per_step) + 8)
-            filled = kernels.draw_uniform(candidates, low, high, located, closed, filled, *ring.bound_tables)
-            if filled == batch_size:
-                return Draw(located[0], located[1], located[2], closed, located[3])
-        raise RingChanged(
-            f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
-            f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
-        )
+        bit_generator = rng.bit_generator
+        with bit_generator.lock:
+            drawn = kernels.draw_uniform(bit_generator.capsule, batch_size, low, high, candidates_per_step,
+                                         _MAX_ROUNDS, *ring.bound_tables)
+        if drawn is None:
+            raise RingChanged(
+                f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
+                f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
+            )
+        located, closed = drawn  # located: positions, rows, bounds, open_seq
+        return Draw(located[0], located[1], located[2], closed, located[3])
 
     def drawable(self, ring: EpisodicBuffer) -> bool:
         """Whether a draw can succeed now."""
