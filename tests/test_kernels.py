@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.samplers import kernels
+from service.samplers import _kernels, kernels
 from service.schema import Field
 
 CAPACITY = 10
@@ -54,21 +54,43 @@ def test_draw_uniform_gives_up_after_max_rounds() -> None:
     assert kernels.draw_uniform(generator_capsule(0), 8, 0, CAPACITY, 2.0, 3, *tables) is None
 
 
-def transition_outputs(count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """transition_targets' outputs (target rows, flags, targets), filled with values it must overwrite."""
-    return np.full((2, count), -7, np.int64), np.ones((2, count), bool), np.full((2, count), np.nan, np.float32)
+def transition_batch(positions: np.ndarray, bounds: np.ndarray, n_step: int, reward: np.ndarray | None = None,
+                     **changes: object) -> dict[str, np.ndarray]:
+    """A transitions batch over a ring whose observation at row r is r (so next_obs and bootstrap_obs name
+    the rows the kernel read), every drawn episode closed."""
+    arguments = {"positions": positions, "rows": changes.get("rows", np.asarray(positions) % CAPACITY),
+                 "closed": np.ones(len(positions), bool),
+                 "reward": np.ones(CAPACITY, np.float32) if reward is None else reward,
+                 "sources": (np.arange(CAPACITY, dtype=np.float32),), "powers": 0.9 ** np.arange(n_step + 1)}
+    arguments.update(changes)
+    batch: dict[str, np.ndarray] = {}
+    kernels.transition_batch(batch, arguments["positions"], arguments["rows"], bounds, arguments["closed"], n_step,
+                             arguments["powers"], CAPACITY, arguments["reward"], np.zeros(CAPACITY, np.int64),
+                             np.zeros(7, np.uint8), 7, ("obs",), arguments["sources"], ("next_obs",),
+                             ("bootstrap_obs",))
+    return batch
 
 
 def test_transition_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
     positions = np.array([3, 7, 9, 25], np.int64)
-    rows = positions % CAPACITY
     bounds = np.array([10**6, kernels.HOLE, 9 + 3 * CAPACITY, 24], np.int64)  # torn, hole, torn, behind
-    target_rows, flags, targets = transition_outputs(4)
-    kernels.transition_targets(
-        positions, rows, bounds, np.ones(4, bool), 1000, 0.9 ** np.arange(1001), CAPACITY,
-        np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64), np.zeros(7, np.uint8), 7,
-        target_rows, flags, targets)
-    assert np.all((target_rows >= 0) & (target_rows < CAPACITY))  # next and bootstrap rows
+    batch = transition_batch(positions, bounds, 1000)
+    assert list(batch) == ["obs", "next_obs", "terminated", "truncated", "n_step_return", "bootstrap_discount",
+                           "bootstrap_obs"]
+    np.testing.assert_array_equal(batch["next_obs"], (positions + 1) % CAPACITY)
+    assert np.all((batch["bootstrap_obs"] >= 0) & (batch["bootstrap_obs"] < CAPACITY))
+
+
+def test_transition_batch_without_rewards_and_with_one_step() -> None:
+    """No reward column: no targets and no bootstrap observation. n_step = 1: bootstrap_obs is next_obs."""
+    positions = np.array([3, 7], np.int64)
+    bounds = positions + np.array([1, 5])
+    batch = transition_batch(positions, bounds, 1, reward=np.empty(0, np.float32))
+    assert list(batch) == ["obs", "next_obs", "terminated", "truncated"]
+    np.testing.assert_array_equal(batch["truncated"], [True, False])  # row 3 is its episode's last step
+    batch = transition_batch(positions, bounds, 1)
+    assert batch["bootstrap_obs"] is batch["next_obs"]
+    np.testing.assert_array_equal(batch["bootstrap_discount"], np.float32([0.9, 0.9]))  # truncation bootstraps
 
 
 def test_geometric_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
@@ -125,13 +147,9 @@ def test_uniform_draw_tops_up_when_a_round_falls_short() -> None:
 
 def test_transition_targets_stay_in_their_tables_for_a_far_position_on_a_hole() -> None:
     positions = np.array([10**9 + 3], np.int64)  # bound - position is about -1e9
-    target_rows, flags, targets = transition_outputs(1)
-    kernels.transition_targets(
-        positions, positions % CAPACITY, np.array([kernels.HOLE], np.int64), np.ones(1, bool), 3,
-        0.9 ** np.arange(4), CAPACITY, np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64),
-        np.zeros(7, np.uint8), 7, target_rows, flags, targets)
-    assert np.all((target_rows >= 0) & (target_rows < CAPACITY))
-    assert np.all(np.isfinite(targets))
+    batch = transition_batch(positions, np.array([kernels.HOLE], np.int64), 3)
+    assert np.all((batch["bootstrap_obs"] >= 0) & (batch["bootstrap_obs"] < CAPACITY))
+    assert np.all(np.isfinite(batch["n_step_return"])) and np.all(np.isfinite(batch["bootstrap_discount"]))
 
 
 def test_exponential_draws_are_the_generators_own() -> None:
@@ -170,30 +188,31 @@ def test_kernels_refuse_arrays_they_cannot_read_and_name_the_argument() -> None:
     positions = np.arange(4, dtype=np.int64)
     tables = [CAPACITY, np.zeros(CAPACITY, np.int64), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0]
-    target_rows, flags, targets = transition_outputs(4)
+    bounds = positions + 1
 
     def targets_of(**changes: object) -> None:
-        arguments = {"positions": positions, "reward": np.ones(CAPACITY, np.float32), "target_rows": target_rows,
-                     "flags": flags}
-        arguments.update(changes)
-        kernels.transition_targets(arguments["positions"], positions, positions + 1, np.ones(4, bool), 1,
-                                   np.ones(2), CAPACITY, arguments["reward"], np.zeros(CAPACITY, np.int64),
-                                   np.zeros(7, np.uint8), 7, arguments["target_rows"], arguments["flags"], targets)
+        transition_batch(changes.pop("positions", positions), bounds, 1, **changes)
 
     with pytest.raises(TypeError, match=r"positions: expected numpy\.int64 items, got numpy\.float64"):
         targets_of(positions=positions.astype(float))
     with pytest.raises(TypeError, match="positions: expected a numpy array, got list"):
-        targets_of(positions=[0, 1, 2, 3])
-    with pytest.raises(TypeError, match="reward: expected float32 or float64 items"):
+        targets_of(positions=[0, 1, 2, 3], rows=positions)
+    with pytest.raises(TypeError, match="reward: expected no items, or >= 10 float32 or float64"):
         targets_of(reward=np.ones(CAPACITY, np.int64))
-    with pytest.raises(ValueError, match="target_rows: expected a C-contiguous"):
-        targets_of(target_rows=np.empty((2, 8), np.int64)[:, ::2])
-    with pytest.raises(ValueError, match="target_rows: expected at least 8 items, got 4"):
-        targets_of(target_rows=np.empty((1, 4), np.int64))
-    read_only = flags.copy()
+    with pytest.raises(ValueError, match="rows: expected a C-contiguous"):
+        targets_of(rows=np.zeros(8, np.int64)[::2])
+    with pytest.raises(ValueError, match="closed: expected at least 4 items, got 2"):
+        targets_of(closed=np.ones(2, bool))
+    with pytest.raises(ValueError, match="powers: expected at least 2 items, got 1"):
+        targets_of(powers=np.ones(1))
+    with pytest.raises(ValueError, match=r"sources\[0\]: expected a column of at least 10 rows"):
+        targets_of(sources=(np.zeros(CAPACITY - 1, np.float32),))
+    with pytest.raises(IndexError, match="row 10 is off the ring of 10 rows"):
+        targets_of(rows=np.array([0, 1, 2, 10], np.int64))
+    read_only = np.empty(4, bool)
     read_only.flags.writeable = False
-    with pytest.raises(ValueError, match="flags: expected a writable array"):
-        targets_of(flags=read_only)
+    with pytest.raises(ValueError, match="closed: expected a writable array"):
+        _kernels.episode_bounds(positions, *tables, np.empty((3, 4), np.int64), read_only)
     with pytest.raises(TypeError, match="bit_generator: expected a BitGenerator's capsule"):
         kernels.draw_uniform(object(), 4, 0, 4, 1.0, 1, *tables)
     tables[1] = np.zeros(CAPACITY - 1, np.int64)  # a row_end shorter than the ring

@@ -230,61 +230,217 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
     return Py_BuildValue("(NN)", located, closed_array);
 }
 
-/* ------------------------------------------------------------------ batch targets */
+/* ------------------------------------------------------------------ gathers */
 
-/* transition_targets(positions, rows, bounds, closed, n_step, powers, capacity, reward, row_seq, extent_flags,
- *                    extent_slots, target_rows (2, B) int64, flags (2, B) bool, targets (2, B) float32) */
-static PyObject *transition_targets(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static void copy_rows(char *out, const char *source, const int64_t *rows, Py_ssize_t count, Py_ssize_t row_bytes) {
+    /* Fixed sizes let the compiler inline the copy (numpy's take special-cases them the same way). */
+#define COPY_ROWS(SIZE)                                                                                             \
+    for (Py_ssize_t i = 0; i < count; i++) memcpy(out + i * (SIZE), source + rows[i] * (SIZE), (SIZE));          \
+    return;
+    switch (row_bytes) {
+    case 1: COPY_ROWS(1)
+    case 2: COPY_ROWS(2)
+    case 4: COPY_ROWS(4)
+    case 8: COPY_ROWS(8)
+    case 16: COPY_ROWS(16)
+    case 32: COPY_ROWS(32)
+    default: COPY_ROWS(row_bytes)
+    }
+#undef COPY_ROWS
+}
+
+/* Whether `names` is a tuple of str; TypeError otherwise. */
+static int check_names(PyObject *names) {
+    if (PyTuple_Check(names)) {
+        Py_ssize_t j = 0;
+        while (j < PyTuple_GET_SIZE(names) && PyUnicode_Check(PyTuple_GET_ITEM(names, j))) j++;
+        if (j == PyTuple_GET_SIZE(names)) return 0;
+    }
+    PyErr_SetString(PyExc_TypeError, "kernel argument names: expected a tuple of str");
+    return -1;
+}
+
+/* Whether `names` and `sources` are tuples of one length whose sources are arrays of at least `min_rows` rows
+ * (any type and row shape); TypeError or ValueError otherwise. */
+static int check_columns(PyObject *names, PyObject *sources, npy_intp min_rows) {
+    if (check_names(names)) return -1;
+    if (!PyTuple_Check(sources) || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(sources)) {
+        PyErr_SetString(PyExc_TypeError, "kernel arguments names and sources: expected tuples of one length");
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(sources); j++) {
+        PyArrayObject *source = array_arg(PyTuple_GET_ITEM(sources, j), "sources[j]", -1, 0, 0);
+        if (!source) return -1;
+        if (PyArray_NDIM(source) < 1 || PyArray_DIM(source, 0) < min_rows || PyArray_DIM(source, 0) < 1) {
+            PyErr_Format(PyExc_ValueError, "kernel argument sources[%zd]: expected a column of at least %zd rows", j,
+                         (Py_ssize_t)(min_rows < 1 ? 1 : min_rows));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* batch[name] = source[rows] (rows already checked against the source's length). */
+static int take_into(PyObject *batch, PyObject *name, PyArrayObject *source, const int64_t *rows, Py_ssize_t count) {
+    npy_intp shape[NPY_MAXDIMS];
+    memcpy(shape, PyArray_DIMS(source), PyArray_NDIM(source) * sizeof(npy_intp));
+    shape[0] = count;
+    PyArray_Descr *descr = PyArray_DESCR(source);
+    Py_INCREF(descr); /* PyArray_Empty steals it */
+    PyArrayObject *taken = (PyArrayObject *)PyArray_Empty(PyArray_NDIM(source), shape, descr, 0);
+    if (!taken) return -1;
+    Py_ssize_t row_bytes = PyArray_NBYTES(source) / PyArray_DIM(source, 0);
+    if (count * row_bytes > RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_rows(PyArray_DATA(taken), PyArray_DATA(source), rows, count, row_bytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_rows(PyArray_DATA(taken), PyArray_DATA(source), rows, count, row_bytes);
+    }
+    int failed = PyDict_SetItem(batch, name, (PyObject *)taken);
+    Py_DECREF(taken);
+    return failed;
+}
+
+/* batch[names[j]] = sources[j][rows] for the first `columns` columns. */
+static int take_columns(PyObject *batch, PyObject *names, PyObject *sources, Py_ssize_t columns, const int64_t *rows,
+                        Py_ssize_t count) {
+    for (Py_ssize_t j = 0; j < columns; j++)
+        if (take_into(batch, PyTuple_GET_ITEM(names, j), (PyArrayObject *)PyTuple_GET_ITEM(sources, j), rows, count))
+            return -1;
+    return 0;
+}
+
+/* take_rows(batch, names, rows, sources): batch[names[j]] = sources[j][rows] for every column j, in one call.
+ * `sources` are whole ring columns of any type and row shape (first axis: the ring's rows). Rows off a
+ * column raise IndexError (and `batch` is left as it was). */
+static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *rows_view;
+    if (check_nargs("take_rows", nargs, 4) || !(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, 0))) return NULL;
+    PyObject *batch = args[0], *names = args[1], *sources = args[3];
+    if (!PyDict_Check(batch)) {
+        PyErr_SetString(PyExc_TypeError, "take_rows: expected a dict for the batch");
+        return NULL;
+    }
+    if (check_columns(names, sources, 0)) return NULL;
+    Py_ssize_t count = items(rows_view), columns = PyTuple_GET_SIZE(sources);
+    const int64_t *rows = PyArray_DATA(rows_view);
+    for (Py_ssize_t j = 0; j < columns; j++) {
+        npy_intp length = PyArray_DIM((PyArrayObject *)PyTuple_GET_ITEM(sources, j), 0);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (rows[i] < 0 || rows[i] >= length) {
+                PyErr_Format(PyExc_IndexError, "take_rows: row %lld is off a column of %zd rows", (long long)rows[i],
+                             (Py_ssize_t)length);
+                return NULL;
+            }
+        }
+    }
+    if (take_columns(batch, names, sources, columns, rows, count)) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ batch modes */
+
+static PyObject *TERMINATED_KEY, *TRUNCATED_KEY, *N_STEP_RETURN_KEY, *BOOTSTRAP_DISCOUNT_KEY;
+
+/* A new 1-d array of `count` items of `type`, or NULL with the error set. */
+static PyArrayObject *new_vector(Py_ssize_t count, int type) {
+    npy_intp shape[1] = {count};
+    return (PyArrayObject *)PyArray_SimpleNew(1, shape, type);
+}
+
+/* batch[key] = array, giving up the reference to array. */
+static int put(PyObject *batch, PyObject *key, PyArrayObject *array) {
+    if (!array) return -1;
+    int failed = PyDict_SetItem(batch, key, (PyObject *)array);
+    Py_DECREF(array);
+    return failed;
+}
+
+/* transition_batch(batch, positions, rows, bounds, closed, n_step, powers, capacity, reward, row_seq, extent_flags,
+ *                  extent_slots, names, sources, next_names, bootstrap_names)
+ *
+ * Fills `batch` with a transitions batch, in this order: names[j] = sources[j][rows] (the observation fields
+ * first, then the step fields); next_names[j] = sources[j][rows + 1] for the observation fields (the first
+ * len(next_names) sources); terminated, truncated (1-step); and with a reward column: n_step_return,
+ * bootstrap_discount, and bootstrap_names[j] = the observation at t + n_eff (the next observation's array
+ * itself when n_step is 1). See TransitionsMode for the targets' definitions. `reward` is the reward column
+ * (empty: the buffer has none). */
+static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     PyArrayObject *positions_view, *rows_view, *bounds_view, *closed_view, *powers_view, *reward_view, *row_seq_view,
-        *flags_table_view, *target_rows_view, *flags_view, *targets_view;
+        *flags_table_view;
     int64_t n_step, capacity, extent_slots;
-    if (check_nargs("transition_targets", nargs, 14)
-        || !(positions_view = array_arg(args[0], "positions", NPY_INT64, 0, 0)))
-        goto fail;
+    if (check_nargs("transition_batch", nargs, 16)) return NULL;
+    PyObject *batch = args[0], *names = args[12], *sources = args[13], *next_names = args[14],
+             *bootstrap_names = args[15];
+    if (!PyDict_Check(batch)) {
+        PyErr_SetString(PyExc_TypeError, "transition_batch: expected a dict for the batch");
+        return NULL;
+    }
+    if (!(positions_view = array_arg(args[1], "positions", NPY_INT64, 0, 0))) return NULL;
     Py_ssize_t count = items(positions_view);
-    if (!(rows_view = array_arg(args[1], "rows", NPY_INT64, 0, count))
-        || !(bounds_view = array_arg(args[2], "bounds", NPY_INT64, 0, count))
-        || !(closed_view = array_arg(args[3], "closed", NPY_BOOL, 0, count)) || int_arg(args[4], "n_step", &n_step)
-        || int_arg(args[6], "capacity", &capacity) || int_arg(args[10], "extent_slots", &extent_slots))
-        goto fail;
+    if (!(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, count))
+        || !(bounds_view = array_arg(args[3], "bounds", NPY_INT64, 0, count))
+        || !(closed_view = array_arg(args[4], "closed", NPY_BOOL, 0, count)) || int_arg(args[5], "n_step", &n_step)
+        || int_arg(args[7], "capacity", &capacity) || int_arg(args[11], "extent_slots", &extent_slots))
+        return NULL;
     if (n_step < 1 || capacity < 1 || extent_slots < 1) {
         PyErr_SetString(PyExc_ValueError, "kernel arguments n_step, capacity and extent_slots must be >= 1");
-        goto fail;
+        return NULL;
     }
-    if (!(powers_view = array_arg(args[5], "powers", NPY_FLOAT64, 0, n_step + 1))
-        || !(reward_view = array_arg(args[7], "reward", -1, 0, 0))
-        || !(row_seq_view = array_arg(args[8], "row_seq", NPY_INT64, 0, capacity))
-        || !(flags_table_view = array_arg(args[9], "extent_flags", NPY_UINT8, 0, extent_slots))
-        || !(target_rows_view = array_arg(args[11], "target_rows", NPY_INT64, 1, 2 * count))
-        || !(flags_view = array_arg(args[12], "flags", NPY_BOOL, 1, 2 * count))
-        || !(targets_view = array_arg(args[13], "targets", NPY_FLOAT32, 1, 2 * count)))
-        goto fail;
-    int reward_type = PyArray_TYPE(reward_view);
-    if (reward_type != NPY_FLOAT32 && reward_type != NPY_FLOAT64) {
-        PyErr_SetString(PyExc_TypeError, "kernel argument reward: expected float32 or float64 items");
-        goto fail;
+    if (!(powers_view = array_arg(args[6], "powers", NPY_FLOAT64, 0, n_step + 1))
+        || !(reward_view = array_arg(args[8], "reward", -1, 0, 0))
+        || !(row_seq_view = array_arg(args[9], "row_seq", NPY_INT64, 0, capacity))
+        || !(flags_table_view = array_arg(args[10], "extent_flags", NPY_UINT8, 0, extent_slots))
+        || check_columns(names, sources, capacity) || check_names(next_names)
+        || (items(reward_view) > 0 && check_names(bootstrap_names)))
+        return NULL;
+    int has_reward = items(reward_view) > 0, reward_type = PyArray_TYPE(reward_view);
+    Py_ssize_t observations = PyTuple_GET_SIZE(next_names);
+    if (has_reward && ((reward_type != NPY_FLOAT32 && reward_type != NPY_FLOAT64) || items(reward_view) < capacity)) {
+        PyErr_Format(PyExc_TypeError, "kernel argument reward: expected no items, or >= %lld float32 or float64",
+                     (long long)capacity);
+        return NULL;
     }
-    int has_reward = items(reward_view) > 0;
-    if (has_reward && items(reward_view) < capacity) {
-        PyErr_Format(PyExc_ValueError, "kernel argument reward: expected 0 or >= %lld items", (long long)capacity);
-        goto fail;
+    if (observations > PyTuple_GET_SIZE(names) || (has_reward && PyTuple_GET_SIZE(bootstrap_names) != observations)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "kernel arguments next_names and bootstrap_names: one name per observation field");
+        return NULL;
     }
-    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view),
-                  *row_seq = PyArray_DATA(row_seq_view);
+    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view),
+                  *bounds = PyArray_DATA(bounds_view), *row_seq = PyArray_DATA(row_seq_view);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (rows[i] < 0 || rows[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "transition_batch: row %lld is off the ring of %lld rows",
+                         (long long)rows[i], (long long)capacity);
+            return NULL;
+        }
+    }
     const char *closed = PyArray_DATA(closed_view);
     const uint8_t *extent_flags = PyArray_DATA(flags_table_view);
     const double *powers = PyArray_DATA(powers_view);
-    const float *reward32 = reward_type == NPY_FLOAT32 ? PyArray_DATA(reward_view) : NULL;
-    const double *reward64 = reward_type == NPY_FLOAT64 ? PyArray_DATA(reward_view) : NULL;
+    const float *reward32 = has_reward && reward_type == NPY_FLOAT32 ? PyArray_DATA(reward_view) : NULL;
+    const double *reward64 = has_reward && reward_type == NPY_FLOAT64 ? PyArray_DATA(reward_view) : NULL;
 #define REWARD(row) (reward32 ? (double)reward32[row] : reward64[row])
-    int64_t *next_rows = PyArray_DATA(target_rows_view), *bootstrap_rows = next_rows + count;
-    char *terminated = PyArray_DATA(flags_view), *truncated = terminated + count;
-    float *n_step_return = PyArray_DATA(targets_view), *bootstrap_discount = n_step_return + count;
-    double *first_reward = PyMem_Malloc(sizeof(double) * (has_reward ? count : 0) + 1);
-    if (!first_reward) {
-        PyErr_NoMemory();
-        goto fail;
+
+    if (take_columns(batch, names, sources, PyTuple_GET_SIZE(names), rows, count)) return NULL;
+    PyArrayObject *terminated_array = new_vector(count, NPY_BOOL), *truncated_array = new_vector(count, NPY_BOOL),
+                  *return_array = has_reward ? new_vector(count, NPY_FLOAT32) : NULL,
+                  *discount_array = has_reward ? new_vector(count, NPY_FLOAT32) : NULL;
+    int64_t *scratch = PyMem_Malloc(sizeof(int64_t) * 2 * count + sizeof(double) * count + 1);
+    if (!terminated_array || !truncated_array || (has_reward && (!return_array || !discount_array)) || !scratch) {
+        Py_XDECREF(terminated_array);
+        Py_XDECREF(truncated_array);
+        Py_XDECREF(return_array);
+        Py_XDECREF(discount_array);
+        PyMem_Free(scratch);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
+    int64_t *next_rows = scratch, *bootstrap_rows = scratch + count;
+    double *first_reward = (double *)(scratch + 2 * count);
+    char *terminated = PyArray_DATA(terminated_array), *truncated = PyArray_DATA(truncated_array);
+    float *n_step_return = has_reward ? PyArray_DATA(return_array) : NULL,
+          *bootstrap_discount = has_reward ? PyArray_DATA(discount_array) : NULL;
     if (has_reward) /* the random reads alone: a tight loop keeps many cache misses in flight */
         for (Py_ssize_t i = 0; i < count; i++) first_reward[i] = REWARD(rows[i]);
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -298,8 +454,8 @@ static PyObject *transition_targets(PyObject *module, PyObject *const *args, Py_
         /* Only a window that reaches a closed episode's final row can see its termination. */
         int episode_terminated = 0;
         if (closed[i] && bounds[i] == position + n_eff) {
-            int64_t seq = row_seq[row] % extent_slots;
-            episode_terminated = (extent_flags[seq < 0 ? seq + extent_slots : seq] & TERMINATED) != 0;
+            int64_t slot = row_seq[row] % extent_slots;
+            episode_terminated = (extent_flags[slot < 0 ? slot + extent_slots : slot] & TERMINATED) != 0;
         }
         int last_step = closed[i] && bounds[i] == position + 1; /* the 1-step transition ends the episode */
         terminated[i] = last_step && episode_terminated;
@@ -312,10 +468,26 @@ static PyObject *transition_targets(PyObject *module, PyObject *const *args, Py_
         }
     }
 #undef REWARD
-    PyMem_Free(first_reward);
+    int failed = take_columns(batch, next_names, sources, observations, next_rows, count)
+                 || put(batch, TERMINATED_KEY, terminated_array) || put(batch, TRUNCATED_KEY, truncated_array);
+    terminated_array = truncated_array = NULL; /* put gave them up */
+    if (!failed && has_reward) {
+        failed = put(batch, N_STEP_RETURN_KEY, return_array) || put(batch, BOOTSTRAP_DISCOUNT_KEY, discount_array);
+        return_array = discount_array = NULL;
+        for (Py_ssize_t j = 0; !failed && n_step == 1 && j < observations; j++) { /* t + n_eff is t + 1 */
+            PyObject *next = PyDict_GetItemWithError(batch, PyTuple_GET_ITEM(next_names, j));
+            failed = !next || PyDict_SetItem(batch, PyTuple_GET_ITEM(bootstrap_names, j), next);
+        }
+        if (!failed && n_step > 1)
+            failed = take_columns(batch, bootstrap_names, sources, observations, bootstrap_rows, count);
+    }
+    Py_XDECREF(terminated_array);
+    Py_XDECREF(truncated_array);
+    Py_XDECREF(return_array);
+    Py_XDECREF(discount_array);
+    PyMem_Free(scratch);
+    if (failed) return NULL;
     Py_RETURN_NONE;
-fail:
-    return NULL;
 }
 
 /* geometric_offsets(exponentials, discount, positions, rows, bounds, capacity, offsets_and_future_rows (2, B)) */
@@ -416,79 +588,6 @@ fail:
     return NULL;
 }
 
-/* ------------------------------------------------------------------ gathers */
-
-static void copy_rows(char *out, const char *source, const int64_t *rows, Py_ssize_t count, Py_ssize_t row_bytes) {
-    /* Fixed sizes let the compiler inline the copy (numpy's take special-cases them the same way). */
-#define COPY_ROWS(SIZE)                                                                                             \
-    for (Py_ssize_t i = 0; i < count; i++) memcpy(out + i * (SIZE), source + rows[i] * (SIZE), (SIZE));          \
-    return;
-    switch (row_bytes) {
-    case 1: COPY_ROWS(1)
-    case 2: COPY_ROWS(2)
-    case 4: COPY_ROWS(4)
-    case 8: COPY_ROWS(8)
-    case 16: COPY_ROWS(16)
-    case 32: COPY_ROWS(32)
-    default: COPY_ROWS(row_bytes)
-    }
-#undef COPY_ROWS
-}
-
-/* take_rows(batch, names, rows, sources): batch[names[j]] = sources[j][rows] for every column j, in one call.
- * `sources` are whole ring columns of any type and row shape (first axis: the ring's rows). Rows off a
- * column raise IndexError (and `batch` is left as it was). */
-static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    PyArrayObject *rows_view;
-    if (check_nargs("take_rows", nargs, 4) || !(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, 0))) return NULL;
-    PyObject *batch = args[0], *names = args[1], *sources = args[3];
-    if (!PyDict_Check(batch) || !PyTuple_Check(names) || !PyTuple_Check(sources)
-        || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(sources)) {
-        PyErr_SetString(PyExc_TypeError, "take_rows: expected a dict, then names and sources as tuples of one length");
-        return NULL;
-    }
-    Py_ssize_t count = items(rows_view), columns = PyTuple_GET_SIZE(sources);
-    const int64_t *rows = PyArray_DATA(rows_view);
-    for (Py_ssize_t j = 0; j < columns; j++) {
-        PyArrayObject *source = array_arg(PyTuple_GET_ITEM(sources, j), "sources[j]", -1, 0, 0);
-        if (!source) return NULL;
-        if (PyArray_NDIM(source) < 1 || PyArray_DIM(source, 0) < 1) {
-            PyErr_SetString(PyExc_ValueError, "take_rows: a source column must have at least one row");
-            return NULL;
-        }
-        npy_intp capacity = PyArray_DIM(source, 0);
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (rows[i] < 0 || rows[i] >= capacity) {
-                PyErr_Format(PyExc_IndexError, "take_rows: row %lld is off a column of %zd rows", (long long)rows[i],
-                             (Py_ssize_t)capacity);
-                return NULL;
-            }
-        }
-    }
-    for (Py_ssize_t j = 0; j < columns; j++) {
-        PyArrayObject *source = (PyArrayObject *)PyTuple_GET_ITEM(sources, j);
-        npy_intp shape[NPY_MAXDIMS];
-        memcpy(shape, PyArray_DIMS(source), PyArray_NDIM(source) * sizeof(npy_intp));
-        shape[0] = count;
-        PyArray_Descr *descr = PyArray_DESCR(source);
-        Py_INCREF(descr);
-        PyArrayObject *taken = (PyArrayObject *)PyArray_Empty(PyArray_NDIM(source), shape, descr, 0);
-        if (!taken) return NULL;
-        Py_ssize_t row_bytes = PyArray_NBYTES(source) / PyArray_DIM(source, 0);
-        if (count * row_bytes > RELEASE_GIL_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            copy_rows(PyArray_DATA(taken), PyArray_DATA(source), rows, count, row_bytes);
-            Py_END_ALLOW_THREADS
-        } else {
-            copy_rows(PyArray_DATA(taken), PyArray_DATA(source), rows, count, row_bytes);
-        }
-        int failed = PyDict_SetItem(batch, PyTuple_GET_ITEM(names, j), (PyObject *)taken);
-        Py_DECREF(taken);
-        if (failed) return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 /* ------------------------------------------------------------------ random draws */
 
 /* fill_exponential(bit_generator, out float64): the draws of Generator.standard_exponential(out.size). */
@@ -509,7 +608,7 @@ static PyObject *fill_exponential(PyObject *module, PyObject *const *args, Py_ss
 static PyMethodDef kernel_methods[] = {
     KERNEL(episode_bounds),
     KERNEL(draw_uniform),
-    KERNEL(transition_targets),
+    KERNEL(transition_batch),
     KERNEL(geometric_offsets),
     KERNEL(bounds_kept),
     KERNEL(drawn_live),
@@ -523,6 +622,11 @@ static struct PyModuleDef kernels_module = {
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     import_array();
+    if (!(TERMINATED_KEY = PyUnicode_InternFromString("terminated"))
+        || !(TRUNCATED_KEY = PyUnicode_InternFromString("truncated"))
+        || !(N_STEP_RETURN_KEY = PyUnicode_InternFromString("n_step_return"))
+        || !(BOOTSTRAP_DISCOUNT_KEY = PyUnicode_InternFromString("bootstrap_discount")))
+        return NULL;
     PyObject *module = PyModule_Create(&kernels_module);
     if (module && (PyModule_AddIntConstant(module, "OPEN", OPEN) || PyModule_AddIntConstant(module, "HOLE", HOLE)
                    || PyModule_AddIntConstant(module, "TERMINATED", TERMINATED))) {

@@ -26,7 +26,7 @@ from service.samplers._kernels import (
     fill_exponential,
     geometric_offsets,
     take_rows,
-    transition_targets,
+    transition_batch,
 )
 from service.schema import Field
 
@@ -37,7 +37,8 @@ TERMINATED = _kernels.TERMINATED  # extent flag
 REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_targets reads
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
-           "episode_bounds", "exponentials", "gather_columns", "geometric_offsets", "take_rows", "transition_targets"]
+           "episode_bounds", "exponentials", "gather_columns", "geometric_offsets", "prefixed", "take_rows",
+           "transition_batch"]
 
 
 def episode_bounds(positions: np.ndarray, capacity: int, row_end: np.ndarray, row_seq: np.ndarray,
@@ -66,13 +67,14 @@ class Columns(NamedTuple):
 
 
 @functools.cache
-def _prefixed(prefix: str, names: tuple[str, ...]) -> tuple[str, ...]:
+def prefixed(prefix: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The names with a prefix (`next_`, `future_`, ...), built once per ring and mode."""
     return tuple(prefix + name for name in names)
 
 
 def gather_columns(batch: dict[str, np.ndarray], rows: np.ndarray, columns: Columns, prefix: str = "") -> None:
     """batch[prefix + name] = column[rows] for every column, in one compiled call."""
-    take_rows(batch, _prefixed(prefix, columns.names), rows, columns.arrays)
+    take_rows(batch, prefixed(prefix, columns.names), rows, columns.arrays)
 
 
 def exponentials(rng: np.random.Generator, count: int) -> np.ndarray:

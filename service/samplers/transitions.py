@@ -48,25 +48,10 @@ class TransitionsMode:
         return (2 if self.n_step == 1 else 3) * observations + steps + flags + 2 * 4
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        rows = draw.rows
-        count = rows.size
-        target_rows = np.empty((2, count), np.int64)  # next, bootstrap
-        flags = np.empty((2, count), np.bool_)  # terminated, truncated
-        targets = np.empty((2, count), np.float32)  # n_step_return, bootstrap_discount
-        kernels.transition_targets(draw.positions, rows, draw.bounds, draw.closed, self.n_step, self._powers,
-                                   ring.capacity, ring.reward_column, ring.row_seq, ring.extent_flags,
-                                   ring.extent_slots, target_rows, flags, targets)
         batch: dict[str, np.ndarray] = {}
-        kernels.gather_columns(batch, rows, ring.observation_and_step_columns)
-        kernels.gather_columns(batch, target_rows[0], ring.observation_columns, "next_")
-        batch["terminated"] = flags[0]
-        batch["truncated"] = flags[1]
-        if ring.reward_field is None:
-            return batch
-        batch["n_step_return"] = targets[0]
-        batch["bootstrap_discount"] = targets[1]
-        if self.n_step == 1:
-            batch.update({"bootstrap_" + name: batch["next_" + name] for name in ring.observation_columns.names})
-        else:
-            kernels.gather_columns(batch, target_rows[1], ring.observation_columns, "bootstrap_")
+        columns, observations = ring.observation_and_step_columns, ring.observation_columns.names
+        kernels.transition_batch(batch, draw.positions, draw.rows, draw.bounds, draw.closed, self.n_step, self._powers,
+                                 ring.capacity, ring.reward_column, ring.row_seq, ring.extent_flags, ring.extent_slots,
+                                 columns.names, columns.arrays, kernels.prefixed("next_", observations),
+                                 kernels.prefixed("bootstrap_", observations))
         return batch
