@@ -6,6 +6,7 @@ it read can exceed the capacity) and a prioritized reader may draw a position th
 The kernels do not bounds-check their table reads, so every row they compute must be wrapped onto the ring.
 """
 
+import math
 import os
 
 import numpy as np
@@ -93,14 +94,22 @@ def test_transition_batch_without_rewards_and_with_one_step() -> None:
     np.testing.assert_array_equal(batch["bootstrap_discount"], np.float32([0.9, 0.9]))  # truncation bootstraps
 
 
+def geometric_batch(exponentials: np.ndarray, discount: float, positions: np.ndarray, bounds: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, future rows) of geometric pairs over a ring whose observation at row r is r."""
+    batch: dict[str, np.ndarray] = {}
+    kernels.geometric_batch(batch, exponentials, discount, positions, positions % CAPACITY, bounds, CAPACITY,
+                            ("obs",), ("future_obs",), (np.arange(CAPACITY),))
+    assert list(batch) == ["obs", "future_obs", "offset"]
+    np.testing.assert_array_equal(batch["obs"], positions % CAPACITY)
+    return batch["offset"], batch["future_obs"]
+
+
 def test_geometric_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
     positions = np.array([3, 7, 9, 25], np.int64)
     bounds = np.array([10**6, kernels.HOLE, 9 + 3 * CAPACITY, 24], np.int64)
     for discount in (0.0, 0.5, 1.0):
-        offsets_and_future_rows = np.empty((2, 4), np.int64)
-        kernels.geometric_offsets(np.full(4, 0.999), discount, positions, positions % CAPACITY, bounds, CAPACITY,
-                                  offsets_and_future_rows)
-        future_rows = offsets_and_future_rows[1]
+        _, future_rows = geometric_batch(np.full(4, 0.999), discount, positions, bounds)
         assert np.all((future_rows >= 0) & (future_rows < CAPACITY)), discount
 
 
@@ -112,12 +121,24 @@ def test_geometric_offsets_stay_in_the_episode_for_extreme_draws(discount: float
     positions = np.arange(count, dtype=np.int64) * 10
     bounds = positions + np.array([1, 2, 3, 7, 1000, 10**9])  # M per sample
     exponentials = np.array([0.0, 1e-300, 0.7, 40.0, 745.0, 1e30])  # -ln of the smallest double: 745
-    offsets_and_future_rows = np.empty((2, count), np.int64)
-    kernels.geometric_offsets(exponentials, discount, positions, positions % CAPACITY, bounds, CAPACITY,
-                              offsets_and_future_rows)
-    offsets, future_rows = offsets_and_future_rows
+    offsets, future_rows = geometric_batch(exponentials, discount, positions, bounds)
     assert np.all((offsets >= 1) & (offsets <= bounds - positions)), offsets
     np.testing.assert_array_equal(future_rows, (positions + offsets) % CAPACITY)
+
+
+@pytest.mark.parametrize("discount", [0.3, 0.99, 0.999999, 1 - 1e-12])
+def test_geometric_offsets_are_one_plus_k_mod_m_exactly(discount: float) -> None:
+    """d = 1 + (floor(E / -ln g) mod M), computed with Python's integers: the kernel's floating-point
+    remainder is exact."""
+    rng = np.random.default_rng(5)
+    count = 4000
+    positions = np.zeros(count, np.int64)
+    bounds = rng.integers(2, 10**rng.integers(1, 13, count), dtype=np.int64)  # M from 2 to ~1e12
+    exponentials = rng.standard_exponential(count) * rng.choice([1.0, 30.0], count)
+    offsets, _ = geometric_batch(exponentials, discount, positions, bounds)
+    scale = -1.0 / math.log(discount)  # the C library's log, as the kernel's
+    expected = [1 + math.floor(float(e) * scale) % int(m) for e, m in zip(exponentials, bounds, strict=True)]
+    np.testing.assert_array_equal(offsets, expected)
 
 
 def test_bound_lookup_wraps_negative_and_huge_keys() -> None:

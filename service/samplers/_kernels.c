@@ -341,7 +341,7 @@ static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
 
 /* ------------------------------------------------------------------ batch modes */
 
-static PyObject *TERMINATED_KEY, *TRUNCATED_KEY, *N_STEP_RETURN_KEY, *BOOTSTRAP_DISCOUNT_KEY;
+static PyObject *TERMINATED_KEY, *TRUNCATED_KEY, *N_STEP_RETURN_KEY, *BOOTSTRAP_DISCOUNT_KEY, *OFFSET_KEY;
 
 /* A new 1-d array of `count` items of `type`, or NULL with the error set. */
 static PyArrayObject *new_vector(Py_ssize_t count, int type) {
@@ -490,29 +490,60 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
-/* geometric_offsets(exponentials, discount, positions, rows, bounds, capacity, offsets_and_future_rows (2, B)) */
-static PyObject *geometric_offsets(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    PyArrayObject *exponentials_view, *positions_view, *rows_view, *bounds_view, *out_view;
+/* geometric_batch(batch, exponentials, discount, positions, rows, bounds, capacity, names, future_names, sources)
+ *
+ * Fills `batch` with geometric pairs: names[j] = sources[j][rows], future_names[j] = sources[j][rows + d], and
+ * offset = d, where d in 1..M has P(d) proportional to discount^(d-1), M = bound - position.
+ *
+ * From E ~ Exp(1) (`exponentials`, one per sample), K = floor(E / -ln g) is geometric on 0, 1, ... with
+ * P(K = k) = (1 - g) g^k, and K mod M follows that law truncated to 0..M-1, because P(K mod M = j) =
+ * sum_m (1 - g) g^(j + mM) is proportional to g^j. So d = 1 + (K mod M): no logarithm per sample (numpy's
+ * ziggurat draws E faster than a uniform's log). g = 1 is uniform on 1..M, with 1 - exp(-E) ~ U[0, 1). */
+static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *exponentials_view, *positions_view, *rows_view, *bounds_view;
     int64_t capacity;
-    if (check_nargs("geometric_offsets", nargs, 7)
-        || !(positions_view = array_arg(args[2], "positions", NPY_INT64, 0, 0)))
-        goto fail;
+    if (check_nargs("geometric_batch", nargs, 10)) return NULL;
+    PyObject *batch = args[0], *names = args[7], *future_names = args[8], *sources = args[9];
+    if (!PyDict_Check(batch)) {
+        PyErr_SetString(PyExc_TypeError, "geometric_batch: expected a dict for the batch");
+        return NULL;
+    }
+    if (!(positions_view = array_arg(args[3], "positions", NPY_INT64, 0, 0))) return NULL;
     Py_ssize_t count = items(positions_view);
-    double discount = PyFloat_AsDouble(args[1]);
-    if (discount == -1.0 && PyErr_Occurred()) goto fail;
-    if (!(exponentials_view = array_arg(args[0], "exponentials", NPY_FLOAT64, 0, count))
-        || !(rows_view = array_arg(args[3], "rows", NPY_INT64, 0, count))
-        || !(bounds_view = array_arg(args[4], "bounds", NPY_INT64, 0, count))
-        || int_arg(args[5], "capacity", &capacity)
-        || !(out_view = array_arg(args[6], "offsets_and_future_rows", NPY_INT64, 1, 2 * count)))
-        goto fail;
+    double discount = PyFloat_AsDouble(args[2]);
+    if (discount == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(exponentials_view = array_arg(args[1], "exponentials", NPY_FLOAT64, 0, count))
+        || !(rows_view = array_arg(args[4], "rows", NPY_INT64, 0, count))
+        || !(bounds_view = array_arg(args[5], "bounds", NPY_INT64, 0, count))
+        || int_arg(args[6], "capacity", &capacity))
+        return NULL;
     if (capacity < 1 || !(discount >= 0.0 && discount <= 1.0)) {
         PyErr_SetString(PyExc_ValueError, "kernel arguments: capacity must be >= 1, discount in [0, 1]");
-        goto fail;
+        return NULL;
+    }
+    if (check_columns(names, sources, capacity) || check_names(future_names)) return NULL;
+    if (PyTuple_GET_SIZE(future_names) != PyTuple_GET_SIZE(names)) {
+        PyErr_SetString(PyExc_ValueError, "kernel argument future_names: one name per source");
+        return NULL;
     }
     const double *exponentials = PyArray_DATA(exponentials_view);
-    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view);
-    int64_t *offsets = PyArray_DATA(out_view), *future_rows = offsets + count;
+    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view),
+                  *bounds = PyArray_DATA(bounds_view);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (rows[i] < 0 || rows[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "geometric_batch: row %lld is off the ring of %lld rows",
+                         (long long)rows[i], (long long)capacity);
+            return NULL;
+        }
+    }
+    PyArrayObject *offset_array = new_vector(count, NPY_INT64);
+    int64_t *future_rows = PyMem_Malloc(sizeof(int64_t) * count + 1);
+    if (!offset_array || !future_rows) {
+        Py_XDECREF(offset_array);
+        PyMem_Free(future_rows);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    }
+    int64_t *offsets = PyArray_DATA(offset_array);
     double scale = (discount > 0.0 && discount < 1.0) ? -1.0 / log(discount) : 0.0; /* 1 / lambda */
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t horizon = bounds[i] - positions[i], offset;
@@ -522,9 +553,9 @@ static PyObject *geometric_offsets(PyObject *module, PyObject *const *args, Py_s
             offset = (int64_t)(-expm1(-exponentials[i]) * (double)horizon);
             offset = (offset < horizon - 1 ? offset : horizon - 1) + 1;
         } else {
-            /* K = floor(E / -ln g), then K mod M. Below 2^53 the remainder is computed exactly in doubles (an
-               integer division costs ~40 cycles here, and most draws of a short episode need one); fmod, exact
-               too but slow, takes the rest (astronomically rare: a discount within ~1e-14 of 1). */
+            /* K mod M. Below 2^53 the remainder is computed exactly in doubles (an integer division costs ~40
+               cycles here, and most draws of a short episode need one); fmod, exact too but slow, takes the rest
+               (astronomically rare: a discount within ~1e-14 of 1). */
             double k = floor(exponentials[i] * scale), span = (double)horizon;
             if (k >= span) {
                 if (k < 9007199254740992.0) {
@@ -540,9 +571,16 @@ static PyObject *geometric_offsets(PyObject *module, PyObject *const *args, Py_s
         offsets[i] = offset;
         future_rows[i] = wrap(rows[i] + offset, capacity);
     }
+    Py_ssize_t columns = PyTuple_GET_SIZE(names);
+    int failed = take_columns(batch, names, sources, columns, rows, count)
+                 || take_columns(batch, future_names, sources, columns, future_rows, count);
+    if (failed)
+        Py_DECREF(offset_array);
+    else
+        failed = put(batch, OFFSET_KEY, offset_array); /* gives up offset_array */
+    PyMem_Free(future_rows);
+    if (failed) return NULL;
     Py_RETURN_NONE;
-fail:
-    return NULL;
 }
 
 /* ------------------------------------------------------------------ lock-free reader checks */
@@ -609,7 +647,7 @@ static PyMethodDef kernel_methods[] = {
     KERNEL(episode_bounds),
     KERNEL(draw_uniform),
     KERNEL(transition_batch),
-    KERNEL(geometric_offsets),
+    KERNEL(geometric_batch),
     KERNEL(bounds_kept),
     KERNEL(drawn_live),
     KERNEL(take_rows),
@@ -625,7 +663,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     if (!(TERMINATED_KEY = PyUnicode_InternFromString("terminated"))
         || !(TRUNCATED_KEY = PyUnicode_InternFromString("truncated"))
         || !(N_STEP_RETURN_KEY = PyUnicode_InternFromString("n_step_return"))
-        || !(BOOTSTRAP_DISCOUNT_KEY = PyUnicode_InternFromString("bootstrap_discount")))
+        || !(BOOTSTRAP_DISCOUNT_KEY = PyUnicode_InternFromString("bootstrap_discount"))
+        || !(OFFSET_KEY = PyUnicode_InternFromString("offset")))
         return NULL;
     PyObject *module = PyModule_Create(&kernels_module);
     if (module && (PyModule_AddIntConstant(module, "OPEN", OPEN) || PyModule_AddIntConstant(module, "HOLE", HOLE)

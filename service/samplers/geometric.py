@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 class GeometricMode:
     """Observation at t, observation at t + d, and the offset d: P(d) proportional to discount^(d-1) for
-    d in 1..M, M = steps to the episode's bound (drawn in kernels.geometric_offsets)."""
+    d in 1..M, M = steps to the episode's bound (drawn in kernels.geometric_batch)."""
 
     def __init__(self, discount: float) -> None:
         if not 0.0 <= discount <= 1.0:
@@ -30,12 +30,9 @@ class GeometricMode:
         return 2 * ring.observation_row_bytes + np.dtype(np.int64).itemsize  # offset
 
     def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        count = draw.rows.size
-        offsets_and_future_rows = np.empty((2, count), np.int64)
-        kernels.geometric_offsets(kernels.exponentials(rng, count), self.discount, draw.positions, draw.rows,
-                                  draw.bounds, ring.capacity, offsets_and_future_rows)
         batch: dict[str, np.ndarray] = {}
-        kernels.gather_columns(batch, draw.rows, ring.observation_columns)
-        kernels.gather_columns(batch, offsets_and_future_rows[1], ring.observation_columns, "future_")
-        batch["offset"] = offsets_and_future_rows[0]
+        columns = ring.observation_columns
+        kernels.geometric_batch(batch, kernels.exponentials(rng, draw.rows.size), self.discount, draw.positions,
+                                draw.rows, draw.bounds, ring.capacity, columns.names,
+                                kernels.prefixed("future_", columns.names), columns.arrays)
         return batch

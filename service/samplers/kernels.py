@@ -1,5 +1,5 @@
-"""The per-sample loops of the sampling hot path, compiled (_kernels.c): bound lookup, rejection draw,
-n-step and geometric targets, the lock-free reader's checks, and the column gather.
+"""The per-sample loops of the sampling hot path, compiled (_kernels.c): bound lookup, rejection draw, a
+batch mode's targets and gathers (transitions, geometric pairs, states), the lock-free reader's checks.
 
 A batch of 256 needs a few dozen elementwise steps per sample; as numpy calls that is about twenty
 calls of ~1 µs of overhead each, as one compiled loop per stage it is a few µs. A stage is one C call:
@@ -24,7 +24,7 @@ from service.samplers._kernels import (
     draw_uniform,
     drawn_live,
     fill_exponential,
-    geometric_offsets,
+    geometric_batch,
     take_rows,
     transition_batch,
 )
@@ -37,7 +37,7 @@ TERMINATED = _kernels.TERMINATED  # extent flag
 REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_targets reads
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
-           "episode_bounds", "exponentials", "gather_columns", "geometric_offsets", "prefixed", "take_rows",
+           "episode_bounds", "exponentials", "gather_columns", "geometric_batch", "prefixed", "take_rows",
            "transition_batch"]
 
 
