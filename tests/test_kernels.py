@@ -14,6 +14,8 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.samplers import _kernels, kernels
+from service.samplers.geometric import GeometricMode
+from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 
 CAPACITY = 10
@@ -242,3 +244,25 @@ def test_kernels_refuse_arrays_they_cannot_read_and_name_the_argument() -> None:
     tables[1] = np.zeros(CAPACITY, np.int32)
     with pytest.raises(TypeError, match=r"row_end: expected numpy\.int64 items, got numpy\.int32"):
         kernels.episode_bounds(positions, *tables)
+
+
+def test_large_batches_take_the_paths_that_release_the_gil() -> None:
+    """Batches over 4096 samples run the loops with the GIL released: they give whole, correct batches."""
+    fields = [Field("obs", "float32", (2,), observation=True), Field("reward", "float32")]
+    buffer = EpisodicBuffer("large", f"test{os.getpid()}large", fields, 2000)
+    try:
+        lengths = np.full(40, 49)  # rows t of episode e hold obs (e, t)
+        obs = np.stack([np.repeat(np.arange(40), 50), np.tile(np.arange(50), 40)], axis=1).astype(np.float32)
+        buffer.insert({"obs": obs, "reward": np.ones(2000, np.float32)},
+                      Spans.whole_episodes(lengths, np.arange(40), np.ones(40, bool)))
+        batch = buffer.sample(5000, TransitionsMode(3, 0.5), np.random.default_rng(1))
+        np.testing.assert_array_equal(batch["next_obs"][:, 1], batch["obs"][:, 1] + 1)
+        n_eff = np.minimum(3, 49 - batch["obs"][:, 1])
+        np.testing.assert_array_equal(batch["bootstrap_obs"][:, 1], batch["obs"][:, 1] + n_eff)
+        np.testing.assert_allclose(batch["n_step_return"], (1 - 0.5**n_eff) / 0.5, rtol=1e-6)
+        pairs = buffer.sample(5000, GeometricMode(0.9), np.random.default_rng(2))
+        np.testing.assert_array_equal(pairs["future_obs"][:, 0], pairs["obs"][:, 0])  # same episode
+        np.testing.assert_array_equal(pairs["future_obs"][:, 1] - pairs["obs"][:, 1], pairs["offset"])
+        assert np.all((pairs["offset"] >= 1) & (pairs["obs"][:, 1] + pairs["offset"] <= 49))
+    finally:
+        buffer.close()

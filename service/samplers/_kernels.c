@@ -17,8 +17,15 @@
 #define OPEN (-1)
 #define HOLE (-2)
 #define TERMINATED 4
-/* Copies above this many bytes run with the GIL released (below it, releasing costs more than it frees). */
+/* Copies above this many bytes, and loops over more than this many samples, run with the GIL released (for
+ * less, releasing it costs more than the other threads gain). */
 #define RELEASE_GIL_BYTES (1 << 16)
+#define RELEASE_GIL_SAMPLES 4096
+
+static inline PyThreadState *release_gil_if(int large) { return large ? PyEval_SaveThread() : NULL; }
+static inline void restore_gil(PyThreadState *released) {
+    if (released) PyEval_RestoreThread(released);
+}
 
 /* ------------------------------------------------------------------ arguments */
 
@@ -148,8 +155,10 @@ static PyObject *episode_bounds(PyObject *module, PyObject *const *args, Py_ssiz
         goto fail;
     const int64_t *keys = PyArray_DATA(positions);
     int64_t *rows = PyArray_DATA(located), *bounds = rows + count, *open_seq = rows + 2 * count;
+    PyThreadState *released = release_gil_if(count > RELEASE_GIL_SAMPLES);
     for (Py_ssize_t i = 0; i < count; i++) rows[i] = wrap(keys[i], tables.capacity);
     bounds_of_rows(count, rows, &tables, bounds, PyArray_DATA(closed), open_seq);
+    restore_gil(released);
     Py_RETURN_NONE;
 fail:
     return NULL;
@@ -203,6 +212,7 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
     int64_t *out_positions = PyArray_DATA((PyArrayObject *)located), *out_rows = out_positions + batch,
             *out_bounds = out_rows + batch, *out_open_seq = out_bounds + batch;
     int64_t span = high - low, low_row = wrap(low, tables.capacity), filled = 0;
+    PyThreadState *released = release_gil_if(batch > RELEASE_GIL_SAMPLES);
     for (int64_t round = 0; round < max_rounds && filled < batch; round++) {
         Py_ssize_t count = (Py_ssize_t)((batch - filled) * candidates_per_step) + 8;
         random_standard_uniform_fill(bit_generator, count, uniforms);
@@ -221,6 +231,7 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
             }
         }
     }
+    restore_gil(released);
     PyMem_Free(scratch);
     if (filled < batch) {
         Py_DECREF(located);
@@ -441,6 +452,7 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
     char *terminated = PyArray_DATA(terminated_array), *truncated = PyArray_DATA(truncated_array);
     float *n_step_return = has_reward ? PyArray_DATA(return_array) : NULL,
           *bootstrap_discount = has_reward ? PyArray_DATA(discount_array) : NULL;
+    PyThreadState *released = release_gil_if(count * n_step > RELEASE_GIL_SAMPLES);
     if (has_reward) /* the random reads alone: a tight loop keeps many cache misses in flight */
         for (Py_ssize_t i = 0; i < count; i++) first_reward[i] = REWARD(rows[i]);
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -468,6 +480,7 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
         }
     }
 #undef REWARD
+    restore_gil(released);
     int failed = take_columns(batch, next_names, sources, observations, next_rows, count)
                  || put(batch, TERMINATED_KEY, terminated_array) || put(batch, TRUNCATED_KEY, truncated_array);
     terminated_array = truncated_array = NULL; /* put gave them up */
@@ -545,6 +558,7 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
     }
     int64_t *offsets = PyArray_DATA(offset_array);
     double scale = (discount > 0.0 && discount < 1.0) ? -1.0 / log(discount) : 0.0; /* 1 / lambda */
+    PyThreadState *released = release_gil_if(count > RELEASE_GIL_SAMPLES);
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t horizon = bounds[i] - positions[i], offset;
         if (horizon <= 1 || discount == 0.0) {
@@ -571,6 +585,7 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
         offsets[i] = offset;
         future_rows[i] = wrap(rows[i] + offset, capacity);
     }
+    restore_gil(released);
     Py_ssize_t columns = PyTuple_GET_SIZE(names);
     int failed = take_columns(batch, names, sources, columns, rows, count)
                  || take_columns(batch, future_names, sources, columns, future_rows, count);
