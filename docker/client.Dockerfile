@@ -1,5 +1,5 @@
 # Actors and learners: the client library with torch (CPU wheel by default; pass a CUDA base image and
-# TORCH_INDEX_URL for GPUs), gymnasium, safetensors.
+# TORCH_INDEX_URL for GPUs; it needs Python 3.11 and its headers), gymnasium, safetensors.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu

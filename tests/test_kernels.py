@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
+from service.errors import RingChanged
 from service.samplers import _kernels, kernels
 from service.samplers.geometric import GeometricMode
 from service.samplers.transitions import TransitionsMode
+from service.samplers.uniform import UniformSampler
 from service.schema import Field
 
 CAPACITY = 10
@@ -226,7 +228,7 @@ def test_kernels_refuse_arrays_they_cannot_read_and_name_the_argument() -> None:
         targets_of(rows=np.zeros(8, np.int64)[::2])
     with pytest.raises(ValueError, match="closed: expected at least 4 items, got 2"):
         targets_of(closed=np.ones(2, bool))
-    with pytest.raises(ValueError, match="powers: expected at least 2 items, got 1"):
+    with pytest.raises(ValueError, match=r"powers: expected n_step \+ 1 = 2 items, got 1"):
         targets_of(powers=np.ones(1))
     with pytest.raises(ValueError, match=r"sources\[0\]: expected a column of at least 10 rows"):
         targets_of(sources=(np.zeros(CAPACITY - 1, np.float32),))
@@ -266,3 +268,43 @@ def test_large_batches_take_the_paths_that_release_the_gil() -> None:
         assert np.all((pairs["offset"] >= 1) & (pairs["obs"][:, 1] + pairs["offset"] <= 49))
     finally:
         buffer.close()
+
+
+class EmptyRangeRing:
+    """What a lock-free reader can read while a writer evicts every live extent for a long episode: the
+    tail already at the head, the sampleable count not yet dropped."""
+
+    name = "racing"
+    head = 11
+    sampleable_steps = 10
+    bound_tables = (CAPACITY, np.zeros(CAPACITY, np.int64), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
+                    np.empty(0, np.int64), 0)
+
+    def tail_position(self) -> int:
+        return 11
+
+
+def test_a_draw_over_an_empty_live_range_is_a_ring_change_the_reader_redraws() -> None:
+    assert kernels.draw_uniform(generator_capsule(0), 8, 11, 11, 1.0, 64, *EmptyRangeRing.bound_tables) is None
+    with pytest.raises(RingChanged, match="found no sampleable step"):
+        UniformSampler().draw(EmptyRangeRing(), 8, np.random.default_rng(0))
+
+
+def test_kernels_refuse_what_would_read_or_copy_unsafely() -> None:
+    positions = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match=r"powers: expected n_step \+ 1 = -?\d+ items, got 2"):
+        transition_batch(positions, positions + 1, 2**63 - 1, powers=np.ones(2))
+    batch: dict[str, np.ndarray] = {}
+    rows = np.zeros(2, np.int64)
+    for column in (np.array([object(), "x"], dtype=object), np.array(["a", "b"], dtype=np.dtypes.StringDType()),
+                   np.array(["a", "b"])):  # references, pointers to managed memory, not numbers
+        with pytest.raises(TypeError, match="expected numbers or bools"):
+            kernels.take_rows(batch, ("name",), rows, (column,))
+
+    class Hashing(str):
+        def __hash__(self) -> int:  # would run while the kernel holds checked rows
+            return 0
+
+    with pytest.raises(TypeError, match="names: expected a tuple of str"):
+        kernels.take_rows(batch, (Hashing("name"),), rows, (np.zeros(2),))
+    assert batch == {}

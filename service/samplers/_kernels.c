@@ -29,7 +29,7 @@ static inline void restore_gil(PyThreadState *released) {
 
 /* ------------------------------------------------------------------ arguments */
 
-/* A C-contiguous, aligned array of `type` (any type: -1), writable if asked, of at least `min_items` items;
+/* A C-contiguous, aligned array of `type` (any number or bool type: -1), writable if asked, of at least `min_items` items;
  * NULL with TypeError or ValueError naming the argument otherwise. A borrowed reference. */
 static PyArrayObject *array_arg(PyObject *obj, const char *name, int type, int writable, npy_intp min_items) {
     if (!PyArray_Check(obj)) {
@@ -37,6 +37,12 @@ static PyArrayObject *array_arg(PyObject *obj, const char *name, int type, int w
         return NULL;
     }
     PyArrayObject *array = (PyArrayObject *)obj;
+    if (type < 0 && !PyTypeNum_ISNUMBER(PyArray_TYPE(array)) && !PyTypeNum_ISBOOL(PyArray_TYPE(array))) {
+        /* a byte copy of other types would copy references (object) or pointers to managed memory (strings) */
+        PyErr_Format(PyExc_TypeError, "kernel argument %s: expected numbers or bools, got %s", name,
+                     PyArray_DESCR(array)->typeobj->tp_name);
+        return NULL;
+    }
     if (type >= 0 && !PyArray_EquivTypenums(PyArray_TYPE(array), type)) {
         PyArray_Descr *expected = PyArray_DescrFromType(type);
         PyErr_Format(PyExc_TypeError, "kernel argument %s: expected %s items, got %s", name,
@@ -190,17 +196,20 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     double candidates_per_step = PyFloat_AsDouble(args[4]);
     if (candidates_per_step == -1.0 && PyErr_Occurred()) return NULL;
-    if (batch < 1 || high <= low || !(candidates_per_step > 0.0 && candidates_per_step <= 1e6)) {
+    if (high <= low) Py_RETURN_NONE; /* an empty live range (a lock-free reader racing evictions): no step */
+    if (batch < 1 || batch > (1 << 30) || !(candidates_per_step > 0.0 && candidates_per_step <= 1e6)) {
         PyErr_SetString(PyExc_ValueError,
-                        "draw_uniform: expected batch_size >= 1, low < high and candidates_per_step in (0, 1e6]");
+                        "draw_uniform: expected batch_size in 1..2^30 and candidates_per_step in (0, 1e6]");
         return NULL;
     }
     npy_intp located_shape[2] = {4, batch}, closed_shape[1] = {batch};
+    double most_candidates = batch * candidates_per_step + 8; /* the first round draws the most */
+    if (most_candidates * (4 * sizeof(int64_t) + 1) > (double)PY_SSIZE_T_MAX / 2) return PyErr_NoMemory();
+    Py_ssize_t most = (Py_ssize_t)most_candidates;
     PyObject *located = PyArray_SimpleNew(2, located_shape, NPY_INT64);
-    PyObject *closed_array = PyArray_SimpleNew(1, closed_shape, NPY_BOOL);
-    Py_ssize_t most = (Py_ssize_t)(batch * candidates_per_step) + 8; /* the first round draws the most */
-    char *scratch = PyMem_Malloc(most * (4 * sizeof(int64_t) + 1));
-    if (!located || !closed_array || !scratch) {
+    PyObject *closed_array = located ? PyArray_SimpleNew(1, closed_shape, NPY_BOOL) : NULL;
+    char *scratch = closed_array ? PyMem_Malloc(most * (4 * sizeof(int64_t) + 1)) : NULL;
+    if (!scratch) {
         Py_XDECREF(located);
         Py_XDECREF(closed_array);
         PyMem_Free(scratch);
@@ -264,7 +273,8 @@ static void copy_rows(char *out, const char *source, const int64_t *rows, Py_ssi
 static int check_names(PyObject *names) {
     if (PyTuple_Check(names)) {
         Py_ssize_t j = 0;
-        while (j < PyTuple_GET_SIZE(names) && PyUnicode_Check(PyTuple_GET_ITEM(names, j))) j++;
+        /* exact str: inserting one in the batch runs no Python code (no __hash__ or __eq__ of a subclass) */
+        while (j < PyTuple_GET_SIZE(names) && PyUnicode_CheckExact(PyTuple_GET_ITEM(names, j))) j++;
         if (j == PyTuple_GET_SIZE(names)) return 0;
     }
     PyErr_SetString(PyExc_TypeError, "kernel argument names: expected a tuple of str");
@@ -313,6 +323,26 @@ static int take_into(PyObject *batch, PyObject *name, PyArrayObject *source, con
     return failed;
 }
 
+/* A private copy of `rows`, every one checked to be in 0..length-1 (IndexError otherwise), or NULL with the
+ * error set; PyMem_Free it. Later reads, some with the GIL released, cannot see another thread change the
+ * caller's array after the check. */
+static int64_t *checked_rows(PyArrayObject *rows_view, npy_intp length, const char *function, const char *what) {
+    Py_ssize_t count = items(rows_view);
+    const int64_t *rows = PyArray_DATA(rows_view);
+    int64_t *copy = PyMem_Malloc(sizeof(int64_t) * count + 1);
+    if (!copy) return (int64_t *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < count; i++) {
+        copy[i] = rows[i];
+        if (copy[i] < 0 || copy[i] >= length) {
+            PyErr_Format(PyExc_IndexError, "%s: row %lld is off %s of %zd rows", function, (long long)copy[i], what,
+                         (Py_ssize_t)length);
+            PyMem_Free(copy);
+            return NULL;
+        }
+    }
+    return copy;
+}
+
 /* batch[names[j]] = sources[j][rows] for the first `columns` columns. */
 static int take_columns(PyObject *batch, PyObject *names, PyObject *sources, Py_ssize_t columns, const int64_t *rows,
                         Py_ssize_t count) {
@@ -335,18 +365,16 @@ static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     }
     if (check_columns(names, sources, 0)) return NULL;
     Py_ssize_t count = items(rows_view), columns = PyTuple_GET_SIZE(sources);
-    const int64_t *rows = PyArray_DATA(rows_view);
+    npy_intp shortest = NPY_MAX_INTP;
     for (Py_ssize_t j = 0; j < columns; j++) {
         npy_intp length = PyArray_DIM((PyArrayObject *)PyTuple_GET_ITEM(sources, j), 0);
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (rows[i] < 0 || rows[i] >= length) {
-                PyErr_Format(PyExc_IndexError, "take_rows: row %lld is off a column of %zd rows", (long long)rows[i],
-                             (Py_ssize_t)length);
-                return NULL;
-            }
-        }
+        shortest = length < shortest ? length : shortest;
     }
-    if (take_columns(batch, names, sources, columns, rows, count)) return NULL;
+    int64_t *rows = checked_rows(rows_view, shortest, "take_rows", "a column");
+    if (!rows) return NULL;
+    int failed = take_columns(batch, names, sources, columns, rows, count);
+    PyMem_Free(rows);
+    if (failed) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -399,8 +427,14 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "kernel arguments n_step, capacity and extent_slots must be >= 1");
         return NULL;
     }
-    if (!(powers_view = array_arg(args[6], "powers", NPY_FLOAT64, 0, n_step + 1))
-        || !(reward_view = array_arg(args[8], "reward", -1, 0, 0))
+    if (!(powers_view = array_arg(args[6], "powers", NPY_FLOAT64, 0, 1)))
+        return NULL;
+    if (n_step > items(powers_view) - 1) {
+        PyErr_Format(PyExc_ValueError, "kernel argument powers: expected n_step + 1 = %lld items, got %zd",
+                     (long long)n_step + 1, items(powers_view));
+        return NULL;
+    }
+    if (!(reward_view = array_arg(args[8], "reward", -1, 0, 0))
         || !(row_seq_view = array_arg(args[9], "row_seq", NPY_INT64, 0, capacity))
         || !(flags_table_view = array_arg(args[10], "extent_flags", NPY_UINT8, 0, extent_slots))
         || check_columns(names, sources, capacity) || check_names(next_names)
@@ -418,15 +452,10 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
                         "kernel arguments next_names and bootstrap_names: one name per observation field");
         return NULL;
     }
-    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view),
-                  *bounds = PyArray_DATA(bounds_view), *row_seq = PyArray_DATA(row_seq_view);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (rows[i] < 0 || rows[i] >= capacity) {
-            PyErr_Format(PyExc_IndexError, "transition_batch: row %lld is off the ring of %lld rows",
-                         (long long)rows[i], (long long)capacity);
-            return NULL;
-        }
-    }
+    const int64_t *positions = PyArray_DATA(positions_view), *bounds = PyArray_DATA(bounds_view),
+                  *row_seq = PyArray_DATA(row_seq_view);
+    int64_t *rows = checked_rows(rows_view, capacity, "transition_batch", "the ring");
+    if (!rows) return NULL;
     const char *closed = PyArray_DATA(closed_view);
     const uint8_t *extent_flags = PyArray_DATA(flags_table_view);
     const double *powers = PyArray_DATA(powers_view);
@@ -434,7 +463,10 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
     const double *reward64 = has_reward && reward_type == NPY_FLOAT64 ? PyArray_DATA(reward_view) : NULL;
 #define REWARD(row) (reward32 ? (double)reward32[row] : reward64[row])
 
-    if (take_columns(batch, names, sources, PyTuple_GET_SIZE(names), rows, count)) return NULL;
+    if (take_columns(batch, names, sources, PyTuple_GET_SIZE(names), rows, count)) {
+        PyMem_Free(rows);
+        return NULL;
+    }
     PyArrayObject *terminated_array = new_vector(count, NPY_BOOL), *truncated_array = new_vector(count, NPY_BOOL),
                   *return_array = has_reward ? new_vector(count, NPY_FLOAT32) : NULL,
                   *discount_array = has_reward ? new_vector(count, NPY_FLOAT32) : NULL;
@@ -445,6 +477,7 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
         Py_XDECREF(return_array);
         Py_XDECREF(discount_array);
         PyMem_Free(scratch);
+        PyMem_Free(rows);
         return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
     int64_t *next_rows = scratch, *bootstrap_rows = scratch + count;
@@ -499,6 +532,7 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
     Py_XDECREF(return_array);
     Py_XDECREF(discount_array);
     PyMem_Free(scratch);
+    PyMem_Free(rows);
     if (failed) return NULL;
     Py_RETURN_NONE;
 }
@@ -540,20 +574,14 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
         return NULL;
     }
     const double *exponentials = PyArray_DATA(exponentials_view);
-    const int64_t *positions = PyArray_DATA(positions_view), *rows = PyArray_DATA(rows_view),
-                  *bounds = PyArray_DATA(bounds_view);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (rows[i] < 0 || rows[i] >= capacity) {
-            PyErr_Format(PyExc_IndexError, "geometric_batch: row %lld is off the ring of %lld rows",
-                         (long long)rows[i], (long long)capacity);
-            return NULL;
-        }
-    }
+    const int64_t *positions = PyArray_DATA(positions_view), *bounds = PyArray_DATA(bounds_view);
+    int64_t *rows = checked_rows(rows_view, capacity, "geometric_batch", "the ring");
+    if (!rows) return NULL;
     PyArrayObject *offset_array = new_vector(count, NPY_INT64);
-    int64_t *future_rows = PyMem_Malloc(sizeof(int64_t) * count + 1);
-    if (!offset_array || !future_rows) {
+    int64_t *future_rows = offset_array ? PyMem_Malloc(sizeof(int64_t) * count + 1) : NULL;
+    if (!future_rows) {
         Py_XDECREF(offset_array);
-        PyMem_Free(future_rows);
+        PyMem_Free(rows);
         return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
     int64_t *offsets = PyArray_DATA(offset_array);
@@ -594,6 +622,7 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
     else
         failed = put(batch, OFFSET_KEY, offset_array); /* gives up offset_array */
     PyMem_Free(future_rows);
+    PyMem_Free(rows);
     if (failed) return NULL;
     Py_RETURN_NONE;
 }
