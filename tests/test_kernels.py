@@ -19,6 +19,7 @@ from service.samplers.geometric import GeometricMode
 from service.samplers.transitions import TransitionsMode
 from service.samplers.uniform import UniformSampler
 from service.schema import Field
+from service.wire.codec import ALLOWED_DTYPES
 
 CAPACITY = 10
 
@@ -186,7 +187,8 @@ def test_exponential_draws_are_the_generators_own() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "shape"), [("uint8", (84, 84, 4)), ("float32", (376,)), ("float32", (4,)),
-                                              ("int64", ()), ("bool", ()), ("float64", (3, 5))])
+                                              ("int64", ()), ("bool", ()), ("float64", (3, 5))]
+                         + [(dtype, (3,)) for dtype in sorted(ALLOWED_DTYPES)])
 def test_take_rows_is_numpy_take(dtype: str, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(0)
     column = rng.integers(0, 200, (50, *shape)).astype(dtype)
