@@ -103,7 +103,7 @@ class LocalReader:
 
     def _has_data(self) -> bool:
         self._check_current()  # a buffer deleted while we wait never gets data: NotFound, not a timeout
-        return self.ring.sampler.drawable(self.ring)  # a prioritized buffer also needs a positive priority
+        return self.ring.drawable()  # a prioritized buffer also needs a positive priority
 
     def _wait_for_data(self, timeout: float | None, stopped: Callable[[], bool] = never) -> bool:
         """Polls until the buffer has a step to draw (True) or `stopped()` (False)."""

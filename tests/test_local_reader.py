@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +18,7 @@ from client import ReplayClient
 from client.local_reader import LocalReader
 from client.polling import wait_until
 from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.lifetime import SharedReads
 from service.buffers.ring import EpisodicRing
 from service.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from service.removers import MaxTimesSampledRemover
@@ -259,3 +262,68 @@ def test_readers_never_see_torn_samples_while_the_writer_evicts() -> None:
     assert inserted[0] > 1000, "the writer did not keep the ring turning over"
     assert all(report["samples"] > 1000 for report in reports), reports
     assert sum(report["errors"] for report in reports) == 0, reports
+
+
+_CLOSE_WHILE_SAMPLING = """
+import os, sys, threading
+import numpy as np
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.ring import EpisodicRing
+from service.errors import NotFound
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+
+instance = sys.argv[1]
+writer = EpisodicBuffer("big", instance, [Field("obs", "float32", (1024,), True), Field("reward", "float32")], 4000)
+try:
+    writer.insert({"obs": np.ones((4000, 1024), np.float32), "reward": np.ones(4000, np.float32)},
+                  Spans.whole_episodes(np.full(20, 199), np.arange(20), np.ones(20, bool)))
+    ring = EpisodicRing.attach(writer.storage.header_name)
+    sampled, outcome = threading.Event(), []
+
+    def sample_until_closed():  # 8192 rows of 4 KiB per column: the copies run without the GIL
+        try:
+            while True:
+                ring.sample_shared(8192, TransitionsMode(3, 0.9), np.random.default_rng(0))
+                sampled.set()
+        except NotFound as exc:
+            outcome.append(str(exc))
+        finally:
+            sampled.set()
+
+    thread = threading.Thread(target=sample_until_closed)
+    thread.start()
+    sampled.wait()
+    ring.close()  # e.g. a learner's `finally: reader.close()` while its loader thread still samples
+    thread.join()
+    try:
+        ring.sample_shared(4, TransitionsMode(1, 0.9), np.random.default_rng(0))
+    except NotFound as exc:
+        outcome.append(str(exc))
+    print(outcome)
+finally:
+    writer.close()
+"""
+
+
+def test_closing_a_reader_while_it_samples_is_an_error_not_a_crash() -> None:
+    """close() unmapped the ring under a sample running in another thread (and under any later sample): the
+    process died with SIGSEGV. Now close waits for the running samples, and later ones raise NotFound."""
+    result = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_SAMPLING, f"{TEST_INSTANCE}close"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(["this reader of buffer 'big' was closed"] * 2), result.stdout
+
+
+def test_a_reader_close_waits_for_the_samples_running() -> None:
+    reads = SharedReads("buffer")
+    released = []
+    with reads:  # a sample running
+        closer = threading.Thread(target=reads.end, args=(lambda: released.append(True),))
+        closer.start()
+        wait_until(lambda: reads.closed, time.monotonic() + 10, "close() refusing new samples")
+        assert released == []  # still mapped: the sample above is running
+        with pytest.raises(NotFound, match="was closed"):
+            reads.__enter__()
+    closer.join(10)
+    assert released == [True]

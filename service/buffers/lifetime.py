@@ -44,6 +44,43 @@ class Lifetime:
             release()
 
 
+class SharedReads:
+    """The lock-free samples of one attached ring (a LocalReader's, a sample worker's): any number run at
+    once, close() waits for those running and unmaps, and a sample after that raises NotFound. The arrays
+    point into the mapping, so a sample that outlived it would read unmapped memory (a crash, not an error).
+    """
+
+    __slots__ = ("active", "closed", "condition", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.condition = threading.Condition(threading.Lock())
+        self.active = 0
+        self.closed = False
+
+    def __enter__(self) -> None:
+        with self.condition:
+            if self.closed:
+                raise NotFound(f"this reader of buffer {self.name!r} was closed")
+            self.active += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self.condition:
+            self.active -= 1
+            if not self.active:
+                self.condition.notify_all()
+
+    def end(self, release: Callable[[], None]) -> None:
+        """Refuses new samples, waits for the running ones and runs `release` (unmapping) once."""
+        with self.condition:
+            if self.closed:
+                return
+            self.closed = True
+            while self.active:
+                self.condition.wait()
+            release()
+
+
 class LiveBuffer:
     """What both buffer kinds expose of their Lifetime."""
 

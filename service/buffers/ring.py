@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from service.buffers.lifetime import SharedReads
 from service.errors import FailedPrecondition, InvalidArgument, RingChanged
 from service.removers import FifoRemover, MaxTimesSampledRemover
 from service.samplers import kernels
@@ -88,6 +89,7 @@ class EpisodicRing:
         self.state = arrays["state"]
         self.sampler = sampler
         self.remover = remover
+        self.reads = SharedReads(self.name)
         remover.bind(arrays)
         retired_counts, max_times = ((remover.times_sampled, remover.max_times_sampled) if remover.retires
                                      else (NO_COUNTS, 0))
@@ -199,10 +201,21 @@ class EpisodicRing:
             batch.update(draw.extra)
         return batch
 
+    def drawable(self) -> bool:
+        """Whether a lock-free draw can succeed now (NotFound once this reader is closed)."""
+        with self.reads:
+            return self.sampler.drawable(self)
+
     def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
                       importance_beta: float = 0.0) -> tuple[dict[str, np.ndarray], int]:
-        """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn)."""
+        """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn). NotFound
+        once this reader is closed; a close waits for the samples running."""
         mode.check(self)
+        with self.reads:
+            return self._sample_shared(batch_size, mode, rng, include_keys, importance_beta)
+
+    def _sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool,
+                       importance_beta: float) -> tuple[dict[str, np.ndarray], int]:
         for torn in range(MAX_TORN_DRAWS):
             try:
                 draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)
@@ -221,4 +234,5 @@ class EpisodicRing:
         )
 
     def close(self) -> None:
-        self.storage.close()
+        """Unmaps a reader's view of the ring, once the samples running on it end."""
+        self.reads.end(self.storage.close)

@@ -120,10 +120,10 @@ class SampleWorkerServicer:
                  deadline: float | None, context: grpc.ServicerContext) -> bytes:
         self.current(request.buffer, ring)
         mode = sample_mode(request, ring, self.max_message_bytes)
-        if deadline is not None and not ring.sampler.drawable(ring):
+        if deadline is not None and not ring.drawable():
             with self.worker_seats.wait_seat(f"sample of buffer {ring.name!r} (waiting for data)"):
                 delay = _WAIT_POLL_SECONDS[0]
-                while not ring.sampler.drawable(ring):
+                while not ring.drawable():
                     self.current(request.buffer, ring)
                     if not context.is_active():  # cancelled: give the worker (and its seat) back now
                         raise errors.Cancelled(f"sample of buffer {ring.name!r}: the call ended while it waited")

@@ -206,13 +206,14 @@ class SharedArrays:
         return cls(header_name, header, data, layout, owner=False, readonly=readonly)
 
     def close(self) -> None:
-        """Unmaps the segments. Arrays handed out earlier must not be used afterwards."""
+        """Unmaps the segments. Arrays handed out earlier must not be used afterwards: they hold no export
+        of the mapping, so they point into unmapped memory (readers guard this: buffers.lifetime)."""
         self.arrays.clear()
         for segment in (self._data, self._header):
             try:
                 segment.close()
             except BufferError:
-                # A numpy view still references the mapping; the OS unmaps it when that view dies.
+                # A memoryview of the mapping is still alive; the OS unmaps it when that view dies.
                 pass
 
     def unlink(self) -> None:
