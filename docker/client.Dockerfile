@@ -13,4 +13,4 @@ RUN apt-get update && apt-get install --yes --no-install-recommends gcc libc6-de
     && PIP_CONSTRAINT=/app/constraints.txt pip install --no-cache-dir --extra-index-url ${TORCH_INDEX_URL} --constraint constraints.txt '.[learner]' \
     && apt-get purge --yes --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # Only the installed package from here on (a source copy in the working directory would shadow it).
-RUN rm -rf service client setup.py && python -c "import service.samplers.kernels"
+RUN rm -rf service client setup.py build replayd.egg-info && python -c "import service.samplers.kernels"

@@ -11,7 +11,7 @@ RUN apt-get update && apt-get install --yes --no-install-recommends gcc libc6-de
     && PIP_CONSTRAINT=/app/constraints.txt pip install --no-cache-dir --constraint constraints.txt . \
     && apt-get purge --yes --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # Only the installed package from here on (a source copy in the working directory would shadow it).
-RUN rm -rf service client setup.py && python -c "import service.samplers.kernels"
+RUN rm -rf service client setup.py build replayd.egg-info && python -c "import service.samplers.kernels"
 EXPOSE 50051 8080
 # The container's own network is private; publish ports deliberately, and set REPLAYD_TOKEN to require a
 # bearer token from every client (the server reads it from the environment).
