@@ -195,7 +195,7 @@ def test_take_rows_is_numpy_take(dtype: str, shape: tuple[int, ...]) -> None:
     column.flags.writeable = False  # a reader's shared memory
     rows = rng.integers(0, 50, 33)
     batch: dict[str, np.ndarray] = {"kept": np.zeros(1)}
-    kernels.gather_columns(batch, rows, kernels.Columns(("obs", "again"), (column, column)), "next_")
+    kernels.take_rows(batch, ("next_obs", "next_again"), rows, (column, column))
     assert list(batch) == ["kept", "next_obs", "next_again"]
     for name in ("next_obs", "next_again"):
         assert batch[name].dtype == column.dtype and batch[name].flags.c_contiguous

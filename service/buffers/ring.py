@@ -31,7 +31,7 @@ from service.storage.shared_arrays import SharedArrays
 
 OPEN, HOLE = kernels.OPEN, kernels.HOLE  # row_end of a row whose episode is open / that holds no episode
 NO_COUNTS = np.empty(0, dtype=np.int64)  # no remover counts draws
-NO_REWARD = np.empty(0, dtype=np.float32)  # no reward field: transition_targets writes no returns
+NO_REWARD = np.empty(0, dtype=np.float32)  # no reward field: transition_batch writes no returns
 
 ALIVE, IS_OPEN, TERMINATED = 1, 2, kernels.TERMINATED  # extent flags
 

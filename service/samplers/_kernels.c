@@ -1,9 +1,10 @@
-/* The sampling hot path's per-sample loops, compiled: see kernels.py for what each computes and why.
+/* The sampling hot path's per-sample loops (service/samplers/kernels.py wraps them; the samplers and batch
+ * modes call them).
  *
  * Each array argument's item type, length, contiguity and alignment are checked on entry (a mismatch raises
- * TypeError or ValueError naming the argument), and every computed row is wrapped
- * onto the ring before it indexes a table, so tables a lock-free reader reads mid-write can give wrong
- * answers (which the reader detects and redraws) but never an access outside an array.
+ * TypeError or ValueError naming the argument), and every computed row is wrapped onto the ring before it
+ * indexes a table, so tables a lock-free reader reads mid-write can give wrong answers (which the reader
+ * detects and redraws) but never an access outside an array.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,11 +30,12 @@ static inline void restore_gil(PyThreadState *released) {
 
 /* ------------------------------------------------------------------ arguments */
 
-/* A C-contiguous, aligned array of `type` (any number or bool type: -1), writable if asked, of at least `min_items` items;
- * NULL with TypeError or ValueError naming the argument otherwise. A borrowed reference. */
+/* A C-contiguous, aligned array of `type` (any number or bool type: -1), writable if asked, of at least
+ * `min_items` items; NULL with TypeError or ValueError naming the argument otherwise. A borrowed reference. */
 static PyArrayObject *array_arg(PyObject *obj, const char *name, int type, int writable, npy_intp min_items) {
     if (!PyArray_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "kernel argument %s: expected a numpy array, got %s", name, Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError, "kernel argument %s: expected a numpy array, got %s", name,
+                     Py_TYPE(obj)->tp_name);
         return NULL;
     }
     PyArrayObject *array = (PyArrayObject *)obj;
@@ -629,7 +631,17 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
 
 /* ------------------------------------------------------------------ lock-free reader checks */
 
-/* bounds_kept(rows, bounds, closed, row_end) -> bool */
+/* bounds_kept(rows, bounds, closed, row_end) -> bool
+ *
+ * Whether a lock-free reader's drawn rows kept the bounds the draw read, as far as its batch could have
+ * seen. Call after every other read of the batch (row_end is read again here), and read the tail only after
+ * this returns (a later check of the positions against it catches rows evicted and reused):
+ * - a closed episode's rows keep their bound until evicted;
+ * - an open episode's rows stay OPEN, or turn into holes when it moves to the head (its old rows and extent
+ *   record stay as they were until evicted, and the batch took its id from the draw), or their bounds become
+ *   its final row when it closes: at the last row the draw read, the draw may have read that row without
+ *   knowing the episode ended (the writer sets the bounds before the last row); past it, the episode closed
+ *   after the draw and the batch is what the open episode held. */
 static PyObject *bounds_kept(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     PyArrayObject *rows_view, *bounds_view, *closed_view, *row_end_view;
     if (check_nargs("bounds_kept", nargs, 4) || !(rows_view = array_arg(args[0], "rows", NPY_INT64, 0, 0)))
@@ -639,7 +651,8 @@ static PyObject *bounds_kept(PyObject *module, PyObject *const *args, Py_ssize_t
         || !(closed_view = array_arg(args[2], "closed", NPY_BOOL, 0, count))
         || !(row_end_view = array_arg(args[3], "row_end", NPY_INT64, 0, 1)))
         goto fail;
-    const int64_t *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view), *row_end = PyArray_DATA(row_end_view);
+    const int64_t *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view),
+                  *row_end = PyArray_DATA(row_end_view);
     const char *closed = PyArray_DATA(closed_view);
     int64_t capacity = items(row_end_view);
     int kept = 1;
@@ -652,7 +665,8 @@ fail:
     return NULL;
 }
 
-/* drawn_live(positions, bounds, tail) -> bool */
+/* drawn_live(positions, bounds, tail) -> bool: whether every drawn position was a step and is still live
+ * (>= the tail, read after the batch). */
 static PyObject *drawn_live(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     PyArrayObject *positions_view, *bounds_view;
     int64_t tail;

@@ -34,7 +34,7 @@ OPEN = _kernels.OPEN  # row_end of a row whose episode is still open
 HOLE = _kernels.HOLE  # row_end of a row that holds no episode
 TERMINATED = _kernels.TERMINATED  # extent flag
 
-REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_targets reads
+REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_batch reads
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
            "episode_bounds", "exponentials", "gather_columns", "geometric_batch", "prefixed", "take_rows",
@@ -68,13 +68,13 @@ class Columns(NamedTuple):
 
 @functools.cache
 def prefixed(prefix: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The names with a prefix (`next_`, `future_`, ...), built once per ring and mode."""
+    """The names with a prefix (`next_`, `future_`, ...), built once per schema and prefix."""
     return tuple(prefix + name for name in names)
 
 
-def gather_columns(batch: dict[str, np.ndarray], rows: np.ndarray, columns: Columns, prefix: str = "") -> None:
-    """batch[prefix + name] = column[rows] for every column, in one compiled call."""
-    take_rows(batch, prefixed(prefix, columns.names), rows, columns.arrays)
+def gather_columns(batch: dict[str, np.ndarray], rows: np.ndarray, columns: Columns) -> None:
+    """batch[name] = column[rows] for every column, in one compiled call."""
+    take_rows(batch, columns.names, rows, columns.arrays)
 
 
 def exponentials(rng: np.random.Generator, count: int) -> np.ndarray:
