@@ -156,11 +156,11 @@ static PyObject *episode_bounds(PyObject *module, PyObject *const *args, Py_ssiz
     PyArrayObject *positions, *located, *closed;
     if (check_nargs("episode_bounds", nargs, 10) || !(positions = array_arg(args[0], "positions", NPY_INT64, 0, 0))
         || tables_arg(args + 1, &tables))
-        goto fail;
+        return NULL;
     Py_ssize_t count = items(positions);
     if (!(located = array_arg(args[8], "located", NPY_INT64, 1, 3 * count))
         || !(closed = array_arg(args[9], "closed", NPY_BOOL, 1, count)))
-        goto fail;
+        return NULL;
     const int64_t *keys = PyArray_DATA(positions);
     int64_t *rows = PyArray_DATA(located), *bounds = rows + count, *open_seq = rows + 2 * count;
     PyThreadState *released = release_gil_if(count > RELEASE_GIL_SAMPLES);
@@ -168,8 +168,6 @@ static PyObject *episode_bounds(PyObject *module, PyObject *const *args, Py_ssiz
     bounds_of_rows(count, rows, &tables, bounds, PyArray_DATA(closed), open_seq);
     restore_gil(released);
     Py_RETURN_NONE;
-fail:
-    return NULL;
 }
 
 /* The bit generator of a numpy Generator's `bit_generator.capsule`; the caller holds its lock. */
@@ -271,6 +269,13 @@ static void copy_rows(char *out, const char *source, const int64_t *rows, Py_ssi
 #undef COPY_ROWS
 }
 
+/* Whether `batch` is the dict a kernel fills; TypeError otherwise. */
+static int check_batch(PyObject *batch, const char *function) {
+    if (PyDict_Check(batch)) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: expected a dict for the batch", function);
+    return -1;
+}
+
 /* Whether `names` is a tuple of str; TypeError otherwise. */
 static int check_names(PyObject *names) {
     if (PyTuple_Check(names)) {
@@ -361,10 +366,7 @@ static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     PyArrayObject *rows_view;
     if (check_nargs("take_rows", nargs, 4) || !(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, 0))) return NULL;
     PyObject *batch = args[0], *names = args[1], *sources = args[3];
-    if (!PyDict_Check(batch)) {
-        PyErr_SetString(PyExc_TypeError, "take_rows: expected a dict for the batch");
-        return NULL;
-    }
+    if (check_batch(batch, "take_rows")) return NULL;
     if (check_columns(names, sources, 0)) return NULL;
     Py_ssize_t count = items(rows_view), columns = PyTuple_GET_SIZE(sources);
     npy_intp shortest = NPY_MAX_INTP;
@@ -414,10 +416,7 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
     if (check_nargs("transition_batch", nargs, 16)) return NULL;
     PyObject *batch = args[0], *names = args[12], *sources = args[13], *next_names = args[14],
              *bootstrap_names = args[15];
-    if (!PyDict_Check(batch)) {
-        PyErr_SetString(PyExc_TypeError, "transition_batch: expected a dict for the batch");
-        return NULL;
-    }
+    if (check_batch(batch, "transition_batch")) return NULL;
     if (!(positions_view = array_arg(args[1], "positions", NPY_INT64, 0, 0))) return NULL;
     Py_ssize_t count = items(positions_view);
     if (!(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, count))
@@ -553,10 +552,7 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
     int64_t capacity;
     if (check_nargs("geometric_batch", nargs, 10)) return NULL;
     PyObject *batch = args[0], *names = args[7], *future_names = args[8], *sources = args[9];
-    if (!PyDict_Check(batch)) {
-        PyErr_SetString(PyExc_TypeError, "geometric_batch: expected a dict for the batch");
-        return NULL;
-    }
+    if (check_batch(batch, "geometric_batch")) return NULL;
     if (!(positions_view = array_arg(args[3], "positions", NPY_INT64, 0, 0))) return NULL;
     Py_ssize_t count = items(positions_view);
     double discount = PyFloat_AsDouble(args[2]);
@@ -645,12 +641,12 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
 static PyObject *bounds_kept(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     PyArrayObject *rows_view, *bounds_view, *closed_view, *row_end_view;
     if (check_nargs("bounds_kept", nargs, 4) || !(rows_view = array_arg(args[0], "rows", NPY_INT64, 0, 0)))
-        goto fail;
+        return NULL;
     Py_ssize_t count = items(rows_view);
     if (!(bounds_view = array_arg(args[1], "bounds", NPY_INT64, 0, count))
         || !(closed_view = array_arg(args[2], "closed", NPY_BOOL, 0, count))
         || !(row_end_view = array_arg(args[3], "row_end", NPY_INT64, 0, 1)))
-        goto fail;
+        return NULL;
     const int64_t *rows = PyArray_DATA(rows_view), *bounds = PyArray_DATA(bounds_view),
                   *row_end = PyArray_DATA(row_end_view);
     const char *closed = PyArray_DATA(closed_view);
@@ -661,8 +657,6 @@ static PyObject *bounds_kept(PyObject *module, PyObject *const *args, Py_ssize_t
         kept = closed[i] ? now == bounds[i] : (now == OPEN || now == HOLE || now > bounds[i]);
     }
     return PyBool_FromLong(kept);
-fail:
-    return NULL;
 }
 
 /* drawn_live(positions, bounds, tail) -> bool: whether every drawn position was a step and is still live
@@ -672,16 +666,14 @@ static PyObject *drawn_live(PyObject *module, PyObject *const *args, Py_ssize_t 
     int64_t tail;
     if (check_nargs("drawn_live", nargs, 3)
         || !(positions_view = array_arg(args[0], "positions", NPY_INT64, 0, 0)))
-        goto fail;
+        return NULL;
     Py_ssize_t count = items(positions_view);
     if (!(bounds_view = array_arg(args[1], "bounds", NPY_INT64, 0, count)) || int_arg(args[2], "tail", &tail))
-        goto fail;
+        return NULL;
     const int64_t *positions = PyArray_DATA(positions_view), *bounds = PyArray_DATA(bounds_view);
     int live = 1;
     for (Py_ssize_t i = 0; i < count && live; i++) live = positions[i] >= tail && positions[i] < bounds[i];
     return PyBool_FromLong(live);
-fail:
-    return NULL;
 }
 
 /* ------------------------------------------------------------------ random draws */
