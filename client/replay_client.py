@@ -35,6 +35,16 @@ def new_episode_id() -> int:
     return secrets.randbits(63)
 
 
+def _give_up(timeout: float | None) -> float | None:
+    """The monotonic time a call given `timeout` seconds must end by (None: no deadline)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(give_up: float | None) -> float | None:
+    """Seconds left until `give_up` (None: no deadline), 0 once it has passed."""
+    return None if give_up is None else max(give_up - time.monotonic(), 0.0)
+
+
 def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
     which = info.WhichOneof("config")
     config = getattr(info, which)
@@ -287,15 +297,16 @@ class ReplayClient:
             channel = grpc.insecure_channel(address, options=self._options)
         return grpc.intercept_channel(channel, _BearerToken(self._token)) if self._token else channel
 
-    def _sampling(self, buffer: str) -> _SamplingCalls:
-        """Where the next sampling call for `buffer` goes: a sample worker if the server offers any."""
+    def _sampling(self, buffer: str, timeout: float | None) -> _SamplingCalls:
+        """Where the next sampling call for `buffer` goes: a sample worker if the server offers any (learnt
+        with a describe bounded by `timeout`, the sampling call's)."""
         if not self.use_sample_workers:
             return self._server_sampling
         calls = self._buffer_sampling.get(buffer)
         if calls is None:
             host = self.address.rsplit(":", 1)[0]
             calls = []
-            for endpoint in self.describe(buffer)["sample_endpoints"]:
+            for endpoint in self.describe(buffer, timeout)["sample_endpoints"]:
                 address = f"{host}:{endpoint.rsplit(':', 1)[1]}"  # the server's bind host may be 0.0.0.0
                 if address not in self._worker_channels:
                     self._worker_channels[address] = self._open_channel(address)
@@ -316,16 +327,16 @@ class ReplayClient:
         self._buffer_sampling.pop(buffer, None)
         self._stateful_sampling.pop(buffer, None)
 
-    def _changes_state_or_unknown(self, buffer: str) -> bool:
+    def _changes_state_or_unknown(self, buffer: str, timeout: float | None) -> bool:
         try:
-            return self._sampling_changes_state(buffer)
+            return self._sampling_changes_state(buffer, timeout)
         except grpc.RpcError:
             return True
 
-    def _sampling_changes_state(self, buffer: str) -> bool:
+    def _sampling_changes_state(self, buffer: str, timeout: float | None) -> bool:
         stateful = self._stateful_sampling.get(buffer)
         if stateful is None:
-            stateful = self._stateful_sampling[buffer] = self.describe(buffer)["sampling_changes_state"]
+            stateful = self._stateful_sampling[buffer] = self.describe(buffer, timeout)["sampling_changes_state"]
         return stateful
 
     def close(self) -> None:
@@ -446,8 +457,9 @@ class ReplayClient:
         response = self._idempotent(self._stub.ListBuffers, pb.ListBuffersRequest(), None)
         return [_info_to_dict(info) for info in response.buffers]
 
-    def describe(self, name: str) -> dict[str, Any]:
-        return _info_to_dict(self._idempotent(self._stub.DescribeBuffer, pb.DescribeBufferRequest(name=name), None))
+    def describe(self, name: str, timeout: float | None = None) -> dict[str, Any]:
+        return _info_to_dict(self._idempotent(self._stub.DescribeBuffer, pb.DescribeBufferRequest(name=name),
+                                              timeout))
 
     def observation_fields(self, buffer: str) -> tuple[str, ...]:
         if buffer not in self._observation_fields:
@@ -586,23 +598,28 @@ class ReplayClient:
                **options: Any) -> dict[str, np.ndarray]:
         """One batch as read-only numpy arrays (views into the received bytes)."""
         request = self.sample_request(buffer, batch_size, mode, **options)
+        # The first sample of a buffer asks the server about it: within the sample's timeout, which covers
+        # that describe, the sample and its retries.
+        give_up = _give_up(self._deadline(timeout))
         # A lost response after the server drew would count the draws twice: only side-effect-free
         # sampling is retried.
-        codes = [] if self._sampling_changes_state(buffer) else list(self.RETRYABLE)
+        codes = [] if self._sampling_changes_state(buffer, _left(give_up)) else list(self.RETRYABLE)
 
         def attempt(remaining: float | None) -> bytes:
+            attempt_ends = _give_up(remaining)
             try:
-                return self._sampling(buffer).sample(request, timeout=remaining)
+                return self._sampling(buffer, remaining).sample(request, timeout=_left(attempt_ends))
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._forget_sampling(buffer)  # the retry asks the server where its workers are now
                     # The call may have drawn: retried only if the buffer, maybe created again since by another
                     # client, still samples without side effects (or the server refused it untouched).
-                    if server_retry_after(exc) is None and codes and self._changes_state_or_unknown(buffer):
+                    if (server_retry_after(exc) is None and codes
+                            and self._changes_state_or_unknown(buffer, _left(give_up))):
                         codes.clear()
                 raise
 
-        return codec.decode(self._with_retries(attempt, codes, self._deadline(timeout)))
+        return codec.decode(self._with_retries(attempt, codes, _left(give_up)))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -622,5 +639,9 @@ class ReplayClient:
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
-        return BatchStream(lambda remaining: self._sampling(buffer).stream(request, timeout=remaining), timeout,
+        def open_call(remaining: float | None) -> grpc.Call:
+            call_ends = _give_up(remaining)
+            return self._sampling(buffer, remaining).stream(request, timeout=_left(call_ends))
+
+        return BatchStream(open_call, timeout,
                            on_unavailable=lambda: self._forget_sampling(buffer))

@@ -430,7 +430,25 @@ def test_an_explicit_zero_timeout_is_passed_on_not_replaced_by_the_default(clien
     client._server_sampling = type(real)(sample, real.stream)
     client.sample("z", 4, timeout=0)
     client.sample("z", 4)
-    assert seen == [0, client.timeout]
+    assert seen[0] == 0 and client.timeout - 1 < seen[1] <= client.timeout
+
+
+def test_a_first_sample_asks_about_its_buffer_within_the_samples_timeout() -> None:
+    """The describe a buffer's first sample makes (sample workers, side effects) had the client's default
+    timeout: sample(timeout=0.3) against a server that is down took the describe's retries (seconds)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with ReplayClient(f"127.0.0.1:{port}", retries=5, timeout=60) as client:
+        for first_call in (lambda: client.sample("any", 4, timeout=0.3),
+                           lambda: next(iter(client.sample_stream("any", 4, timeout=0.3)))):
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as caught:
+                first_call()
+            assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert time.monotonic() - started < 0.8
 
 
 def test_split_spans_bounds_every_request() -> None:
