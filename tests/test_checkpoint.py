@@ -118,6 +118,21 @@ def test_round_trip_through_grpc(tmp_path: Path) -> None:
             assert info["episodes"] == episodes + 1 and info["counters"]["open_episodes"] == 0
 
 
+def test_keep_leaves_the_newest_checkpoints(tmp_path: Path) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        buffer = EpisodicBuffer("b", registry.instance, FIELDS, 100)
+        registry.add("b", buffer)
+        written = []
+        for episode_id in range(4):
+            insert(buffer, [episode_id], 3)
+            written.append(write_checkpoint(registry, tmp_path, keep=2).parent)
+        assert sorted(p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == written[-2:]
+        assert latest_checkpoint(tmp_path) == written[-1]
+    finally:
+        registry.close()
+
+
 def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:
     registry = BufferRegistry(new_instance())
     try:

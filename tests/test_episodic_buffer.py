@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import FailedPrecondition, InvalidArgument
+from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from service.samplers.geometric import GeometricMode
+from service.samplers.kernels import HOLE
 from service.samplers.states import StatesMode
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -193,6 +194,9 @@ def test_open_episode_evicted_by_newer_data_rejects_its_next_chunk() -> None:
         for episode_id in range(3):  # 3 x 20 rows: the ring (50) wraps past the open episode
             buffer.insert(make_rows(rng, 0, 20), Spans.whole_episodes(np.array([19]), [episode_id], [True]))
         assert buffer.counters["evicted_open_episodes"] == 1 and buffer.open_episodes == 0
+        assert buffer.episodes == 2  # the open episode was never counted: its eviction leaves ep 1 and 2
+        # Rows 48..67 took ring rows 48, 49, 0..17; the rest of episode 0's rows (18..27) hold no episode now.
+        assert (buffer.row_end[18:28] == HOLE).all() and (buffer.row_seq[18:28] == -1).all()
         with pytest.raises(FailedPrecondition, match="continues episode 9, which is not open"):
             buffer.insert(make_rows(rng, 4, 2), Spans(np.array([9], np.uint64), np.array([2]), np.array([False]),
                                                        np.array([True]), np.array([True])))
@@ -310,6 +314,12 @@ def test_rejected_inserts_leave_buffer_byte_identical() -> None:
             (make_rows(rng, 0, 2), Spans(np.array([2], np.uint64), np.array([2]), np.array([True]),
                                          np.array([False]), np.array([False])),
              InvalidArgument, "begins episode 2, which is already open"),
+            ({**good, "reward": np.where(np.arange(11) == 4, np.inf, good["reward"]).astype(np.float32)},
+             Spans.whole_episodes(np.array([10]), [3], [True]), InvalidArgument, "'reward' row 4 is inf"),
+            # the request's whole episode evicts open episode 2 before the request's chunk of it would land
+            (make_rows(rng, 0, 61), Spans(np.array([7, 2], np.uint64), np.array([60, 1]), np.array([True, False]),
+                                          np.array([True, False]), np.array([True, False])),
+             ResourceExhausted, "open episode 2 would be overwritten before span 1 lands"),
         ]
         for columns, spans, error, message in bad_cases:
             with pytest.raises(error, match=message):

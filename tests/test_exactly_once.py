@@ -16,6 +16,7 @@ from service.dedup import SpanDedup, span_offsets
 from service.errors import FailedPrecondition
 from service.schema import Field
 from service.wire import replay_pb2 as pb
+from service.wire import replay_pb2_grpc as pb_grpc
 from service.wire.frames import serialize_insert
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -260,6 +261,30 @@ def test_episode_writer_flush_retried_after_lost_response(client: ReplayClient) 
     assert info["counters"]["open_episodes"] == 0 and info["counters"]["duplicate_spans"] > 0
 
 
+def test_idempotent_calls_are_retried_after_a_lost_response(client: ReplayClient) -> None:
+    client.create_buffer("d", 100, SCHEMA)
+    faults = _LoseFirstResponses(1)
+    client._stub = pb_grpc.ReplayStub(grpc.intercept_channel(client._channel, faults))
+    assert client.describe("d")["capacity_steps"] == 100
+    assert faults.calls == 2
+
+
+def test_a_retried_chunk_the_window_forgot_is_acknowledged_from_the_open_episode() -> None:
+    """With the span forgotten (window 0), the open episode's landed rows tell that the chunk is stored."""
+    buffer = EpisodicBuffer("forgot", f"test{os.getpid()}forgot", (Field("obs", "float32", (4,), True),
+                                                                   Field("reward", "float32", (), False)), 100,
+                            dedup_window=0)
+    try:
+        chunk = {"obs": np.ones((3, 4), np.float32), "reward": np.ones(3, np.float32)}
+        spans = Spans(np.array([5], np.uint64), np.array([3]), np.array([True]), np.array([False]),
+                      np.array([False]), offsets=np.array([0]))
+        assert buffer.insert_result(chunk, spans).duplicate_spans == 0
+        assert buffer.insert_result(chunk, spans).duplicate_spans == 1
+        assert buffer.stored_steps == 3
+    finally:
+        buffer.close()
+
+
 def test_dedup_window_forgets_the_oldest() -> None:
     dedup = SpanDedup(window=2)
     spans = Spans.whole_episodes(np.array([3, 3, 3]), np.array([1, 2, 3]), np.ones(3, bool))
@@ -291,12 +316,15 @@ def test_refused_request_with_a_retried_span_counts_nothing_and_names_the_span_a
         buffer.close()
 
 
-@pytest.mark.parametrize("remover, retried", [("fifo", True), ("max_times_sampled", False)])
+@pytest.mark.parametrize("remover, rate_limiter, retried", [
+    ("fifo", None, True), ("max_times_sampled", None, False), ("fifo", {"min_size_to_sample": 5}, False)])
 def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClient, remover: str,
-                                                             retried: bool) -> None:
-    """A lost Sample response after the server drew: a retry would count (and retire) the draws twice."""
+                                                             rate_limiter: dict | None, retried: bool) -> None:
+    """A lost Sample response after the server drew: a retry would count (and retire) the draws twice, or
+    count them twice against the rate limiter's samples per insert."""
     rng = np.random.default_rng(9)
-    client.create_buffer("s", 1000, SCHEMA, remover=remover, max_times_sampled=1 if remover != "fifo" else 0)
+    client.create_buffer("s", 1000, SCHEMA, remover=remover, max_times_sampled=1 if remover != "fifo" else 0,
+                         rate_limiter=rate_limiter)
     client.insert_episodes("s", [episode(rng, 100)], [True])
     faults = _LoseFirstResponses(1)
     client.use_sample_workers = False

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import ReplayClient
+from client.replay_client import episode_span, spans_requests
 from service.grpc_server.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
 
@@ -74,7 +75,10 @@ def test_metrics_rpc_latency_bytes_and_buffer_counters(http_server: ReplayServer
     with ReplayClient(http_server.address) as client:
         client.create_buffer("cp", 1000, SCHEMA)
         client.insert_episode("cp", True, **_episode())
-        client.insert_episode("cp", False, **_episode(5))
+        # in 3 chunks (requests of 2 rows of 28 bytes), one stream: 3 spans, one episode
+        chunked = episode_span(_episode(5), False, ("obs",))
+        assert len(spans_requests("cp", [chunked], max_request_bytes=56)) == 3
+        client.insert(spans_requests("cp", [chunked], max_request_bytes=56))
         for _ in range(3):
             client.sample("cp", 8)
         assert len(list(client.sample_stream("cp", 4, num_batches=2))) == 2
@@ -112,6 +116,7 @@ def test_metrics_rpc_latency_bytes_and_buffer_counters(http_server: ReplayServer
     assert value("replayd_buffer_episodes", buffer="cp") == 2
     assert value("replayd_buffer_inserted_steps_total", buffer="cp") == 17
     assert value("replayd_buffer_inserted_episodes_total", buffer="cp") == 2  # terminated or truncated
+    assert value("replayd_buffer_counter", buffer="cp", counter="inserted_spans") == 4
     assert value("replayd_buffer_sampled_items_total", buffer="cp") == 3 * 8 + 2 * 4
     assert value("replayd_buffer_sampled_batches_total", buffer="cp") == 5
     assert value("replayd_rejected_calls_total", rpc="UpdatePriorities") == 1

@@ -310,3 +310,22 @@ def test_kernels_refuse_what_would_read_or_copy_unsafely() -> None:
     with pytest.raises(TypeError, match="names: expected a tuple of str"):
         kernels.take_rows(batch, (Hashing("name"),), rows, (np.zeros(2),))
     assert batch == {}
+
+
+@pytest.mark.parametrize(("closed", "bound", "row_end_now", "kept"), [
+    (True, 7, 7, True),  # a closed episode keeps its bound until evicted
+    (True, 7, 9, False),  # ... a new bound means the row was evicted and reused
+    (True, 7, kernels.HOLE, False),
+    (False, 7, kernels.OPEN, True),  # still open
+    (False, 7, kernels.HOLE, True),  # moved to the head: the batch is what the open episode held
+    (False, 7, 12, True),  # closed after the draw, past the rows the draw read
+    (False, 7, 7, False),  # closed at the last row the draw read: it may have ended there (terminated)
+    (False, 7, 5, False),  # a bound behind the draw's: the row was reused
+], ids=lambda value: str(value))
+def test_bounds_kept_tells_which_bound_changes_a_lock_free_batch_survives(closed: bool, bound: int, row_end_now: int,
+                                                                          kept: bool) -> None:
+    row_end = np.full(10, kernels.OPEN, np.int64)
+    row_end[3] = row_end_now
+    rows, bounds = np.array([1, 3], np.int64), np.array([bound, bound], np.int64)
+    flags = np.array([False, closed])  # row 1: an open row that kept its bound, beside the row under test
+    assert kernels.bounds_kept(rows, bounds, flags, row_end) is kept

@@ -109,6 +109,12 @@ def test_stale_keys_are_ignored_and_never_reach_the_new_occupant() -> None:
         np.testing.assert_array_equal(values[1:], 1.0)  # occupants of reused rows keep their own priority
         final_rows = np.setdiff1d(np.arange(buffer.capacity), fresh % buffer.capacity)
         assert (buffer.sampler.tree.get(final_rows) == 0).all()  # final observations and holes never drawn
+        # A live position that is no step (an episode's final observation) is stale too: a priority there
+        # would make the final observation drawable as if it had a successor.
+        final_observations = np.setdiff1d(np.arange(buffer.tail_position(), buffer.head), fresh)
+        assert final_observations.size == 2
+        assert buffer.update_priorities(final_observations, np.full(2, 50.0)) == (0, 2)
+        assert (buffer.sampler.tree.get(final_observations % buffer.capacity) == 0).all()
     finally:
         buffer.close()
 

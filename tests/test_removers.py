@@ -40,6 +40,9 @@ def test_each_step_is_drawn_at_most_k_times_then_retired(sampler) -> None:
         assert keys.size == 10 and (counts == k).all()
         with pytest.raises(FailedPrecondition):
             buffer.sample(1, StatesMode(), rng)
+        if sampler is not None:  # a retired step is stale: a new priority would make it drawable again
+            assert buffer.update_priorities(keys, np.full(keys.size, 9.0)) == (0, keys.size)
+            assert buffer.sampler.tree.total == 0
         insert_episodes(buffer, [40, 40], 2)  # evicts the retired episodes: counts stay consistent
         assert buffer.sampleable_steps == 80
         assert buffer.remover.counters["retired_steps"] == 10
