@@ -316,6 +316,12 @@ class ReplayClient:
             return self._server_sampling
         return calls[next(self._round_robin) % len(calls)]
 
+    def _sampling_within(self, buffer: str, timeout: float | None) -> tuple[_SamplingCalls, float | None]:
+        """`_sampling(buffer, timeout)` and the seconds of `timeout` left for the sampling call after it."""
+        give_up = _give_up(timeout)
+        calls = self._sampling(buffer, timeout)
+        return calls, _left(give_up)
+
     def _deadline(self, timeout: float | None) -> float | None:
         """A call's deadline in seconds: `timeout` as given (0 included), else the client's default (which
         may be None: no deadline)."""
@@ -606,9 +612,9 @@ class ReplayClient:
         codes = [] if self._sampling_changes_state(buffer, _left(give_up)) else list(self.RETRYABLE)
 
         def attempt(remaining: float | None) -> bytes:
-            attempt_ends = _give_up(remaining)
             try:
-                return self._sampling(buffer, remaining).sample(request, timeout=_left(attempt_ends))
+                calls, left = self._sampling_within(buffer, remaining)
+                return calls.sample(request, timeout=left)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self._forget_sampling(buffer)  # the retry asks the server where its workers are now
@@ -640,8 +646,8 @@ class ReplayClient:
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
         def open_call(remaining: float | None) -> grpc.Call:
-            call_ends = _give_up(remaining)
-            return self._sampling(buffer, remaining).stream(request, timeout=_left(call_ends))
+            calls, left = self._sampling_within(buffer, remaining)
+            return calls.stream(request, timeout=left)
 
         return BatchStream(open_call, timeout,
                            on_unavailable=lambda: self._forget_sampling(buffer))
