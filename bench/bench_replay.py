@@ -18,6 +18,9 @@
 3. gRPC insert as a writer does it: batches of whole episodes (numpy), encoded and split into requests of up
    to `max_request_bytes` by the client (`spans_requests`), one stream per batch; median of the passes after
    the first (which faults in fresh shared memory).
+Sections 2 and 3 also time bare gRPC streams of the same bytes (baselines/grpc_sink.py: a server process
+that drops the request bytes of each insert pass, or sends a prepared message the size of a batch as often
+as a pass has batches), right after each pass: the ceiling grpcio itself puts on the transfer here.
 
 Targets (in the case text): in-process within 2x of the bare gather and >= 4x faster than seed 000's
 vectorized sampler (cartpole); stream >= 500k transitions/s (cartpole), >= 700 MB/s (mujoco), >= 40% of
@@ -42,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.baselines.grpc_sink import GrpcSink
 from bench.baselines.loopback_tcp import loopback_tcp_gbps
 from bench.baselines.seed000_sampler import SeedEpisodicReplayBuffer
 from client.replay_client import ReplayClient, Span, spans_requests
@@ -338,6 +342,7 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
     out = []
     server = ServerProcess()
     client = ReplayClient(server.address, timeout=600)
+    sink = GrpcSink(free_port())
     try:
         client.wait_ready(30)
         for profile in PROFILES:
@@ -350,7 +355,7 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
             # What a writer flushes at once (EpisodeWriter: batch_rows); the client splits it into requests
             # of up to max_request_bytes (atari: whole episodes of 28-56 MB go as chunks).
             rows_per_batch = {"cartpole": 50_000, "mujoco": 20_000, "atari": 4_000}[profile.name]
-            rates = []
+            rates, sink_rates = [], []
             for repeat in range(3 if quick else 5):
                 batches, steps, nbytes = insert_batches(profile, min(rows_per_batch, capacity // 2),
                                                         int(capacity * 1.3), rng, first_id=repeat * 2**40)
@@ -359,9 +364,15 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                     client.insert(spans_requests(name, spans, client.max_request_bytes))
                 elapsed = time.perf_counter() - start
                 rates.append((steps / elapsed, nbytes / elapsed))
-            rates = rates[1:]  # the first pass fills fresh shared memory (page faults); steady state after
+                # the same request bytes over bare gRPC (encoded before the clock: the transfer alone)
+                sink_elapsed = sum(sink.drain_seconds([frame.serialize() for frame in
+                                                       spans_requests(name, spans, client.max_request_bytes)])
+                                   for spans in batches)
+                sink_rates.append(nbytes / sink_elapsed)
+            rates, sink_rates = rates[1:], sink_rates[1:]  # the first pass faults in fresh shared memory
             steps_per_s = float(np.median([r[0] for r in rates]))
             bytes_per_s = float(np.median([r[1] for r in rates]))
+            sink_mbps = float(np.median(sink_rates)) / MB
             requests = sum(len(spans_requests(name, spans, client.max_request_bytes)) for spans in batches[:1])
             case = (f"{profile.name} insert: {len(batches)} writer batches x ~{len(batches[0])} episodes "
                     f"({requests} requests each, max_request_bytes={client.max_request_bytes}), cap={capacity}")
@@ -372,6 +383,8 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
             out.append(record(case + (" (target >= 1.2 GB/s)" if profile.name == "atari" else ""),
                               "insert_MB_per_s", bytes_per_s / MB, "MB/s", "loopback_tcp", tcp_mbps,
                               bytes_per_s / MB / tcp_mbps))
+            out.append(record(case, "insert_MB_per_s", bytes_per_s / MB, "MB/s", "bare_grpc_stream_same_bytes",
+                              sink_mbps, bytes_per_s / MB / sink_mbps))
 
             batches = {"cartpole": 2000, "mujoco": 600, "atari": 400}[profile.name] // (4 if quick else 1)
             for how in ("sample_stream", "sample"):
@@ -388,9 +401,11 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                     return time.perf_counter() - start, total
 
                 one_pass(20)
-                runs, beside = [], []
+                runs, beside, sink_runs = [], [], []
                 for _ in range(5):
                     runs.append(one_pass(batches))
+                    if how == "sample_stream":  # as many messages of the batch's size over bare gRPC
+                        sink_runs.append(sink.repeat_seconds(batches, runs[-1][1] // batches))
                     if how == "sample_stream" and profile.name != "cartpole":
                         # as many bytes (in whole 4 MiB writes) over plain loopback TCP, right after the pass
                         write_mb = 4
@@ -405,12 +420,17 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                 target = {"mujoco": " (target >= 700 MB/s)", "atari": " (target: speedup >= 0.4)"}
                 out.append(record(case + (target.get(profile.name, "") if how == "sample_stream" else ""),
                                   "MB_per_s", mbps, "MB/s", "loopback_tcp", tcp_mbps, mbps / tcp_mbps))
+                if sink_runs:
+                    sink_mbps = total / float(np.median(sink_runs)) / MB
+                    out.append(record(case, "MB_per_s", mbps, "MB/s", "bare_grpc_stream_same_sizes", sink_mbps,
+                                      mbps / sink_mbps))
                 if beside:
                     tcp_beside = float(np.median(beside))
                     out.append(record(case, "MB_per_s", mbps, "MB/s", "loopback_tcp_interleaved", tcp_beside,
                                       mbps / tcp_beside))
             client.delete_buffer(name)
     finally:
+        sink.close()
         client.close()
         server.stop()
     return out
