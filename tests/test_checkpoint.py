@@ -5,15 +5,18 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import threading
 import time
+from dataclasses import replace
 from multiprocessing import shared_memory
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from client import ReplayClient
@@ -85,15 +88,21 @@ def test_round_trip_through_grpc(tmp_path: Path) -> None:
     instance = new_instance()
     with ReplayServer("127.0.0.1:0", instance=instance) as server, \
             ReplayClient(server.address, timeout=20) as client:
-        client.create_buffer("uni", 200, SCHEMA, rate_limiter={"min_size_to_sample": 5})
+        client.create_buffer("uni", 200, SCHEMA, rate_limiter={"min_size_to_sample": 5, "samples_per_insert": 1.0,
+                                                               "error_buffer": 500})
         client.create_buffer("pri", 200, SCHEMA, sampler="prioritized", alpha=0.7)
-        client.create_rollout_buffer("ppo", T, N, ROLLOUT_SCHEMA)
+        client.create_rollout_buffer("ppo", T, N, ROLLOUT_SCHEMA, gamma=0.9, gae_lambda=0.8)
         for name in ("uni", "pri"):
             client.insert_episodes(name, [episode(rng, n) for n in (5, 9, 3, 12)], [True, False, True, True])
             client.insert([spans_request(name, [Span(chunk(rng, 6), 77, begins=True, ends=False)])])
         keys = client.sample("pri", 8, seed=9, include_keys=True)["key"]
         assert client.update_priorities("pri", keys, np.linspace(0.1, 3.0, len(keys)))[0] > 0
         client.push_rollout("ppo", 0, 0, 0, bootstrap_value=np.ones(N, np.float32), **rollout_part(rng))
+        list(client.rollout_minibatches("ppo", 4))  # the learner trains on rollout 0, then moves on to version 3
+        client.finish_rollout("ppo", 3)
+        client.push_rollout("ppo", 3, 0, 0, bootstrap_value=np.ones(N, np.float32), **rollout_part(rng))
+        client.sample("uni", 8, seed=3)  # counted against the limiter's samples per insert
+        assert client.describe("uni")["counters"]["rate_limiter.samples"] == 8
         manifest = client.checkpoint(str(tmp_path))
         assert Path(manifest).name == MANIFEST and (tmp_path / LATEST).is_file()
         infos = {name: client.describe(name) for name in ("uni", "pri", "ppo")}
@@ -103,7 +112,10 @@ def test_round_trip_through_grpc(tmp_path: Path) -> None:
     tail = chunk(rng, 4)
     with ReplayServer("127.0.0.1:0", instance=instance, restore_from=str(tmp_path)) as server, \
             ReplayClient(server.address, timeout=20) as client:
+        # Counters included: the limiter's samples are restored, not reset (they decide what it admits).
         assert {name: client.describe(name) for name in ("uni", "pri", "ppo")} == infos
+        ppo = server.registry.rollout("ppo")
+        assert (ppo.policy_version, ppo.config.gamma, ppo.config.gae_lambda) == (3, 0.9, 0.8)
         for name, tree in trees.items():
             np.testing.assert_array_equal(server.registry.episodic("pri").storage.arrays[name], tree)
         after = samples(client)
@@ -204,6 +216,42 @@ def test_incompatible_checkpoints_are_refused(tmp_path: Path) -> None:
         assert other.all() == []
     finally:
         registry.close()
+
+
+def write_arrow(path: Path, name: str, values: np.ndarray) -> None:
+    """Replaces a checkpoint's array file with `values` (one column named `name`, in their own dtype)."""
+    array = pa.array(values)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, pa.schema([pa.field(name, array.type)])) as out:
+        out.write_batch(pa.record_batch([array], names=[name]))
+
+
+def test_an_array_file_of_the_wrong_length_or_type_is_refused_naming_it(tmp_path: Path) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 100))
+        insert(registry.episodic("b"), [1, 2], 9)
+        directory = write_checkpoint(registry, tmp_path).parent
+    finally:
+        registry.close()
+    file = directory / "b" / "field.reward.arrow"
+    with pa.memory_map(str(file)) as source:
+        rewards = pa.ipc.open_file(source).read_all().column(0).to_numpy().copy()
+    assert rewards.dtype == np.float32 and len(rewards) == 100
+    other = BufferRegistry(new_instance())
+    try:
+        write_arrow(file, "field.reward", rewards[:50])  # a truncated file: its tail would restore as zeros
+        with pytest.raises(FailedPrecondition, match=r"buffer 'b': array 'field\.reward': .* holds 50 values, "
+                                                     r"expected 100"):
+            restore_checkpoint(tmp_path, other)
+        write_arrow(file, "field.reward", rewards.astype(np.float64))  # cast silently into float32 otherwise
+        with pytest.raises(FailedPrecondition, match=r"array 'field\.reward': .*expected one column field\.reward: "
+                                                     r"float"):
+            restore_checkpoint(tmp_path, other)
+        assert other.all() == []
+        write_arrow(file, "field.reward", rewards)
+        assert restored_episodes(tmp_path) == {"b": 2}
+    finally:
+        other.close()
 
 
 def test_restore_error_over_grpc_startup(tmp_path: Path) -> None:
@@ -440,3 +488,75 @@ def test_a_buffer_deleted_after_its_last_chunk_is_saved_whole(tmp_path: Path) ->
         assert restored_episodes(manifest.parent) == {"b": 3}
     finally:
         registry.close()
+
+
+def test_a_failed_write_of_latest_leaves_it_naming_the_previous_checkpoint(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 100))
+        insert(registry.episodic("b"), [1], 9)
+        first = write_checkpoint(registry, tmp_path).parent
+        insert(registry.episodic("b"), [2], 9)
+        rename = os.rename
+
+        def crash_before_latest_is_replaced(src, dst) -> None:  # the process dies while LATEST is written
+            if Path(dst).name == LATEST:
+                raise OSError("injected: died while writing LATEST")
+            rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", crash_before_latest_is_replaced)
+        with pytest.raises(OSError, match="died while writing LATEST"):
+            write_checkpoint(registry, tmp_path)
+        monkeypatch.undo()
+        assert (tmp_path / LATEST).read_text() == f"{first.name}\n"
+        assert latest_checkpoint(tmp_path) == first
+        assert restored_episodes(tmp_path) == {"b": 1}
+    finally:
+        registry.close()
+
+
+def test_a_checkpoint_gets_its_final_name_only_once_complete(tmp_path: Path) -> None:
+    """While a checkpoint is written, no ckpt-N directory names it (a reader, or `keep`, would take a
+    half-written one for a checkpoint)."""
+    registry = BufferRegistry(new_instance())
+    try:
+        registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 64))
+        insert(registry.episodic("b"), [1, 2, 3], 9)
+        seen: list[list[str]] = []
+
+        def look() -> None:
+            seen.append(sorted(p.name for p in tmp_path.iterdir() if re.fullmatch(r"ckpt-\d+", p.name)))
+
+        manifest = write_checkpoint(registry, tmp_path, chunk_bytes=16 * registry.episodic("b").row_bytes,
+                                    on_chunk=look)
+        assert seen == [[]] * 4  # 64 rows in chunks of 16
+        assert manifest.parent.name == "ckpt-000001" and manifest.is_file()
+    finally:
+        registry.close()
+
+
+def test_a_whole_episode_retried_after_a_restore_is_stored_once(tmp_path: Path) -> None:
+    registry = BufferRegistry(new_instance())
+    try:
+        buffer = EpisodicBuffer("b", registry.instance, FIELDS, 100)
+        registry.add("b", buffer)
+        rows = 10
+        obs = np.zeros((rows, 3), np.float32)
+        obs[:, 0] = 42
+        columns = {"obs": obs, "action": np.zeros(rows, np.int64), "reward": np.ones(rows, np.float32)}
+        spans = replace(Spans.whole_episodes(np.array([rows - 1]), np.array([42], np.uint64), np.ones(1, bool)),
+                        offsets=np.zeros(1, np.int64))  # named (episode 42, offset 0), as clients send them
+        assert buffer.insert_result(columns, spans).duplicate_spans == 0
+        write_checkpoint(registry, tmp_path)
+    finally:
+        registry.close()
+    other = BufferRegistry(new_instance())
+    try:
+        restore_checkpoint(tmp_path, other)
+        restored = other.episodic("b")
+        result = restored.insert_result(columns, spans)  # the client retries: its response was lost
+        assert (result.completed, result.duplicate_spans) == (1, 1)
+        assert restored.episodes == 1 and restored.stored_steps == rows
+    finally:
+        other.close()

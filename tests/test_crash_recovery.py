@@ -375,6 +375,36 @@ def test_a_retried_closing_chunk_is_acknowledged_after_recovery() -> None:
             assert recovered.episodes == 1 and recovered.stored_steps == 8
 
 
+def test_a_chunk_running_past_a_recovered_closed_episode_is_refused() -> None:
+    """Recovery remembers closed episodes whole: a chunk within their rows is a retry, one that runs past
+    their last row is not, and must not be acknowledged with its rows dropped."""
+    with segments_removed(f"rpd_{TEST_INSTANCE}_past"):
+        buffer = EpisodicBuffer("past", TEST_INSTANCE, FIELDS, 200)
+        header = buffer.storage.header_name
+        buffer.insert(*span_at(100, 5, True, False, 0))
+        buffer.insert(*span_at(100, 3, False, True, 5))  # episode 100: rows 0..7, closed
+        buffer.storage.close()
+        with closing(EpisodicBuffer.recover(header)) as recovered:
+            before = dict(recovered.counters)
+            with pytest.raises(FailedPrecondition, match="span 0 continues episode 100"):
+                recovered.insert(*span_at(100, 3, False, True, 7))  # rows 7..9: two rows past its end
+            assert dict(recovered.counters) == before
+            assert recovered.episodes == 1 and recovered.stored_steps == 8
+
+
+def test_recovery_remembers_no_more_closed_episodes_than_the_dedup_window() -> None:
+    with segments_removed(f"rpd_{TEST_INSTANCE}_window"):
+        buffer = EpisodicBuffer("window", TEST_INSTANCE, FIELDS, 200, dedup_window=2)
+        header = buffer.storage.header_name
+        for episode_id in range(5):
+            buffer.insert(*whole(episode_id, 4))
+        buffer.storage.close()
+        with closing(EpisodicBuffer.recover(header)) as recovered:
+            assert recovered.episodes == 5
+            assert len(recovered.dedup) == 2  # the newest two: 3 and 4
+            assert recovered.dedup.snapshot() == [[3, 0, 5], [4, 0, 5]]
+
+
 def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -> None:
     """--recover --restore DIR where DIR holds no checkpoint (a mistyped path, or a kill before the first
     one): the start fails, and it used to unlink the buffers it had just reattached, their only copy."""

@@ -112,6 +112,8 @@ def test_overlapping_chunk_is_rejected(client: ReplayClient) -> None:
         (Span(rows(rng, 6), 7, begins=True, ends=False, offset=0), "overlaps"),  # the first chunk, longer
         (Span(rows(rng, 2), 7, begins=False, ends=False, offset=8), "a chunk is missing"),
         (Span(rows(rng, 2), 7, begins=True, ends=False, offset=2), "must be 0"),
+        # -1 is the server's own "no offset" marker: accepted, it would store the chunk with dedup off
+        (Span(rows(rng, 2), 7, begins=False, ends=False, offset=-1), "span_offsets[0] = -1, expected >= 0"),
     ]
     for span, message in cases:
         with pytest.raises(grpc.RpcError) as caught:
@@ -293,6 +295,16 @@ def test_dedup_window_forgets_the_oldest() -> None:
     dedup.remember(spans, offsets)
     assert len(dedup) == 2
     assert dedup.screen(spans, offsets, lambda _: None).tolist() == [True, False, False]
+
+
+def test_an_episode_id_reused_right_after_its_closing_chunk_in_one_request_is_stored() -> None:
+    """[the closing chunk of open episode 7, a new episode 7 from offset 0]: the second span starts a new
+    episode; it must not be taken for rows of the episode the first span closed."""
+    dedup = SpanDedup()
+    spans = Spans(np.array([7, 7], np.uint64), np.array([3, 4]), np.array([False, True]), np.array([True, False]),
+                  np.array([True, False]), offsets=np.array([5, 0]))
+    landed = {7: 5}  # episode 7 is open with 5 rows stored
+    assert dedup.screen(spans, span_offsets(spans), landed.get).tolist() == [True, True]
 
 
 def test_refused_request_with_a_retried_span_counts_nothing_and_names_the_span_as_sent() -> None:

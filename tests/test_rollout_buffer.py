@@ -169,6 +169,18 @@ def test_double_push_rejected(make_buffer):
     buffer.push(1, 0, 0, part(rng, 4, 3))  # the same cells are free again under the next version
 
 
+def test_a_push_overlapping_only_in_its_last_env_is_rejected_and_changes_nothing(make_buffer):
+    buffer = make_buffer()
+    rng = np.random.default_rng(3)
+    buffer.push(0, 2, 0, part(rng, 4, 2))  # envs [2, 4)
+    before = snapshot(buffer)
+    with pytest.raises(FailedPrecondition, match=r"cells: .*1 already pushed \(first: step 0, env 2\)"):
+        buffer.push(0, 1, 0, part(rng, 1, 2))  # envs [1, 3): only its last env, 2, was pushed
+    assert_unchanged(buffer, before)
+    assert buffer.missing_steps == T * N - 8
+    assert buffer.info()["counters"]["rejected_pushes"] == 1
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -180,6 +192,8 @@ def test_double_push_rejected(make_buffer):
         (lambda c: c.pop("terminated"), "'terminated'.*missing"),
         (lambda c: c.__setitem__("advantage", c["value"]), "'advantage'.*not a column"),
         (lambda c: c.__setitem__("value", c["value"].tolist()), "'value'.*numpy array.*list"),
+        (lambda c: c.update({k: v[:0] for k, v in c.items()}), r"push: expected >= 1 step.*\(0, 2\)"),
+        (lambda c: c.update({k: v[:, :0] for k, v in c.items()}), r"push: expected >= 1 step.*\(2, 0\)"),
     ],
 )
 def test_malformed_push_names_field_and_changes_nothing(make_buffer, mutate, message):
@@ -294,9 +308,30 @@ def test_arrays_reused_across_rollouts(make_buffer):
     assert buffer.info()["counters"]["gae_computations"] == 4
 
 
+def test_sample_bytes_counts_every_cell_and_the_computed_advantage_and_return(make_buffer):
+    """The server sizes minibatches against its message limit with sample_bytes: every byte must count."""
+    buffer = make_buffer()
+    cells = 4 * OBS + 8 + 4 + 4 + 1 + 1 + 4  # obs, action, reward, value, terminated, truncated, final_value
+    assert buffer.sample_bytes == cells + 4 + 4  # advantage, return
+    fill(buffer, np.random.default_rng(10))
+    batch = next(buffer.minibatches(1))
+    assert buffer.sample_bytes == sum(array.nbytes for array in batch.values())
+
+
 def test_config_validation():
     with pytest.raises(InvalidArgument, match=r"'advantage'.*reserved"):
         RolloutConfig(fields=(RolloutField("advantage", "float32"),), num_steps=2, num_envs=2)
+    with pytest.raises(InvalidArgument, match=r"'_filled'.*reserved"):  # the fill mask's own name
+        RolloutConfig(fields=(RolloutField("_filled", "bool"),), num_steps=2, num_envs=2)
+    with pytest.raises(InvalidArgument, match=r"'obs': listed twice"):
+        RolloutConfig(fields=(RolloutField("obs", "float32", (3,)), RolloutField("obs", "float32", (4,))),
+                      num_steps=2, num_envs=2)
+    with pytest.raises(InvalidArgument, match=r"'obs'.*positive"):
+        RolloutConfig(fields=(RolloutField("obs", "float32", (0,)),), num_steps=2, num_envs=2)
+    with pytest.raises(InvalidArgument, match=r"gamma: expected a value in \[0, 1\], got 1.5"):
+        RolloutConfig(fields=(), num_steps=2, num_envs=2, gamma=1.5)
+    with pytest.raises(InvalidArgument, match=r"gae_lambda: expected a value in \[0, 1\], got -0.1"):
+        RolloutConfig(fields=(), num_steps=2, num_envs=2, gae_lambda=-0.1)
     with pytest.raises(InvalidArgument, match=r"'reward'.*float32.*float64"):
         RolloutConfig(fields=(RolloutField("reward", "float64"),), num_steps=2, num_envs=2)
     with pytest.raises(InvalidArgument, match="num_envs"):
