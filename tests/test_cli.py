@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from service import cli
 from service.cli import main as cli_main
 from service.grpc_server.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
@@ -26,12 +27,64 @@ from tests.conftest import TEST_INSTANCE
     (["--token", "päss"], "token: expected printable ASCII"),  # accepted, then no client could authenticate
     (["--token", "secret "], "token: expected printable ASCII"),
     (["--sample-workers", "1", "--tls-cert", "c.pem", "--tls-key", "k.pem"], "--sample-workers serve plain gRPC"),
+    (["--max-workers", "2"], "expected at least 3 worker threads, got 2"),  # was a ValueError traceback
+    (["--checkpoint-every", "60"], "--checkpoint-every needs --checkpoint-dir"),  # never checkpointed
+    (["--checkpoint-every", "0", "--checkpoint-dir", "ckpt"], "--checkpoint-every needs --checkpoint-dir and a "
+                                                               "positive number of seconds"),
+    (["--checkpoint-every", "-1", "--checkpoint-dir", "ckpt"], "a positive number of seconds"),
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    (["--tls-key", "k.pem"], "--tls-cert and --tls-key go together"),
 ])
-def test_bad_flag_values_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+def test_bad_flag_values_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "serve", lambda args: pytest.fail(f"{flags} were accepted: the server was started"))
     with pytest.raises(SystemExit) as info:
         cli_main(["serve", "--instance", f"{TEST_INSTANCE}cli", "--http-port", "-1", *flags])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_recover_without_an_instance_is_a_usage_error(capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random instance name has no segments to reattach: --recover must name the killed server's."""
+    monkeypatch.setattr(cli, "serve", lambda args: pytest.fail("--recover without --instance started a server"))
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", "--http-port", "-1", "--recover"])
+    assert info.value.code == 2
+    assert "--recover needs the --instance name" in capsys.readouterr().err
+
+
+def _server_arguments(monkeypatch: pytest.MonkeyPatch, *flags: str) -> tuple[tuple, dict]:
+    """The arguments `replayd serve FLAGS` makes its ReplayServer with (none is made: the recorder refuses)."""
+    made: list[tuple[tuple, dict]] = []
+
+    def recorder(*args, **kwargs):
+        made.append((args, kwargs))
+        raise OSError("recorded")
+
+    monkeypatch.setattr(cli, "ReplayServer", recorder)
+    monkeypatch.setattr(cli, "tune_allocator", lambda: None)  # not this test process's allocator
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **kwargs: None)
+    with pytest.raises(SystemExit, match="replayd: recorded"):
+        cli_main(["serve", "--instance", f"{TEST_INSTANCE}cli", *flags])
+    assert len(made) == 1
+    return made[0]
+
+
+def test_serve_flags_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    args, kwargs = _server_arguments(monkeypatch)
+    assert args == ("127.0.0.1:50051",)
+    assert kwargs["http_address"] == "127.0.0.1:8080" and kwargs["checkpoint_keep"] == 3  # the defaults
+    assert kwargs["max_buffer_bytes"] is None and kwargs["max_workers"] == 64
+    args, kwargs = _server_arguments(monkeypatch, "--port", "0", "--http-port", "0", "--max-buffer-gb", "1.5",
+                                     "--checkpoint-dir", "ckpt", "--checkpoint-every", "30", "--checkpoint-keep", "5")
+    assert args == ("127.0.0.1:0",)
+    assert kwargs["http_address"] == "127.0.0.1:0"  # 0: HTTP on a free port, not off
+    assert kwargs["max_buffer_bytes"] == 3 * 2**29  # GiB, not MiB
+    assert kwargs["checkpoint_dir"] == "ckpt" and kwargs["checkpoint_every"] == 30 and kwargs["checkpoint_keep"] == 5
+    assert kwargs["instance"] == f"{TEST_INSTANCE}cli"
+    _, kwargs = _server_arguments(monkeypatch, "--http-port", "-1", "--checkpoint-keep", "0")
+    assert kwargs["http_address"] is None and kwargs["checkpoint_keep"] is None  # off; keep every checkpoint
 
 
 def _serve(*flags: str) -> subprocess.CompletedProcess:

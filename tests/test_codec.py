@@ -239,3 +239,72 @@ def test_rows_of_a_rank_decode_refuses_are_not_encoded() -> None:
     with pytest.raises(codec.CodecError, match="exceeds rank 32"):
         codec.encode({"a": np.zeros((1,) * 34)})
     assert codec.decode(codec.encode({"a": np.zeros((1,) * 33)}))["a"].shape == (1,) * 33
+
+
+def test_a_boolean_byte_other_than_0_or_1_is_refused_on_arrows_path() -> None:
+    columns = {"arrow_flag": np.array([True, False, True]), "n": np.arange(3)}
+    payload = codec.encode(columns)
+    base = np.frombuffer(payload, np.uint8).__array_interface__["data"][0]
+    flag = codec.decode(payload)["arrow_flag"].__array_interface__["data"][0] - base
+    corrupt = bytearray(payload)  # writable: decoded through Arrow's reader, never a learned layout
+    corrupt[flag + 1] = 2
+    with pytest.raises(codec.CodecError, match="'arrow_flag': boolean bytes must be 0 or 1"):
+        codec.decode(corrupt)
+    np.testing.assert_array_equal(codec.decode(bytearray(payload))["arrow_flag"], columns["arrow_flag"])
+
+
+def test_an_arrow_type_that_does_not_match_the_dtype_metadata_is_refused() -> None:
+    with pytest.raises(codec.CodecError, match="'x': arrow type int32 does not match dtype float32"):
+        codec.decode(_payload(pa.array([1, 2], pa.int32()), b"float32", b"[]"))
+    with pytest.raises(codec.CodecError, match="'x': arrow type"):  # row shape [3], but rows of 2 values
+        codec.decode(_payload(pa.array([[1.0, 2.0]], type=pa.list_(pa.float32(), 2)), b"float32", b"[3]"))
+
+
+def test_null_rows_are_a_codec_error() -> None:
+    rows = pa.array([None, [1.0, 2.0, 3.0]], type=pa.list_(pa.float32(), 3))
+    with pytest.raises(codec.CodecError, match="'x': null values are not allowed"):
+        codec.decode(_payload(rows, b"float32", b"[3]"))
+    with pytest.raises(codec.CodecError, match="'x': null values are not allowed"):
+        codec.decode(_payload(pa.array([1.0, None], pa.float32()), b"float32", b"[]"))
+
+
+def test_a_field_name_that_appears_twice_is_refused() -> None:
+    metadata = {codec._DTYPE_KEY: b"float32", codec._SHAPE_KEY: b"[]"}
+    schema = pa.schema([pa.field("x", pa.float32(), metadata=metadata)] * 2)
+    values = pa.array([1.0, 2.0], pa.float32())
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.record_batch([values, values], schema=schema))
+    with pytest.raises(codec.CodecError, match="'x' appears twice"):
+        codec.decode(sink.getvalue().to_pybytes())
+
+
+def test_a_negative_dimension_in_shape_metadata_is_refused() -> None:
+    array = pa.array([[1.0]], type=pa.list_(pa.float32(), 1))
+    with pytest.raises(codec.CodecError, match=r"'x': negative dimension in shape \(-1,\)"):
+        codec.decode(_payload(array, b"float32", b"[-1]"))
+
+
+def test_shape_metadata_of_a_rank_over_32_is_refused_when_decoding() -> None:
+    array = pa.array([[1.0]], type=pa.list_(pa.float32(), 1))
+    assert codec.decode(_payload(array, b"float32", b"[" + b", ".join([b"1"] * 32) + b"]"))["x"].ndim == 33
+    with pytest.raises(codec.CodecError, match=r"'x': row shape .* exceeds rank 32"):
+        codec.decode(_payload(array, b"float32", b"[" + b", ".join([b"1"] * 33) + b"]"))
+
+
+def test_a_batch_claiming_more_rows_than_its_buffers_hold_is_refused() -> None:
+    """The IPC reader trusts the lengths in a record batch's metadata: one claiming 6 rows over a buffer of 5
+    float32 values would be read past its end."""
+    payload = codec.encode({"claims": np.arange(5, dtype=np.float32)})
+    reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(payload))
+    reader.read_next_message()
+    metadata = reader.read_next_message().metadata.to_pybytes()
+    at, five = payload.find(metadata), (5).to_bytes(8, "little")
+    corrupt = bytearray(payload)
+    lengths = [at + i for i in range(len(metadata)) if metadata[i:i + 8] == five]  # the batch's, its field's
+    assert len(lengths) == 2
+    for offset in lengths:
+        corrupt[offset:offset + 8] = (6).to_bytes(8, "little")
+    for attempt in (bytes(corrupt), corrupt):
+        with pytest.raises(codec.CodecError, match="malformed Arrow IPC payload"):
+            codec.decode(attempt)

@@ -63,6 +63,7 @@ def test_health_metrics_buffers_and_status_page(http_server: ReplayServer) -> No
     assert httpx.get(f"{base}/readyz").json()["buffers"] == 1
     buffers = httpx.get(f"{base}/api/buffers").json()["buffers"]
     assert buffers[0]["name"] == "cp" and buffers[0]["stored_steps"] == 11 and buffers[0]["sampled_items"] == 8
+    assert buffers[0]["fill"] == 11 / 1000 and buffers[0]["capacity_steps"] == 1000
     metrics = httpx.get(f"{base}/metrics").text
     assert 'replayd_buffer_stored_steps{buffer="cp"} 11.0' in metrics
     assert 'replayd_buffer_counter{buffer="cp",counter="sampled_items"} 8.0' in metrics
@@ -134,6 +135,8 @@ def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
         assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         first = _value(_metrics(base)[0], "replayd_rate_limiter_wait_seconds_total", buffer="rl", side="sample")
         assert first >= 0.1
+        # The seconds series carries the limiter's seconds, not its count of waits.
+        assert first == pytest.approx(client.describe("rl")["counters"]["rate_limiter.sample_wait_seconds"])
         # A waiting sample, released by an insert from another thread.
         result = {}
         sampler = threading.Thread(target=lambda: result.update(client.sample("rl", 4, wait=True, timeout=10)))
@@ -148,7 +151,10 @@ def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
 
     samples, _ = _poll_metrics(base, lambda m: _value(m, "replayd_rate_limiter_waits_total", buffer="rl",
                                                       side="sample") == 2, "two sample waits")
-    assert _value(samples, "replayd_rate_limiter_wait_seconds_total", buffer="rl", side="sample") > first
+    seconds = _value(samples, "replayd_rate_limiter_wait_seconds_total", buffer="rl", side="sample")
+    assert seconds > first
+    with ReplayClient(http_server.address) as client:
+        assert seconds == pytest.approx(client.describe("rl")["counters"]["rate_limiter.sample_wait_seconds"])
     assert _value(samples, "replayd_rate_limiter_waiting", buffer="rl", side="sample") == 0
     assert _value(samples, "replayd_rate_limiter_waits_total", buffer="rl", side="insert") == 0
     assert _value(samples, "replayd_rpc_latency_seconds_count", method="Sample", buffer="rl") == 2
@@ -181,4 +187,26 @@ def test_metrics_count_rollout_minibatch_rows(http_server: ReplayServer) -> None
     samples, types = _metrics(base)
     assert types["replayd_buffer_sampled_items"] == "counter"
     assert _value(samples, "replayd_buffer_sampled_items_total", buffer="ppo") == 16
-    assert httpx.get(f"{base}/api/buffers").json()["buffers"][0]["sampled_items"] == 16
+    assert _value(samples, "replayd_buffer_inserted_steps_total", buffer="ppo") == steps * envs  # pushed steps
+    stats = httpx.get(f"{base}/api/buffers").json()["buffers"][0]
+    assert stats["sampled_items"] == 16 and stats["inserted_steps"] == steps * envs
+
+
+def test_a_partly_pushed_rollout_shows_the_steps_it_holds(http_server: ReplayServer) -> None:
+    """A rollout buffer's stored steps are the cells pushed so far (capacity less the missing ones), on
+    /api/buffers (with its fill) and /metrics."""
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    steps, envs = 4, 2
+    with ReplayClient(http_server.address) as client:
+        client.create_rollout_buffer("ppo", steps, envs, {"obs": ("float32", (3,))})
+        part = {name: np.zeros((2, 1), dtype) for name, dtype in
+                (("reward", np.float32), ("value", np.float32), ("final_value", np.float32),
+                 ("terminated", np.bool_), ("truncated", np.bool_))}
+        pushed = client.push_rollout("ppo", 0, 0, 0, obs=np.zeros((2, 1, 3), np.float32), **part)
+        assert pushed == {"missing_steps": 6, "rollout_complete": False}  # 2 of the 8 cells
+    stats = httpx.get(f"{base}/api/buffers").json()["buffers"][0]
+    assert stats["kind"] == "rollout" and stats["capacity_steps"] == 8
+    assert stats["stored_steps"] == 2 and stats["fill"] == 0.25 and stats["inserted_steps"] == 2
+    samples, _ = _metrics(base)
+    assert _value(samples, "replayd_buffer_stored_steps", buffer="ppo") == 2
+    assert _value(samples, "replayd_buffer_capacity_steps", buffer="ppo") == 8

@@ -54,6 +54,7 @@ def test_ratio_band_blocks_each_side_and_deadlines_end_blocked_calls() -> None:
             insert_episode(buffer, 4, 1)
             insert_episode(buffer, 4, 2, timeout=0.05)
         assert limiter.inserts == 8 and limiter.insert_waits == 1
+        assert limiter.insert_wait_seconds >= 0.05  # the held insert's wait, to its deadline
         buffer.sample(8, StatesMode())
         buffer.sample(8, StatesMode())  # diff 16 -> 0 = min_diff
         with pytest.raises(FailedPrecondition, match="inserts are behind"):
@@ -63,8 +64,33 @@ def test_ratio_band_blocks_each_side_and_deadlines_end_blocked_calls() -> None:
         with pytest.raises(InvalidArgument, match="batch_size=15"):
             buffer.sample(15, StatesMode(), wait_seconds=1.0)
         assert limiter.sample_waits == 1
+        assert limiter.sample_wait_seconds >= 0.05
     finally:
         buffer.close()
+
+
+def test_inserts_evicting_below_min_size_never_block() -> None:
+    """While evictions keep the buffer under min_size_to_sample nothing can sample, so inserts must not wait
+    on the ratio: they would wait for samples that can never come."""
+    limiter = RateLimiter(min_size_to_sample=15, samples_per_insert=1.0, error_buffer=1.0)
+    buffer = new_buffer(limiter, capacity=16)
+    try:
+        for episode_id in range(6):  # diff reaches max_diff = 16 by the 4th; capacity keeps 2 episodes
+            insert_episode(buffer, 5, episode_id, timeout=1.0)
+        assert limiter.inserts == 30 and limiter.insert_waits == 0
+        assert buffer.sampleable_steps < limiter.min_size_to_sample
+    finally:
+        buffer.close()
+
+
+def test_recovery_restarts_the_limiter_at_the_centre_of_its_band() -> None:
+    limiter = RateLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
+    limiter.recover(20)
+    assert limiter.inserts == 20 and limiter.samples == 32
+    assert limiter.diff == 8 == (limiter.min_diff + limiter.max_diff) / 2
+    small = RateLimiter(min_size_to_sample=10, samples_per_insert=2.0, error_buffer=8.0)
+    small.recover(4)  # fewer steps than min size: no negative sample count
+    assert small.samples == 0 and small.diff == 8
 
 
 def test_an_insert_that_could_never_land_fails_at_once_while_inserts_are_held() -> None:
@@ -129,6 +155,9 @@ def test_concurrent_inserters_and_samplers_stay_in_the_band() -> None:
 def test_config_is_validated() -> None:
     with pytest.raises(InvalidArgument, match="error_buffer"):
         RateLimiter(1, samples_per_insert=4.0, error_buffer=1.0)
+    with pytest.raises(InvalidArgument, match="error_buffer must be finite and >= 0"):
+        RateLimiter(1, samples_per_insert=0.0, error_buffer=-1.0)
+    RateLimiter(1, samples_per_insert=1.0, error_buffer=1.0)  # the documented boundary: 2 * 1 == 1 + 1
     with pytest.raises(InvalidArgument, match="samples_per_insert"):
         RateLimiter(1, samples_per_insert=-1.0)
     # A min size the ring can never hold would leave the buffer unsampleable forever.
@@ -176,7 +205,9 @@ def test_blocked_calls_never_take_every_server_worker() -> None:
     try:
         seats = server.registry.worker_seats
         assert seats.caps == {"waits": 3, "streams": 3}  # 8 workers: 2 kept free for short calls
-        with ReplayClient(server.address, timeout=30) as client:
+        # No retries of held inserts past their deadline (busy refusals are still retried): a call that
+        # hangs fails the test at its own 10 s deadline, not after retries * deadline.
+        with ReplayClient(server.address, timeout=10, retries=0) as client:
             # diff = inserted - sampled items; an insert waits while diff + 1 > max_diff = 1 + 5, so after
             # two 5-step episodes (diff 10) every further one waits until samples bring diff down to 5.
             client.create_buffer("rl", 1000, SCHEMA,
@@ -200,7 +231,7 @@ def test_blocked_calls_never_take_every_server_worker() -> None:
 
             # The learner's stream opens at once and its samples let the held inserts through, and the refused
             # one in (one batch per held insert: sampling further ahead would hold the samples back).
-            stream = client.sample_stream("rl", 4, wait=True, timeout=30)
+            stream = client.sample_stream("rl", 4, wait=True, timeout=10)
             deadline = time.monotonic() + 20
             while any(thread.is_alive() for thread in threads):
                 assert time.monotonic() < deadline and not failures, failures
@@ -217,6 +248,13 @@ def test_blocked_calls_never_take_every_server_worker() -> None:
         for thread in threads:
             thread.join(timeout=30)
         server.stop(grace=0)
+
+
+def test_worker_seats_keep_a_quarter_free_and_favour_waits() -> None:
+    assert WorkerSeats.for_workers(9).caps == {"waits": 4, "streams": 3}  # 7 long calls: the odd one waits
+    assert WorkerSeats.for_workers(3).caps == {"waits": 1, "streams": 1}
+    with pytest.raises(ValueError, match="max_workers"):
+        WorkerSeats.for_workers(2)
 
 
 def test_open_streams_take_seats_and_leave_workers_for_short_calls() -> None:

@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 
 from client import ReplayClient
+from service.grpc_server.sample_workers import WORKER_THREADS, SampleWorkerServicer
 from service.grpc_server.server import ReplayServer
 from service.storage.instance_lock import lock_path
+from service.wire import codec
+from service.wire import replay_pb2 as pb
+from service.wire.frames import sample_response_batch
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -85,6 +89,13 @@ def test_workers_answer_malformed_requests_with_invalid_argument(worker_server: 
                     list(response) if method == "SampleStream" else response
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value)
                 assert "malformed request" in info.value.details()
+            # A negative count is refused, not streamed without end.
+            stream = channel.unary_stream("/replayd.v1.Replay/SampleStream")(pb.SampleStreamRequest(
+                request=ReplayClient.sample_request("b", 4), num_batches=-1).SerializeToString(), timeout=20)
+            with pytest.raises(grpc.RpcError) as negative:
+                next(stream)
+            assert negative.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "num_batches expected >= 0, got -1" in negative.value.details()
 
 
 def test_a_client_finds_the_workers_of_a_restarted_server() -> None:
@@ -269,3 +280,86 @@ def test_workers_unmap_deleted_buffers(worker_server: ReplayServer) -> None:
         while mapping(f"rpd_{worker_server.instance}_gone"):
             assert time.monotonic() < deadline, "workers still map the deleted buffers"
             time.sleep(0.05)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What a worker's handlers use of a grpc.ServicerContext: a deadline, whether the call is still on,
+    and abort (raising, as gRPC's does)."""
+
+    def __init__(self, seconds: float, active: bool = True) -> None:
+        self.deadline, self.active = time.monotonic() + seconds, active
+
+    def time_remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def set_trailing_metadata(self, metadata) -> None:
+        pass
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+@pytest.fixture
+def in_process_worker(server: ReplayServer):
+    """A worker's servicer in this process, over the shared memory of the `server` fixture's buffers."""
+    worker = SampleWorkerServicer(server.instance, 2**20)
+    try:
+        yield worker
+    finally:
+        for _, ring in worker._rings.values():
+            ring.close()
+
+
+def test_a_worker_sample_asked_to_wait_gets_the_data_inserted_meanwhile(
+        client: ReplayClient, in_process_worker: SampleWorkerServicer) -> None:
+    client.create_buffer("empty", 1000, SCHEMA)
+    result: list = []
+    failures: list[BaseException] = []
+
+    def sample() -> None:
+        try:
+            request = ReplayClient.sample_request("empty", 4, wait=True)
+            result.append(codec.decode(sample_response_batch(in_process_worker.Sample(request, _Context(20)))))
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    waiting = threading.Thread(target=sample)
+    waiting.start()
+    try:
+        deadline = time.monotonic() + 20
+        while in_process_worker.worker_seats.taken["waits"] < 1:  # the worker waits for data
+            assert time.monotonic() < deadline and waiting.is_alive(), failures
+            time.sleep(0.005)
+        client.insert_episode("empty", True, obs=np.ones((6, 4), np.float32), action=np.zeros(5, np.int64),
+                              reward=np.ones(5, np.float32))
+        waiting.join(timeout=20)
+        assert not waiting.is_alive() and not failures, failures
+        assert result[0]["obs"].shape == (4, 4) and (result[0]["obs"] == 1).all()
+        assert in_process_worker.worker_seats.taken["waits"] == 0
+    finally:
+        waiting.join(timeout=20)
+
+
+def test_a_cancelled_wait_on_a_worker_ends_at_once(client: ReplayClient,
+                                                     in_process_worker: SampleWorkerServicer) -> None:
+    """A client that gives up on a sample waiting for data: the worker stops waiting (and frees its thread and
+    seat) at once, not at the call's deadline."""
+    client.create_buffer("empty", 1000, SCHEMA)
+    started = time.monotonic()
+    with pytest.raises(_Aborted) as ended:
+        in_process_worker.Sample(ReplayClient.sample_request("empty", 4, wait=True), _Context(5, active=False))
+    assert ended.value.args[0] == grpc.StatusCode.CANCELLED and "the call ended while it waited" in ended.value.args[1]
+    assert time.monotonic() - started < 4 and in_process_worker.worker_seats.taken["waits"] == 0
+    assert in_process_worker.rejected == {}  # a cancelled call is not a rejected one
+
+
+def test_a_worker_keeps_a_quarter_of_its_threads_free_for_short_calls() -> None:
+    seats = SampleWorkerServicer(TEST_INSTANCE, 2**20).worker_seats
+    assert WORKER_THREADS == 16 and seats.caps == {"waits": 6, "streams": 6}
