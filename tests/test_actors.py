@@ -7,15 +7,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+import pytest
+import torch
+
 from client import ReplayClient
-from client.actors.common import ActorReport
-from client.actors.dqn import DQNActorConfig, run_dqn_actor
-from client.actors.ppo import PPOActorConfig, run_ppo_actor
+from client.actors.common import ActorReport, EpisodeRecorder, refresh_weights
+from client.actors.dqn import DQNActorConfig, epsilon_at, explores, run_dqn_actor
+from client.actors.ppo import PPOActorConfig, Rollout, collect, run_ppo_actor
 from client.learners.dqn import CARTPOLE_SCHEMA
 from client.params import module_to_bytes
 from client.polling import wait_until
 from client.trainers.dqn import QNetwork
 from client.trainers.ppo import ActorCritic
+from tests.test_episode_writer import unreachable_for_first_inserts
 
 BUDGET = 120.0  # the actors' own --seconds: far longer than these tests may take
 
@@ -103,3 +108,102 @@ def test_a_learner_publishes_above_an_earlier_runs_final_weights(client: ReplayC
             stop.set()
     assert summary["weights_version"] > 51  # the first, some during training, the final one
     assert report.env_steps >= 200 and report.weights_version == summary["weights_version"]
+
+
+SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+
+
+def _record(recorder: EpisodeRecorder, length: int, first: float, terminated: bool) -> None:
+    """One episode of `length` steps whose last step terminates it or (terminated=False) truncates it."""
+    for t in range(length):
+        last = t == length - 1
+        ended = recorder.step(np.full(4, first + t, np.float32), 1, 1.0, np.full(4, first + t + 1, np.float32),
+                              terminated=last and terminated, truncated=last and not terminated)
+        assert ended == last
+
+
+def test_a_truncated_episode_is_stored_truncated_and_keeps_its_bootstrap(client: ReplayClient) -> None:
+    client.create_buffer("b", 1000, SCHEMA)
+    recorder = EpisodeRecorder(client, "b", retry_deadline=time.monotonic() + 30)
+    _record(recorder, 3, first=0, terminated=False)
+    _record(recorder, 3, first=100, terminated=True)
+    assert recorder.close() == 2
+    batch = client.sample("b", 256, seed=0, n_step=1, gamma=0.9)
+    last_of_truncated, last_of_terminated = batch["next_obs"][:, 0] == 3, batch["next_obs"][:, 0] == 103
+    assert last_of_truncated.any() and last_of_terminated.any()
+    np.testing.assert_array_equal(batch["truncated"], last_of_truncated)
+    np.testing.assert_array_equal(batch["terminated"], last_of_terminated)
+    np.testing.assert_allclose(batch["bootstrap_discount"], np.where(last_of_terminated, 0.0, 0.9), rtol=1e-6)
+
+
+def test_closing_a_recorder_retries_the_flush_while_the_server_is_unreachable(
+        client: ReplayClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    client.create_buffer("b", 1000, SCHEMA)
+    recorder = EpisodeRecorder(client, "b", retry_deadline=time.monotonic() + 30)
+    _record(recorder, 4, first=0, terminated=True)
+    calls = unreachable_for_first_inserts(client, monkeypatch)
+    assert recorder.close() == 1
+    assert len(calls) == 2 and client.describe("b")["episodes"] == 1
+
+
+def test_refreshed_weights_are_the_ones_the_actor_acts_with(client: ReplayClient) -> None:
+    """The actor reports the version it fetched: its network must then compute with those weights."""
+    acting, published = QNetwork(4, 2, (16,)), QNetwork(4, 2, (16,))
+    with torch.no_grad():  # action 1 whatever the observation
+        head = published.layers[-1]
+        head.weight.zero_()
+        head.bias.copy_(torch.tensor([0.0, 100.0]))
+    client.publish_weights("q", 3, module_to_bytes(published))
+    assert refresh_weights(client, "q", 0, acting) == (3, False)
+    acting_now = acting.state_dict()
+    assert all(torch.equal(acting_now[name], value) for name, value in published.state_dict().items())
+    obs = torch.as_tensor(np.random.default_rng(0).normal(size=(64, 4)), dtype=torch.float32)
+    with torch.no_grad():
+        assert (acting(obs).argmax(1) == 1).all()
+    assert refresh_weights(client, "q", 3, QNetwork(4, 2, (16,))) == (3, False)  # nothing newer: kept
+
+
+def test_the_dqn_actors_epsilon_decays_linearly_then_stays_at_its_end() -> None:
+    config = DQNActorConfig(address="unused", epsilon_start=1.0, epsilon_end=0.1, epsilon_decay_steps=100)
+    for steps, epsilon in ((0, 1.0), (50, 0.55), (100, 0.1), (10_000, 0.1)):
+        assert epsilon_at(steps, config) == pytest.approx(epsilon), steps
+
+
+def test_the_dqn_actor_explores_with_probability_epsilon() -> None:
+    rng = np.random.default_rng(0)
+    for epsilon, low, high in ((0.0, 0, 0), (1.0, 1000, 1000), (0.25, 200, 300)):
+        explored = sum(explores(rng, epsilon) for _ in range(1000))
+        assert low <= explored <= high, (epsilon, explored)
+
+
+class _TruncatingEnvs:
+    """Two environments in SAME_STEP autoreset: env 0 is truncated at its second step (its final observation
+    in info["final_obs"], the reset one returned); nothing else ends."""
+
+    num_envs = 2
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def step(self, actions: np.ndarray):
+        self.t += 1
+        truncated = np.array([self.t == 2, False])
+        info = {"final_obs": np.full((2, 4), -self.t, np.float32)} if truncated.any() else {}
+        return (np.full((2, 4), self.t, np.float32), np.ones(2, np.float32), np.zeros(2, bool), truncated, info)
+
+
+def test_ppo_collect_bootstraps_truncations_and_the_rollouts_end_with_the_critics_value() -> None:
+    value = 2.5
+    model = ActorCritic(4, 2, (8,))
+    with torch.no_grad():  # V(s) = value everywhere
+        model.critic[-1].weight.zero_()
+        model.critic[-1].bias.fill_(value)
+    rollout = Rollout(4, 2, (4,))
+    obs, bootstrap = collect(_TruncatingEnvs(), model, np.zeros((2, 4), np.float32), rollout)
+    columns = rollout.columns
+    np.testing.assert_array_equal(columns["truncated"], [[False, False], [True, False], [False, False],
+                                                         [False, False]])
+    np.testing.assert_allclose(columns["final_value"], [[0, 0], [value, 0], [0, 0], [0, 0]])
+    np.testing.assert_allclose(columns["value"], np.full((4, 2), value))
+    np.testing.assert_allclose(bootstrap, [value, value])
+    np.testing.assert_array_equal(obs, np.full((2, 4), 4, np.float32))

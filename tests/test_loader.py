@@ -14,11 +14,51 @@ from client.loader import Loader, to_tensors
 from client.polling import wait_until
 
 
+def _drain(loader: Loader, seconds: float = 10) -> list[dict[str, torch.Tensor]]:
+    """Every batch `loader` yields, failing (not hanging the suite) if its iteration does not end in time."""
+    got: list[dict[str, torch.Tensor]] = []
+    raised: list[BaseException] = []
+    ended = threading.Event()
+
+    def consume() -> None:
+        try:
+            got.extend(loader)
+        except BaseException as exc:  # raised in the test's thread below
+            raised.append(exc)
+        finally:
+            ended.set()
+
+    threading.Thread(target=consume, daemon=True).start()
+    if not ended.wait(seconds):
+        loader.close()  # ends the consumer waiting for a batch
+        raise AssertionError(f"the loader's iteration did not end within {seconds} s")
+    if raised:
+        raise raised[0]
+    return got
+
+
 def test_loader_delivers_every_batch_in_order_once() -> None:
     batches = [{"obs": np.full((4, 3), i, np.float32), "i": np.array([i])} for i in range(50)]
     loader = Loader(iter(batches), device="cpu", prefetch=3)
-    got = [int(batch["i"][0]) for batch in loader]
+    got = [int(batch["i"][0]) for batch in _drain(loader)]
     assert got == list(range(50))
+
+
+def test_loader_tensors_on_the_cpu_are_views_of_the_batches_not_copies() -> None:
+    batches = [{"obs": np.full((4, 3), i, np.float32), "i": np.array([i])} for i in range(3)]
+    for batches_in, tensors in zip(batches, _drain(Loader(iter(batches), device="cpu")), strict=True):
+        for name, array in batches_in.items():
+            assert np.shares_memory(tensors[name].numpy(), array), name
+    read_only = np.arange(6, dtype=np.float32)
+    read_only.flags.writeable = False  # as decoded arrays are
+    assert np.shares_memory(to_tensors({"x": read_only}, "cpu")["x"].numpy(), read_only)
+
+
+def test_a_loader_refuses_a_prefetch_below_one() -> None:
+    for prefetch in (0, -1):
+        with pytest.raises(ValueError, match=f"prefetch must be >= 1, got {prefetch}"):
+            Loader(iter([]), prefetch=prefetch)
+    assert _drain(Loader(iter([{"i": np.zeros(1)}]), prefetch=1))[0]["i"].shape == (1,)
 
 
 def test_loader_over_a_server_stream_is_zero_copy(client: ReplayClient) -> None:
@@ -137,8 +177,8 @@ def test_close_with_a_full_queue_and_an_ended_source_returns_at_once() -> None:
 
 def test_an_exhausted_loader_iterates_empty_instead_of_blocking() -> None:
     loader = Loader(iter([{"i": np.array([0])}]))
-    assert len(list(loader)) == 1
-    assert list(loader) == []
+    assert len(_drain(loader)) == 1
+    assert _drain(loader) == []
 
 
 def _endless_stream(client: ReplayClient):

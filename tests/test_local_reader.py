@@ -20,7 +20,7 @@ from client.polling import wait_until
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.lifetime import SharedReads
 from service.buffers.ring import EpisodicRing
-from service.errors import DeadlineExceeded, FailedPrecondition, NotFound
+from service.errors import DeadlineExceeded, FailedPrecondition, NotFound, RingChanged
 from service.removers import MaxTimesSampledRemover
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -45,6 +45,60 @@ def test_local_reader_matches_grpc_sampling(client: ReplayClient) -> None:
             for name in local:
                 np.testing.assert_array_equal(local[name], remote[name], err_msg=f"{mode}: {name}")
         assert len(list(reader.sample_stream(32, num_batches=5))) == 5
+
+
+def _insert_some_episodes(client: ReplayClient, buffer: str) -> None:
+    client.create_buffer(buffer, 5000, SCHEMA)
+    rng = np.random.default_rng(0)
+    client.insert_episodes(buffer, [{"obs": rng.normal(size=(n + 1, 4)).astype(np.float32),
+                                     "action": rng.integers(0, 2, n), "reward": rng.normal(size=n).astype(np.float32)}
+                                    for n in rng.integers(5, 60, 20)], [True, False] * 10)
+
+
+def test_a_seeded_local_stream_is_reproducible(client: ReplayClient) -> None:
+    _insert_some_episodes(client, "local")
+    with LocalReader(client, "local") as reader:
+        first, again, other = (list(reader.sample_stream(64, num_batches=3, seed=seed, include_keys=True))
+                               for seed in (3, 3, 4))
+    assert len(first) == len(again) == 3
+    for a, b in zip(first, again, strict=True):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert not np.array_equal(first[0]["key"], other[0]["key"])  # the seed chooses the draws
+
+
+def test_a_local_reader_counts_the_torn_draws_it_redraws(client: ReplayClient,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draw that raced with the writer is drawn again, and counted in torn_redraws (sample and stream)."""
+    _insert_some_episodes(client, "local")
+    with LocalReader(client, "local") as reader:
+        gather, raced = reader.ring.gather, []
+
+        def gather_racing_every_other_draw(*args: Any, **kwargs: Any) -> Any:
+            raced.append(len(raced) % 2 == 0)
+            if raced[-1]:
+                raise RingChanged("injected: evictions emptied the drawn range")
+            return gather(*args, **kwargs)
+
+        monkeypatch.setattr(reader.ring, "gather", gather_racing_every_other_draw)
+        assert reader.torn_redraws == 0
+        assert reader.sample(8)["obs"].shape == (8, 4)
+        assert reader.torn_redraws == 1
+        batches = list(reader.sample_stream(8, num_batches=3))
+        assert len(batches) == 3 and all(batch["obs"].shape == (8, 4) for batch in batches)
+        assert reader.torn_redraws == 4 and raced.count(True) == 4
+
+
+def test_a_closed_local_stream_yields_nothing_more(client: ReplayClient) -> None:
+    _insert_some_episodes(client, "local")
+    with LocalReader(client, "local") as reader:
+        stream = reader.sample_stream(8, num_batches=3)
+        assert next(stream)["obs"].shape == (8, 4)
+        stream.close()
+        assert list(stream) == []  # two batches were left, and data is there
+        unread = reader.sample_stream(8, num_batches=3)
+        unread.close()
+        assert list(unread) == []
 
 
 def test_local_reader_stops_when_the_buffer_is_deleted_or_re_created(client: ReplayClient,

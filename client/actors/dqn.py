@@ -34,6 +34,18 @@ class DQNActorConfig:
     hidden: tuple[int, ...] = (128, 128)
 
 
+def epsilon_at(steps: int, config: DQNActorConfig) -> float:
+    """The exploration rate after `steps` env steps: linear from epsilon_start to epsilon_end over
+    epsilon_decay_steps, then epsilon_end."""
+    fraction = min(1.0, steps / config.epsilon_decay_steps)
+    return config.epsilon_start + fraction * (config.epsilon_end - config.epsilon_start)
+
+
+def explores(rng: np.random.Generator, epsilon: float) -> bool:
+    """Whether this step takes a random action (probability `epsilon`) instead of the greedy one."""
+    return bool(rng.random() < epsilon)
+
+
 def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> ActorReport:
     """Epsilon-greedy actor until `config.seconds` pass, `stop` is set or the learner publishes its final weights."""
     import gymnasium as gym
@@ -56,9 +68,7 @@ def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> Acto
                                                                        report.weights_version, network)
             if learner_finished:
                 break
-        fraction = min(1.0, steps / config.epsilon_decay_steps)
-        epsilon = config.epsilon_start + fraction * (config.epsilon_end - config.epsilon_start)
-        if report.weights_version == 0 or rng.random() < epsilon:
+        if report.weights_version == 0 or explores(rng, epsilon_at(steps, config)):
             action = int(rng.integers(env.action_space.n))
         else:
             with torch.no_grad():
