@@ -107,7 +107,7 @@ def test_trainer_step_updates_everything():
     assert set(out) >= {"loss", "graph", "dual", "barrier", "barrier_coef"}
     assert not torch.equal(w0, tr.encoder.net[0].weight)
     assert tr.beta.abs().sum() > 0 and torch.equal(tr.beta, torch.tril(tr.beta))
-    assert tr.barrier.item() >= 0.5
+    assert tr.barrier.item() == 0.5  # lr_barrier 0 (the default): the barrier stays at barrier_init
     assert tr.single_call is False  # CPU default (see default_single_call)
 
 
@@ -124,3 +124,65 @@ def test_trainer_defaults_follow_the_papers_configuration():
     assert tr.optimizer.param_groups[0]["lr"] == 1e-3
     assert tr.lr_beta == 1e-4 and tr.lr_barrier == 0.0 and tr.barrier.item() == 1.0
     assert torch.equal(tr.beta, torch.zeros(D, D))
+
+
+def _pair(s, s2):
+    return {"obs": s, "future_obs": s2, "offset": torch.ones(s.shape[0], dtype=torch.int64)}
+
+
+def test_trainer_steps_are_adam_on_the_loss_of_both_uniform_batches():
+    """Two step()s equal the update written out: zero_grad, allo_loss(s, s', u1, u2) with the current
+    duals and barrier, backward, Adam(lr), then update_duals_and_barrier."""
+    torch.manual_seed(0)
+    tr = AlloTrainer(2, D, hidden=(16, 16), lr=1e-2, lr_beta=0.1, lr_barrier=0.5, barrier_init=0.5)
+    enc = copy.deepcopy(tr.encoder)
+    optimizer = torch.optim.Adam(enc.parameters(), lr=1e-2)
+    beta, barrier = torch.zeros(D, D), torch.tensor(0.5)
+    for seed in range(2):
+        s, s2, u1, u2 = _data(seed)
+        tr.step(_pair(s, s2), {"obs": u1}, {"obs": u2})
+        optimizer.zero_grad(set_to_none=True)
+        loss, aux = allo_loss(enc, s, s2, u1, u2, beta, barrier, single_call=False)
+        loss.backward()
+        optimizer.step()
+        beta, barrier = update_duals_and_barrier(beta, barrier, aux["E1"], aux["E2"], 0.1, 0.5, 1e4)
+    for p, q in zip(tr.encoder.parameters(), enc.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(tr.beta, beta)
+    torch.testing.assert_close(tr.barrier, barrier)
+
+
+def test_the_second_uniform_batch_changes_the_steps():
+    """E2 comes from u2: passing u1 again in its place gives other weights and duals (two steps: Adam's
+    first step is close to lr * sign(gradient) and hides most differences in the gradient's size)."""
+    s, s2, u1, u2 = _data()
+    trainers = []
+    for second in (u2, u1):
+        torch.manual_seed(0)
+        tr = AlloTrainer(2, D, hidden=(16, 16), lr=1e-2, lr_beta=0.1)
+        for _ in range(2):
+            tr.step(_pair(s, s2), u1, second)
+        trainers.append(tr)
+    with_u2, with_u1 = trainers
+    assert not torch.allclose(with_u2.beta, with_u1.beta, atol=1e-6)
+    assert any(not torch.allclose(p, q, atol=1e-5) for p, q in
+               zip(with_u2.encoder.parameters(), with_u1.encoder.parameters(), strict=True))
+
+
+def test_barrier_starts_at_barrier_init_grows_by_its_rule_and_stops_at_barrier_max():
+    s, s2, u1, u2 = _data()
+    torch.manual_seed(0)
+    tr = AlloTrainer(2, D, hidden=(16, 16), lr_barrier=2.0, barrier_init=0.5, barrier_max=1e4)
+    assert tr.barrier.item() == 0.5
+    with torch.no_grad():
+        _, aux = allo_loss(tr.encoder, s, s2, u1, u2, tr.beta, tr.barrier)
+    violation = (aux["E1"] * aux["E2"]).mean().item()
+    assert violation > 0  # a fresh encoder violates the constraints: the barrier grows
+    out = tr.step(_pair(s, s2), u1, u2)
+    assert tr.barrier.item() == pytest.approx(0.5 + 2.0 * violation, rel=1e-5)
+    torch.testing.assert_close(out["barrier_coef"], tr.barrier)
+    # barrier_max caps it (a large rate would take it past 1 in one step).
+    torch.manual_seed(0)
+    capped = AlloTrainer(2, D, hidden=(16, 16), lr_barrier=1e4, barrier_init=0.5, barrier_max=0.75)
+    capped.step(_pair(s, s2), u1, u2)
+    assert capped.barrier.item() == 0.75

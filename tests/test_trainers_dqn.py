@@ -213,7 +213,7 @@ def test_trainer_polyak_every_step_and_learning():
     torch.manual_seed(0)
     tr = DQNTrainer(OBS_DIM, N_ACTIONS, lr=1e-2, target_update_every=1, tau=0.5, loss_type="mse")
     batch = make_batch()
-    first = float(tr.step(batch)["loss"])
+    tr.step(batch)
     before = [p.clone() for p in tr.target.parameters()]
     tr.step(batch)
     for t, b, o in zip(tr.target.parameters(), before, tr.online.parameters(), strict=True):
@@ -226,13 +226,13 @@ def test_trainer_polyak_every_step_and_learning():
     assert last < 0.5 * first
 
 
-def _assert_matches_reference(online, target, batch, double, loss_type, loss, td, q_taken):
+def _assert_matches_reference(online, target, batch, double, loss_type, loss, td, q_taken, delta=1.0):
     """Asserts a hand-written pass's loss, TD errors, Q(s, a) and the gradients it left in ``online``
     equal the naive reference's; returns (the reference's network, with its gradients; its TD errors)."""
     ref_online = copy.deepcopy(online)
     for p in ref_online.parameters():
         p.grad = None
-    ref_loss, ref_td = reference_loss(ref_online, target, batch, double, loss_type)
+    ref_loss, ref_td = reference_loss(ref_online, target, batch, double, loss_type, delta)
     ref_loss.backward()
     # The loss is a sum in another order than the reference's mean (a few ulp of a value ~20).
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
@@ -392,6 +392,121 @@ def test_double_dqn_keeps_bootstrap_rows_out_of_a_batch_dependent_network():
     with torch.no_grad():
         alone = copy.deepcopy(online)(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(q_taken, alone)
+
+
+@pytest.mark.parametrize("delta", [0.5, 2.0])
+@pytest.mark.parametrize("manual", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_huber_delta_sets_where_the_loss_and_its_gradient_turn_linear(delta, manual, weighted):
+    """A delta other than 1 (the tests above use 1) reaches both the loss and its clipped gradient."""
+    online, target = _nets()
+    batch = make_batch(weighted=weighted)
+    batch["n_step_return"] = batch["n_step_return"] * 3
+    if manual:
+        loss, td, q_taken = q_loss_manual_grad(online, target, batch, True, "huber", huber_delta=delta)
+    else:
+        loss, td, q_taken = q_loss(online, target, batch, True, "huber", huber_delta=delta)
+        loss.backward()
+    _, ref_td = _assert_matches_reference(online, target, batch, True, "huber", loss, td, q_taken, delta)
+    # Rows on both sides of delta, and between delta and 1 (where delta 1 would give other numbers).
+    assert (ref_td.abs() > delta).any() and (ref_td.abs() < delta).any()
+    assert ((ref_td.abs() - delta) * (ref_td.abs() - 1) < 0).any()
+
+
+def test_trainer_defaults_are_double_dqn_with_a_huber_loss():
+    torch.manual_seed(0)
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS)
+    assert (tr.double, tr.loss_type, tr.huber_delta) == (True, "huber", 1.0)
+    assert tr.optimizer.param_groups[0]["lr"] == 2.5e-4
+    assert (tr.target_update_every, tr.tau, tr.max_grad_norm) == (500, 1.0, None)
+    # A step's loss is the Huber one (rows with |td| > 1 tell it from the squared error).
+    online, target = copy.deepcopy(tr.online), copy.deepcopy(tr.target)
+    batch = make_batch()
+    batch["n_step_return"] = batch["n_step_return"] * 3
+    out = tr.step(batch)
+    ref_loss, ref_td = reference_loss(online, target, batch, True, "huber")
+    assert (ref_td.abs() > 1).any()
+    torch.testing.assert_close(out["loss"], ref_loss.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_trainer_target_starts_as_a_copy_of_the_online_network():
+    torch.manual_seed(0)
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8))
+    for t, o in zip(tr.target.parameters(), tr.online.parameters(), strict=True):
+        assert torch.equal(t, o) and t.data_ptr() != o.data_ptr()  # equal values, its own storage
+    x = torch.randn(5, OBS_DIM)
+    with torch.no_grad():
+        torch.testing.assert_close(tr.target(x), tr.online(x), atol=0, rtol=0)
+
+
+def _hand_run_steps(online, target, batches, lr, max_grad_norm):
+    """What DQNTrainer.step does (Double DQN, Huber; target left fixed), written out on a copy of
+    ``online``: zero_grad, q_loss, backward, clip_grad_norm_ (unless None), Adam(lr)."""
+    online = copy.deepcopy(online)
+    optimizer = torch.optim.Adam(online.parameters(), lr=lr)
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss, _, _ = q_loss(online, target, batch, double=True, loss_type="huber")
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(online.parameters(), max_grad_norm)
+        optimizer.step()
+    return online
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_trainer_steps_are_adam_at_lr_on_gradients_clipped_to_max_grad_norm(manual):
+    torch.manual_seed(0)
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, max_grad_norm=0.05, target_update_every=100,
+                    manual_grad=manual)
+    start, target = copy.deepcopy(tr.online), copy.deepcopy(tr.target)
+    batches = [make_batch(seed=seed) for seed in range(3)]
+    for batch in batches:
+        tr.step(batch)
+    expected = _hand_run_steps(start, target, batches, lr=1e-2, max_grad_norm=0.05)
+    for p, r in zip(tr.online.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p, r, atol=1e-6, rtol=1e-5)
+    # The clipping is active here: without it the same steps end elsewhere.
+    unclipped = _hand_run_steps(start, target, batches, lr=1e-2, max_grad_norm=None)
+    assert any(not torch.allclose(p, r, atol=1e-4) for p, r in
+               zip(unclipped.parameters(), expected.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.25])
+def test_update_target_copies_batchnorm_running_statistics(tau):
+    """Buffers (BatchNorm's running mean/var and batch count) are copied, hard or Polyak."""
+    torch.manual_seed(0)
+    online = torch.nn.Sequential(torch.nn.Linear(OBS_DIM, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                 torch.nn.Linear(16, N_ACTIONS))
+    target = copy.deepcopy(online)
+    with torch.no_grad():
+        online(3 * torch.randn(32, OBS_DIM) + 1)  # training mode: moves the running statistics
+        for p in online.parameters():
+            p.add_(0.1)
+    old = [p.clone() for p in target.parameters()]
+    assert not torch.equal(online[1].running_mean, target[1].running_mean)
+    update_target(online, target, tau)
+    target_buffers = dict(target.named_buffers())
+    assert set(target_buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    for name, buffer in online.named_buffers():
+        assert torch.equal(target_buffers[name], buffer), name
+    for t, o, p in zip(target.parameters(), old, online.parameters(), strict=True):
+        torch.testing.assert_close(t, tau * p + (1 - tau) * o)
+
+
+def test_act_is_greedy_at_epsilon_zero_and_random_at_rate_epsilon():
+    torch.manual_seed(0)
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8))
+    obs = torch.randn(3000, OBS_DIM)
+    with torch.no_grad():
+        greedy = tr.online(obs).argmax(1)
+    assert torch.equal(tr.act(obs, 0.0), greedy)
+    # epsilon 1: a uniform random action in every row, whatever the greedy one.
+    actions = tr.act(obs, 1.0)
+    assert (torch.bincount(actions, minlength=N_ACTIONS) > 800).all()  # ~1000 each
+    assert 0.6 < (actions != greedy).float().mean().item() < 0.73  # 2/3
+    # epsilon 0.1: a random action in ~10% of rows, so ~0.1 * 2/3 of them differ from the greedy one.
+    assert 0.04 < (tr.act(obs, 0.1) != greedy).float().mean().item() < 0.1
 
 
 # ---------------------------------------------------------------- the loss compiled ahead (inductor)

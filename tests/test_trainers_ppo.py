@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -93,6 +94,9 @@ def test_hand_computed_surrogate():
     torch.testing.assert_close(stats["v_loss"], torch.tensor(0.5))
     torch.testing.assert_close(loss, torch.tensor(-0.1 + 0.25))
     torch.testing.assert_close(stats["entropy"], torch.tensor(math.log(2.0)))
+    # approx_kl = mean((ratio - 1) - log ratio), the low-variance KL(old || new) estimator.
+    torch.testing.assert_close(stats["approx_kl"], torch.tensor(((2.0 - 1 - math.log(2.0)) + 0.0) / 2))
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(0.5))  # |ratio - 1| > 0.2 on row 0
 
 
 def test_continuous_loss_runs_and_matches_normal_formula():
@@ -170,3 +174,63 @@ def test_float64_models_take_float32_and_uint8_observations():
     torch.testing.assert_close(loss, loss64, atol=1e-6, rtol=1e-6)
     pixels = torch.randint(0, 255, (B, OBS), dtype=torch.uint8)
     assert model.value(pixels).dtype == torch.float64 and model.value(pixels).shape == (B,)
+
+
+def test_trainer_steps_are_adam_on_the_loss_with_its_coefficients_and_clipped_gradients():
+    """Two step()s equal the update written out: zero_grad, ppo_loss with the trainer's coefficients,
+    backward, clip_grad_norm_(max_grad_norm), Adam(lr, eps=1e-5)."""
+    torch.manual_seed(0)
+    settings = {"clip_coef": 0.2, "vf_coef": 0.7, "ent_coef": 0.05, "clip_vloss": True, "norm_adv": True}
+    tr = PPOTrainer(OBS, A, hidden=(16, 16), lr=1e-2, max_grad_norm=0.1, **settings)
+    start = copy.deepcopy(tr.model)
+    batches = [_batch(start, seed=seed) for seed in range(2)]
+    for batch in batches:
+        tr.step(batch)
+
+    def hand_run(max_grad_norm, vf_coef=0.7, ent_coef=0.05):
+        model = copy.deepcopy(start)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-5)
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss, _ = ppo_loss(model, batch, **{**settings, "vf_coef": vf_coef, "ent_coef": ent_coef})
+            loss.backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+        return model
+
+    expected = hand_run(0.1)
+    for p, r in zip(tr.model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p, r, atol=1e-6, rtol=1e-5)
+    # Each ingredient shows in these two steps: the clipping and the coefficients.
+    for other in (hand_run(None), hand_run(0.1, vf_coef=0.05, ent_coef=0.7)):
+        assert any(not torch.allclose(p, r, atol=1e-4) for p, r in
+                   zip(other.parameters(), expected.parameters(), strict=True))
+
+
+def test_continuous_entropy_sums_over_action_dimensions():
+    """A diagonal Normal's entropy is the sum of its per-dimension entropies (then the batch mean)."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, A, continuous=True)
+    with torch.no_grad():
+        model.log_std.copy_(torch.tensor([-0.5, 0.0, 0.3]))
+    batch = _batch(model, continuous=True)
+    loss, stats = ppo_loss(model, batch, ent_coef=0.1)
+    per_dim = 0.5 + 0.5 * math.log(2 * math.pi) + model.log_std.detach()  # (A,) Normal entropy
+    torch.testing.assert_close(stats["entropy"], per_dim.sum())
+    no_entropy, _ = ppo_loss(model, batch, ent_coef=0.0)
+    torch.testing.assert_close(loss - no_entropy, -0.1 * per_dim.sum())
+
+
+def test_continuous_act_returns_the_joint_log_prob_of_each_action():
+    torch.manual_seed(0)
+    tr = PPOTrainer(OBS, A, continuous=True)
+    with torch.no_grad():
+        tr.model.log_std.copy_(torch.tensor([-0.5, 0.0, 0.3]))
+    obs = torch.randn(B, OBS)
+    out = tr.act(obs)
+    assert out["action"].shape == (B, A) and out["log_prob"].shape == (B,) and out["value"].shape == (B,)
+    with torch.no_grad():
+        mean, std = tr.model.actor(obs), tr.model.log_std.exp()
+    lp = (-((out["action"] - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)).sum(1)
+    torch.testing.assert_close(out["log_prob"], lp)
