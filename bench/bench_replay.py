@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import subprocesses
 from bench.baselines.grpc_sink import GrpcSink
 from bench.baselines.loopback_tcp import loopback_tcp_gbps
 from bench.baselines.seed000_sampler import SeedEpisodicReplayBuffer
@@ -299,12 +300,7 @@ class ServerProcess:
         self.address = f"127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        subprocesses.stop(self.process)
         self.log.close()
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from bench import subprocesses
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 _SERVICE = "replayd.bench.Sink"
@@ -87,12 +88,7 @@ class GrpcSink:
 
     def close(self) -> None:
         self.channel.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        subprocesses.stop(self.process)
 
 
 if __name__ == "__main__":
