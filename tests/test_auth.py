@@ -100,6 +100,14 @@ def test_serve_bind_rule_accepts_token_flag_or_loopback() -> None:
     check_bind("::1", None, insecure_bind_all=False)
 
 
+@pytest.mark.parametrize("half", ["cert", "key"])
+def test_a_tls_certificate_without_its_key_or_a_key_without_its_certificate_is_refused(half: str) -> None:
+    """Half a TLS configuration must not start a server (without its key a certificate is not served)."""
+    pem = {f"tls_{half}": b"-----BEGIN PEM-----"}
+    with pytest.raises(ValueError, match="tls_cert and tls_key: expected both or neither"):
+        ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}halftls", **pem).stop(grace=0)  # stop: if accepted
+
+
 def _self_signed(tmp_path: Path) -> tuple[bytes, bytes]:
     # openssl rather than the `cryptography` package, which is not a dependency.
     subprocess.run(

@@ -377,6 +377,16 @@ def test_periodic_checkpoints(tmp_path: Path) -> None:
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")]) <= 3
 
 
+@pytest.mark.parametrize(("every", "has_dir"), [(0, True), (-1.0, True), (5.0, False)])
+def test_periodic_checkpoints_need_a_positive_period_and_a_directory(tmp_path: Path, every: float,
+                                                                    has_dir: bool) -> None:
+    """A period of 0 would write checkpoints back to back for as long as the server runs."""
+    with pytest.raises(ValueError, match="checkpoint_every: expected seconds > 0 and a checkpoint_dir"):
+        ReplayServer("127.0.0.1:0", instance=new_instance(), checkpoint_dir=str(tmp_path) if has_dir else None,
+                     checkpoint_every=every).stop(grace=0)  # the stop runs only if it was wrongly accepted
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_checkpoint_rpc_needs_a_directory(client: ReplayClient) -> None:
     with pytest.raises(grpc.RpcError) as error:
         client.checkpoint()

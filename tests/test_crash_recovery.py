@@ -216,17 +216,23 @@ def test_inconsistent_segments_fall_back_to_the_latest_checkpoint(tmp_path) -> N
     schema = {"obs": ("float64", (2,)), "reward": ("float32", ())}
     first = ReplayServer("127.0.0.1:0", instance=instance, checkpoint_dir=str(tmp_path)).start()
     try:
-        with ReplayClient(first.address) as client:
-            client.create_buffer("b", 1000, schema)
-            client.insert_episodes("b", [{"obs": episode(7, 10)["obs"], "reward": np.ones(10, np.float32)}], [True],
-                                   episode_ids=[7])
-            client.checkpoint()
-            client.insert_episodes("b", [{"obs": episode(8, 10)["obs"], "reward": np.ones(10, np.float32)}], [True],
-                                   episode_ids=[8])
-        # The server dies without unlinking, and its ring state is left corrupt.
-        first._server.stop(0).wait()
-        first.registry.get("b").storage.close()
-        first._instance_lock.release()  # as the kernel does when the process dies
+        died = False
+        try:
+            with ReplayClient(first.address) as client:
+                client.create_buffer("b", 1000, schema)
+                client.insert_episodes("b", [{"obs": episode(7, 10)["obs"], "reward": np.ones(10, np.float32)}],
+                                       [True], episode_ids=[7])
+                client.checkpoint()
+                client.insert_episodes("b", [{"obs": episode(8, 10)["obs"], "reward": np.ones(10, np.float32)}],
+                                       [True], episode_ids=[8])
+            # The server dies without unlinking, and its ring state is left corrupt.
+            first._server.stop(0).wait()
+            first.registry.get("b").storage.close()
+            first._instance_lock.release()  # as the kernel does when the process dies
+            died = True
+        finally:
+            if not died:  # something above failed: stop the server for real
+                first.stop(grace=0)
         corrupt = SharedArrays.attach(f"rpd_{instance}_b", readonly=False)
         corrupt.arrays["state"][0] = -5  # head
         corrupt.close()
@@ -426,5 +432,41 @@ def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -
         server = ReplayServer("127.0.0.1:0", instance=instance, recover=True).start()
         try:
             assert server.registry.episodic("good").episodes == 1
+        finally:
+            server.stop(grace=0)
+
+
+@pytest.mark.parametrize("checkpoint_from", ["restore_from", "checkpoint_dir"])
+def test_recovery_restores_only_the_corrupt_buffers_from_the_checkpoint(tmp_path, checkpoint_from: str) -> None:
+    """--recover with a checkpoint: a buffer whose segments pass the checks keeps what it stored after the
+    checkpoint; only the corrupt one comes back from it. Restoring every checkpointed buffer would roll the
+    good one back, or (as its name is taken) fail the start."""
+    from service.checkpoint import write_checkpoint
+    from service.grpc_server.server import ReplayServer
+    from service.registry import BufferRegistry
+    from service.storage.shared_arrays import SharedArrays
+
+    instance = f"{TEST_INSTANCE}only"
+    with segments_removed(f"rpd_{instance}_"):
+        registry = BufferRegistry(instance)
+        try:
+            for name in ("good", "bad"):
+                registry.add(name, EpisodicBuffer(name, instance, FIELDS, 200))
+                registry.episodic(name).insert(*whole(7, 10))
+            write_checkpoint(registry, tmp_path)
+            for name in ("good", "bad"):
+                registry.episodic(name).insert(*whole(8, 10))  # after the checkpoint
+        finally:
+            for name, _ in registry.all():
+                registry.detach(name)  # the server died; the segments stay
+        corrupt = SharedArrays.attach(f"rpd_{instance}_bad", readonly=False)
+        corrupt.arrays["state"][0] = -5  # head
+        corrupt.close()
+
+        server = ReplayServer("127.0.0.1:0", instance=instance, recover=True, **{checkpoint_from: str(tmp_path)})
+        try:
+            server.start()
+            stored = {name: set(live_episodes(server.registry.episodic(name))) for name in ("good", "bad")}
+            assert stored == {"good": {7, 8}, "bad": {7}}
         finally:
             server.stop(grace=0)

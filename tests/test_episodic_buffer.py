@@ -268,6 +268,25 @@ def test_schema_takes_any_numpy_spelling_of_a_dtype_and_names_a_bad_one() -> Non
         buffer.close()
 
 
+# Spelled out, not taken from service.schema: a name dropped there must fail here.
+@pytest.mark.parametrize("name", ["terminated", "truncated", "n_step_return", "bootstrap_discount", "offset", "key",
+                                  "episode_id", "probability", "weight", "advantage", "return",
+                                  "next_obs", "future_obs", "bootstrap_obs", "bootstrap_value"])
+def test_a_field_named_like_a_sampled_column_is_refused_naming_it(name: str) -> None:
+    """Samples add these columns (next_obs, bootstrap_obs, n_step_return, ...): a stored field of the same
+    name would collide with the sampled column in every batch."""
+    fields = [Field("obs", "float32", (3,), observation=True), Field(name, "float32")]
+    with pytest.raises(InvalidArgument, match=f"field name '{name}' is reserved for sampled columns"):
+        EpisodicBuffer("shadow", f"test{os.getpid()}", fields, 16).close()  # the close: only if it was accepted
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (-1,)])
+def test_a_field_shape_without_positive_dimensions_is_refused_naming_the_field(shape: tuple[int, ...]) -> None:
+    with pytest.raises(InvalidArgument, match=r"field 'obs': shape \[.*\] must have positive dimensions"):
+        EpisodicBuffer("empty", f"test{os.getpid()}", [Field("obs", "float32", shape, observation=True)],
+                       16).close()  # the close runs only if the shape was wrongly accepted
+
+
 def test_reward_field_names_a_field_or_defaults_to_reward() -> None:
     instance = f"test{os.getpid()}"
     with pytest.raises(InvalidArgument, match="reward_field 'rewrd' is not a field of the schema"):
@@ -300,6 +319,8 @@ def test_rejected_inserts_leave_buffer_byte_identical() -> None:
              InvalidArgument, r"'obs' expected row shape \(3,\), got \(4,\)"),
             ({k: v for k, v in good.items() if k != "reward"}, Spans.whole_episodes(np.array([10]), [3], [True]),
              InvalidArgument, "'reward' is missing"),
+            ({**good, "reward": good["reward"][:3]}, Spans.whole_episodes(np.array([10]), [3], [True]),
+             InvalidArgument, "field 'reward' has 3 rows, other fields have 11"),
             (make_rows(rng, 0, 70), Spans.whole_episodes(np.array([69]), [3], [True]),
              InvalidArgument, "more than capacity_steps=64"),
             # an opening chunk longer than the ring would overwrite its own first rows

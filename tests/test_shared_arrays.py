@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from service.errors import FailedPrecondition
-from service.storage.shared_arrays import ArraySpec, SharedArrays, segment_exists
+from service.storage.shared_arrays import SHM_DIR, ArraySpec, SharedArrays, segment_exists
 
 
 def test_create_attach_unlink() -> None:
@@ -33,15 +33,52 @@ def test_create_attach_unlink() -> None:
     assert not segment_exists(name + ".data")
 
 
-@pytest.mark.parametrize("content", [b"[]", b"42", b'"text"', b"{}"])
-def test_attach_refuses_a_segment_without_a_replayd_header(content: bytes) -> None:
+@pytest.mark.parametrize(("content", "message"), [
+    (b"[]", "does not hold a replayd header"), (b"42", "does not hold a replayd header"),
+    (b'"text"', "does not hold a replayd header"), (b"{}", "has layout None/None, expected replayd-shm/1"),
+])
+def test_attach_refuses_a_segment_without_a_replayd_header(content: bytes, message: str) -> None:
     """Recovery attaches every rpd_<instance>_ segment it finds: a foreign one must fail as ValueError."""
     name = f"rpd_test{os.getpid()}_foreign"
     segment = shared_memory.SharedMemory(name=name, create=True, size=64)
     try:
         segment.buf[:len(content)] = content
-        with pytest.raises(ValueError, match="foreign"):
+        with pytest.raises(ValueError, match=f"segment '{name}' {message}"):
             SharedArrays.attach(name)
     finally:
         segment.close()
         segment.unlink()
+
+
+def test_attach_refuses_a_header_of_another_layout_version_naming_it() -> None:
+    """A segment left by a server of another replayd version: its arrays may be laid out otherwise, so
+    recovery must not map them by this version's rules."""
+    name = f"rpd_test{os.getpid()}_future"
+    owner = SharedArrays.create(name, [ArraySpec("a", "float32", (4,))], {})
+    try:
+        with open(os.path.join(SHM_DIR, name), "r+b") as header:  # the segment's file, as another version wrote it
+            layout = header.read()
+            assert layout.count(b'"layout_version": 1,') == 1
+            header.seek(0)
+            header.write(layout.replace(b'"layout_version": 1,', b'"layout_version": 2,'))
+        with pytest.raises(ValueError, match=f"segment '{name}' has layout replayd-shm/2, expected replayd-shm/1"):
+            SharedArrays.attach(name).close()  # the close runs only if the header was wrongly accepted
+    finally:
+        owner.close()
+        owner.unlink()
+
+
+def test_a_create_whose_header_name_is_taken_leaves_no_data_segment() -> None:
+    """The data segment is made first: when the header then turns out taken (a crashed server's leftover),
+    the new data segment must go again, or each retry leaks one the size of the buffer."""
+    name = f"rpd_test{os.getpid()}_taken"
+    leftover = os.path.join(SHM_DIR, name)
+    with open(leftover, "xb") as segment:
+        segment.write(bytes(64))
+    try:
+        with pytest.raises(FailedPrecondition, match=f"segment '{name}' already exists"):
+            SharedArrays.create(name, [ArraySpec("a", "float32", (1000,))], {})
+        assert not segment_exists(name + ".data")
+        assert segment_exists(name)  # the leftover is not ours to remove
+    finally:
+        os.unlink(leftover)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,11 +85,13 @@ def test_stale_segments_are_reported_and_removed() -> None:
 def test_instance_names_cannot_overlap_another_instances_segment_prefix(instance: str) -> None:
     """rpd_<instance>_<buffer>: with an underscore, instance "a_b" would own instance "a"'s buffer "b_c"
     (recovery and --remove-stale act on every segment of the prefix)."""
-    with pytest.raises(InvalidArgument, match="instance name"):
-        ReplayServer("127.0.0.1:0", instance=instance)
-    with pytest.raises(InvalidArgument, match="instance name"):
-        EpisodicBuffer("b_c", instance, [Field("obs", "float32", (2,), observation=True)], 8)
+    # The stop and the close run only if the name was wrongly accepted: nothing it built outlives the test.
+    with pytest.raises(InvalidArgument, match=f"instance name '{re.escape(instance)}' must match"):
+        ReplayServer("127.0.0.1:0", instance=instance).stop(grace=0)
+    with pytest.raises(InvalidArgument, match=f"instance name '{re.escape(instance)}' must match"):
+        EpisodicBuffer("b_c", instance, [Field("obs", "float32", (2,), observation=True)], 8).close()
     assert not segments(f"rpd_{instance}")
+    assert not os.path.exists(lock_path(instance))
 
 
 def test_a_running_servers_instance_cannot_be_taken_nor_its_segments_removed() -> None:
@@ -128,3 +132,31 @@ def test_a_server_starting_while_segments_are_listed_waits_for_the_lock() -> Non
         ReplayServer("127.0.0.1:0", instance=instance).start().stop(grace=0)
     finally:
         releaser.join()
+
+
+def test_a_lock_file_replaced_while_it_was_being_locked_is_locked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The previous holder unlinks the lock file as it releases it: a server that opened the old file just
+    before then locks a file nobody else will ever open, while a third process creates and locks the new
+    one; both would serve the instance. The lock must notice the file changed and lock the new one."""
+    instance = f"{TEST_INSTANCE}swap"
+    path = lock_path(instance)
+    real_flock = fcntl.flock
+    replaced = []
+
+    def flock_after_the_file_was_replaced(fd: int, operation: int) -> None:
+        if not replaced:  # first attempt: between our open and our flock, the file is replaced
+            os.unlink(path)
+            replaced.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_file_was_replaced)
+    lock = InstanceLock(instance)
+    try:
+        monkeypatch.undo()
+        assert lock._fd is not None and os.fstat(lock._fd).st_ino == os.stat(path).st_ino
+        with pytest.raises(FailedPrecondition, match=f"instance '{instance}' is served by another running process"):
+            InstanceLock(instance, wait_seconds=0).release()  # the release runs only if the lock was not held
+    finally:
+        lock.release()
+        os.close(replaced[0])
+    assert not os.path.exists(path)

@@ -1,0 +1,38 @@
+"""The server's buffers by name: a name is taken once, and a buffer handed over under a taken name is freed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.buffers.episodic import EpisodicBuffer, Spans
+from service.errors import FailedPrecondition
+from service.registry import BufferRegistry
+from service.samplers.transitions import TransitionsMode
+from service.schema import Field
+from service.storage.shared_arrays import segments
+from tests.conftest import TEST_INSTANCE
+
+FIELDS = [Field("obs", "float32", (2,), observation=True), Field("reward", "float32")]
+
+
+def test_adding_a_second_buffer_under_a_taken_name_frees_it_and_keeps_the_first() -> None:
+    """Two creates racing for one name: the loser's buffer (its shared memory already allocated) must be
+    unlinked, not left behind for the life of the server, and the winner keeps serving."""
+    instance = f"{TEST_INSTANCE}reg"
+    registry = BufferRegistry(instance)
+    try:
+        first = EpisodicBuffer("b", instance, FIELDS, 64)
+        registry.add("b", first)
+        second = EpisodicBuffer("loser", instance, FIELDS, 64)  # segments of its own, handed over as "b"
+        assert segments(f"rpd_{instance}_loser") == [f"rpd_{instance}_loser", f"rpd_{instance}_loser.data"]
+        with pytest.raises(FailedPrecondition, match="buffer 'b' already exists"):
+            registry.add("b", second)
+        assert segments(f"rpd_{instance}_") == [f"rpd_{instance}_b", f"rpd_{instance}_b.data"]
+        assert registry.get("b") is first and [name for name, _ in registry.all()] == ["b"]
+        columns = {"obs": np.ones((4, 2), np.float32), "reward": np.ones(4, np.float32)}
+        first.insert(columns, Spans.whole_episodes(np.array([3]), np.array([1], np.uint64), np.array([True])))
+        batch = registry.episodic("b").sample(8, TransitionsMode(1, 0.9), np.random.default_rng(0))
+        np.testing.assert_array_equal(batch["obs"], np.ones((8, 2), np.float32))
+    finally:
+        registry.close()  # a leaked "loser" is unlinked (and reported) by conftest's leak check
