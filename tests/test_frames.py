@@ -25,13 +25,52 @@ def test_hand_framing_matches_protobuf(steps: bytes, ids: list[int], rows: list[
     assert pb.SampleResponse.FromString(sample_response_bytes(steps)).batch == steps
 
 
-MALFORMED = [b"\x12\x05abc", b"\x80", b"\x0f\x00", b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"]
+MALFORMED = [b"\x12\x05abc", b"\x80", b"\x0f\x00", b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+             # an 11-byte key (field 1, varint) followed by its value: complete, but over protobuf's 10 bytes
+             b"\x88" + b"\x80" * 9 + b"\x00\x01"]
 
 
 @pytest.mark.parametrize("raw", MALFORMED)
 def test_malformed_frames_raise_codec_error(raw: bytes) -> None:
     with pytest.raises(CodecError):
         split_bytes_field(raw, 2)
+
+
+def _field(number: int, wire_type: int, body: bytes) -> bytes:
+    """A protobuf field: its key as a varint, then `body` (the value, as the wire type lays it out)."""
+    key, out = number << 3 | wire_type, bytearray()
+    while key > 0x7F:
+        out.append(key & 0x7F | 0x80)
+        key >>= 7
+    return bytes(out) + bytes([key]) + body
+
+
+def test_unknown_fixed_width_fields_are_skipped_whole() -> None:
+    """An InsertRequest from a newer client, with unknown fixed64 and fixed32 fields after its steps: the
+    hand parse reads the same steps and fields as protobuf's (the unknown fields' bytes, if skipped short,
+    would be read as fields: these look like a `steps` field of their own)."""
+    message = pb.InsertRequest(buffer="b", steps=b"arrow", episode_ids=[7], span_rows=[3], begins=[True])
+    looks_like_steps = b"\x12\x02hi"  # field 2 (steps), 2 bytes
+    raw = (message.SerializeToString() + _field(99, 1, b"\0\0\0\0" + looks_like_steps)
+           + _field(98, 5, looks_like_steps) + _field(5, 0, b"\x00"))
+    parsed = pb.InsertRequest.FromString(raw)
+    assert parsed.steps == b"arrow" and list(parsed.begins) == [True, False]
+    frame = InsertFrame.parse(raw)
+    assert bytes(frame.steps) == parsed.steps
+    assert list(frame.request.begins) == [True, False] and list(frame.request.episode_ids) == [7]
+    assert pb.InsertRequest.FromString(frame.serialize()) == parsed
+
+
+def test_the_last_steps_field_wins_as_in_protobuf() -> None:
+    """Protobuf merges a repeated occurrence of a bytes field by keeping the last: so does the hand parse."""
+    raw = (pb.InsertRequest(buffer="b", steps=b"first", span_rows=[1]).SerializeToString()
+           + pb.InsertRequest(steps=b"second", span_rows=[2]).SerializeToString())
+    parsed = pb.InsertRequest.FromString(raw)
+    assert parsed.steps == b"second"
+    frame = InsertFrame.parse(raw)
+    assert bytes(frame.steps) == b"second" and list(frame.request.span_rows) == [1, 2]
+    assert bytes(sample_response_batch(pb.SampleResponse(batch=b"old").SerializeToString()
+                                       + pb.SampleResponse(batch=b"new").SerializeToString())) == b"new"
 
 
 @given(parts=st.lists(st.binary(max_size=300), max_size=6))

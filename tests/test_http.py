@@ -6,10 +6,14 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.numpy import save
 
 from client import ReplayClient
 from client.replay_client import episode_span, spans_requests
 from service.grpc_server.server import ReplayServer
+from service.wire import codec
+from service.wire import replay_pb2 as pb
+from service.wire import replay_pb2_grpc as pb_grpc
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -210,3 +214,26 @@ def test_a_partly_pushed_rollout_shows_the_steps_it_holds(http_server: ReplaySer
     samples, _ = _metrics(base)
     assert _value(samples, "replayd_buffer_stored_steps", buffer="ppo") == 2
     assert _value(samples, "replayd_buffer_capacity_steps", buffer="ppo") == 8
+
+
+def test_byte_metrics_count_rollout_bootstraps_and_fetched_weights(http_server: ReplayServer) -> None:
+    """Payload bytes: a push's steps and bootstrap values received, a fetch's weights sent."""
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    steps, envs = 4, 2
+    cells = {"obs": np.zeros((steps * envs, 3), np.float32)} | {
+        name: np.zeros(steps * envs, dtype) for name, dtype in (("reward", np.float32), ("value", np.float32),
+                                                                 ("final_value", np.float32), ("terminated", np.bool_),
+                                                                 ("truncated", np.bool_))}
+    push = pb.PushRolloutRequest(buffer="ppo", num_envs=envs, steps=codec.encode(cells),
+                                 bootstrap=codec.encode({"value": np.zeros(envs, np.float32)}))
+    blob = save({"weight": np.arange(300, dtype=np.float32)})
+    with ReplayClient(http_server.address) as client, grpc.insecure_channel(http_server.address) as channel:
+        client.create_rollout_buffer("ppo", steps, envs, {"obs": ("float32", (3,))})
+        assert pb_grpc.ReplayStub(channel).PushRollout(push, timeout=20).rollout_complete
+        assert client.publish_weights("policy", 1, blob)
+        assert client.fetch_weights("policy").safetensors == blob
+    samples, _ = _metrics(base)
+    assert _value(samples, "replayd_rpc_received_bytes_total", method="PushRollout", buffer="ppo") == (
+        len(push.steps) + len(push.bootstrap))
+    assert _value(samples, "replayd_rpc_received_bytes_total", method="PublishWeights", buffer="") == len(blob)
+    assert _value(samples, "replayd_rpc_sent_bytes_total", method="FetchWeights", buffer="") == len(blob)

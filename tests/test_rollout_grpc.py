@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import grpc
@@ -12,6 +13,9 @@ from client import ReplayClient
 from client.actors.ppo import PPOActorConfig, Rollout, push
 from service.gae import compute_gae
 from service.grpc_server.server import ReplayServer
+from service.wire import codec
+from service.wire import replay_pb2 as pb
+from service.wire import replay_pb2_grpc as pb_grpc
 from tests.conftest import TEST_INSTANCE, rpc_status
 
 T, N = 16, 8
@@ -195,3 +199,69 @@ def test_an_oversized_minibatch_is_refused_before_any_is_cut() -> None:
             assert [b["obs"].shape for b in client.rollout_minibatches("wide", 8)] == [(8, 16384)] * 4
     finally:
         server.stop(grace=0)
+
+
+def _full_rollout(client: ReplayClient, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    client.create_rollout_buffer("ppo", T, N, SCHEMA)
+    full = part(rng, T, N)
+    client.push_rollout("ppo", 0, 0, 0, bootstrap_value=rng.normal(size=N).astype(np.float32), **full)
+    return full
+
+
+def _push_request(rng: np.random.Generator, bootstrap: dict[str, np.ndarray]) -> pb.PushRolloutRequest:
+    """A raw PushRolloutRequest of the whole rollout, as any gRPC client may send it."""
+    flat = {name: array.reshape(T * N, *array.shape[2:]) for name, array in part(rng, T, N).items()}
+    return pb.PushRolloutRequest(buffer="ppo", policy_version=0, env_start=0, step_start=0, num_envs=N,
+                                 steps=codec.encode(flat), bootstrap=codec.encode(bootstrap))
+
+
+def test_a_bootstrap_with_more_than_the_value_column_is_refused(server: ReplayServer, client: ReplayClient) -> None:
+    rng = np.random.default_rng(4)
+    client.create_rollout_buffer("ppo", T, N, SCHEMA)
+    values = np.zeros(N, np.float32)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ReplayStub(channel)
+        for bootstrap in ({"value": values, "x": values}, {"values": values}):
+            code, details = rpc_status(stub.PushRollout, _push_request(rng, bootstrap), timeout=20)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert re.search(r"bootstrap must hold exactly one column 'value', got \[", details), details
+        info = client.describe("ppo")
+        assert info["missing_steps"] == T * N and not info["rollout_complete"]  # nothing was written
+        response = stub.PushRollout(_push_request(rng, {"value": values}), timeout=20)
+        assert response.rollout_complete and response.missing_steps == 0
+
+
+def test_a_minibatch_request_without_epochs_streams_one_epoch(server: ReplayServer, client: ReplayClient) -> None:
+    """epochs is 0 on the wire when a client leaves it out: one pass over the rollout, each sample once."""
+    full = _full_rollout(client, np.random.default_rng(5))
+    request = pb.RolloutMinibatchesRequest(buffer="ppo", minibatch_size=32, seed=1)
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_stream("/replayd.v1.Replay/RolloutMinibatches",
+                                    request_serializer=pb.RolloutMinibatchesRequest.SerializeToString,
+                                    response_deserializer=pb.SampleResponse.FromString)
+        batches = [codec.decode(response.batch) for response in call(request, timeout=20)]
+    assert len(batches) == T * N // 32
+    values = np.sort(np.concatenate([batch["value"] for batch in batches]))
+    np.testing.assert_array_equal(values, np.sort(full["value"].reshape(-1)))
+
+
+def test_a_rollout_config_without_gamma_and_lambda_gets_the_defaults(server: ReplayServer) -> None:
+    """gamma and gae_lambda have presence: a client that sets neither gets 0.99 and 0.95 (as the proto says)."""
+    config = pb.RolloutConfig(fields=[pb.FieldSpec(name="obs", dtype="float32", shape=[3])], num_steps=T, num_envs=N)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ReplayStub(channel)
+        created = stub.CreateBuffer(pb.CreateBufferRequest(name="ppo", rollout=config), timeout=20)
+        described = stub.DescribeBuffer(pb.DescribeBufferRequest(name="ppo"), timeout=20)
+    for info in (created, described):
+        assert info.rollout.HasField("gamma") and info.rollout.gamma == 0.99
+        assert info.rollout.HasField("gae_lambda") and info.rollout.gae_lambda == 0.95
+
+
+def test_a_partly_pushed_rollout_describes_the_steps_it_holds(client: ReplayClient) -> None:
+    rng = np.random.default_rng(6)
+    client.create_rollout_buffer("ppo", T, 4, SCHEMA)
+    client.push_rollout("ppo", 0, 0, 0, bootstrap_value=np.zeros(1, np.float32), **part(rng, T, 1))  # env 0 of 4
+    info = client.describe("ppo")
+    assert info["stored_steps"] == T and info["missing_steps"] == 3 * T and info["capacity_steps"] == 4 * T
+    client.push_rollout("ppo", 0, 1, 0, **part(rng, T // 2, 2))  # envs 1-2, the first half
+    assert client.describe("ppo")["stored_steps"] == T + T // 2 * 2

@@ -49,6 +49,9 @@ def test_workers_serve_sampling_with_the_servers_results(worker_server: ReplaySe
         info = client.describe("uniform")
         assert sorted(int(e.rsplit(":", 1)[1]) for e in info["sample_endpoints"]) == sorted(
             worker_server.sample_workers.ports)
+        # Each description lists the workers rotated, so that clients spread their streams over them.
+        again = client.describe("uniform")["sample_endpoints"]
+        assert sorted(again) == sorted(info["sample_endpoints"]) and again[0] != info["sample_endpoints"][0]
         for _ in range(3):  # round-robin over both workers: same seed, same batch as the server's own
             batch = client.sample("uniform", 64, n_step=3, seed=5, include_keys=True)
             reference = direct.sample("uniform", 64, n_step=3, seed=5, include_keys=True)
