@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,6 +35,26 @@ MALFORMED = [b"\x12\x05abc", b"\x80", b"\x0f\x00", b"\x12\xff\xff\xff\xff\xff\xf
 def test_malformed_frames_raise_codec_error(raw: bytes) -> None:
     with pytest.raises(CodecError):
         split_bytes_field(raw, 2)
+
+
+@pytest.mark.parametrize(("key", "protobuf_accepts"), [
+    (b"\x92\x80\x80\x80\x00", True),  # field 2 (steps), length-delimited, padded to 5 bytes: still 32-bit
+    (b"\x92\x80\x80\x80\x80\x00", False),  # the same key in 6 bytes
+    (b"\x92\x80\x80\x80\x10", False),  # 5 bytes whose value needs more than 32 bits
+    (b"\x02", False),  # field number 0
+])
+def test_a_steps_key_is_read_as_protobuf_reads_it(key: bytes, protobuf_accepts: bool) -> None:
+    """The hand parse takes `steps` without protobuf looking at its key, so it must refuse the keys protobuf
+    refuses (and accept the ones it accepts): the same message is valid or invalid to both."""
+    raw = pb.InsertRequest(buffer="b", span_rows=[1]).SerializeToString() + key + b"\x02hi"
+    if protobuf_accepts:
+        assert pb.InsertRequest.FromString(raw).steps == b"hi"
+        assert bytes(InsertFrame.parse(raw).steps) == b"hi"
+    else:
+        with pytest.raises(DecodeError):
+            pb.InsertRequest.FromString(raw)
+        with pytest.raises(CodecError, match="malformed protobuf"):
+            split_bytes_field(raw, pb.InsertRequest.STEPS_FIELD_NUMBER)
 
 
 def _field(number: int, wire_type: int, body: bytes) -> bytes:

@@ -26,10 +26,11 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(data: memoryview, at: int) -> tuple[int, int]:
-    value, shift = 0, 0
+def _read_varint(data: memoryview, at: int, max_bytes: int = 10) -> tuple[int, int]:
+    """(value, the offset after it) of the varint at `at`: at most 10 bytes (64 bits), 5 for a key."""
+    value, shift, end = 0, 0, at + max_bytes
     while True:
-        if at >= len(data) or shift > 63:
+        if at >= len(data) or at >= end:
             raise CodecError("malformed protobuf: truncated or overlong varint")
         byte = data[at]
         value |= (byte & 0x7F) << shift
@@ -47,8 +48,10 @@ def split_bytes_field(raw: bytes, field_number: int) -> tuple[bytes, memoryview]
     at = 0
     while at < len(data):
         start = at
-        key, at = _read_varint(data, at)
+        key, at = _read_varint(data, at, max_bytes=5)
         number, wire_type = key >> 3, key & 7
+        if number == 0 or key > 0xFFFFFFFF:  # what protobuf's own parser refuses: keys are 32-bit, fields >= 1
+            raise CodecError(f"malformed protobuf: invalid field key {key}")
         if wire_type == 0:
             _, at = _read_varint(data, at)
         elif wire_type == 1:
