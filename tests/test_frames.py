@@ -27,7 +27,7 @@ def test_hand_framing_matches_protobuf(steps: bytes, ids: list[int], rows: list[
 
 
 MALFORMED = [b"\x12\x05abc", b"\x80", b"\x0f\x00", b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
-             # an 11-byte key (field 1, varint) followed by its value: complete, but over protobuf's 10 bytes
+             # an 11-byte key (field 1, varint) followed by its value: complete, but longer than any varint
              b"\x88" + b"\x80" * 9 + b"\x00\x01"]
 
 
