@@ -178,7 +178,8 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
     server = subprocess.Popen(_local_command(services["server"]["command"], env), cwd=ROOT)
     processes = [server]
     try:
-        ReplayClient(env["REPLAYD_ADDRESS"]).wait_ready(timeout=60)
+        with ReplayClient(env["REPLAYD_ADDRESS"]) as probe:
+            probe.wait_ready(timeout=60)
         # The actor's own budget is far longer than the learner's: it stops because the learner finished.
         actor_command = _local_command(services["actor"]["command"], {**env, "REPLAYD_SECONDS": "600"})
         actor = subprocess.Popen(actor_command, cwd=ROOT, env=process_env, stdout=subprocess.PIPE, text=True)

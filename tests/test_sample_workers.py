@@ -250,7 +250,9 @@ def test_a_client_routed_to_workers_samples_a_buffer_recreated_for_the_server_on
                 assert learner.sample("b", 4)["obs"].shape == (4, 4)
         with ReplayClient(worker_server.address) as learner:
             routed_to_workers(learner)
-            assert [batch["obs"].shape for batch in learner.sample_stream("b", 4, num_batches=2)] == [(4, 4)] * 2
+            # a deadline: a stream that kept reopening on UNAVAILABLE fails here, not at the suite timeout
+            stream = learner.sample_stream("b", 4, num_batches=2, timeout=30)
+            assert [batch["obs"].shape for batch in stream] == [(4, 4)] * 2
 
 
 def test_workers_unmap_deleted_buffers(worker_server: ReplayServer) -> None:
