@@ -207,3 +207,31 @@ def test_ppo_collect_bootstraps_truncations_and_the_rollouts_end_with_the_critic
     np.testing.assert_allclose(columns["value"], np.full((4, 2), value))
     np.testing.assert_allclose(bootstrap, [value, value])
     np.testing.assert_array_equal(obs, np.full((2, 4), 4, np.float32))
+
+
+def test_a_dqn_actor_started_without_a_seed_draws_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Like allo actors (above), dqn actors started alike must not play the same episodes."""
+    import dataclasses
+
+    from client.actor import main as actor_main
+    from client.algos import ALGOS
+
+    seeds = []
+    monkeypatch.setitem(ALGOS, "dqn", dataclasses.replace(
+        ALGOS["dqn"], actor=lambda config: seeds.append(config.seed) or ActorReport()))
+    for _ in range(2):
+        actor_main(["--algo", "dqn", "--address", "127.0.0.1:1"])
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    actor_main(["--algo", "dqn", "--address", "127.0.0.1:1", "--seed", "5"])
+    assert seeds[2] == 5
+
+
+def test_the_allo_actor_walks_in_all_four_directions(client: ReplayClient) -> None:
+    from client.actors.allo import AlloActorConfig, run_allo_actor
+    from client.learners.allo import GRID_SCHEMA
+
+    client.create_buffer("fourrooms", 10_000, GRID_SCHEMA)
+    report = run_allo_actor(AlloActorConfig(address=client.address, episodes=2, seed=0, seconds=BUDGET))
+    assert report.pushed == 2
+    actions = client.sample("fourrooms", 4_000, seed=0)["action"]
+    assert set(actions.tolist()) == {0, 1, 2, 3}

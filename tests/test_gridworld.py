@@ -126,3 +126,32 @@ def test_sampled_laplacian_is_the_samplers_operator():
     np.testing.assert_allclose(v4.T @ (v4 * (visits / visits.sum())[:, None]), np.eye(10), atol=1e-8)
     with pytest.raises(ValueError, match="never visited"):
         sampled_laplacian_eigenvectors(env4, few[:1], 0.9, 10)
+
+
+def test_actions_move_right_up_left_down_with_y_growing_downward():
+    env = GridWorld("one_room")
+    env.reset(seed=0)
+    center = env.n_states // 2
+    moved = []
+    for action in range(4):
+        env._state = center
+        obs, _, _, _, _ = env.step(action)
+        moved.append(np.sign(obs - env.all_observations()[center]).tolist())
+    assert moved == [[1, 0], [0, -1], [-1, 0], [0, 1]]  # (x, y) per action: right, up, left, down
+
+
+@pytest.mark.parametrize("layout", ["four_rooms", "one_room", "two_rooms"])
+@pytest.mark.parametrize("discount", [None, 0.9])
+def test_each_eigenvectors_largest_entry_is_positive(layout, discount):
+    """The sign convention makes eigenvectors comparable across runs (eigh's signs are arbitrary)."""
+    _, eigvecs = GridWorld(layout).laplacian_eigenvectors(8, discount)
+    largest = eigvecs[np.abs(eigvecs).argmax(axis=0), np.arange(8)]
+    assert (largest > 0).all(), largest
+
+
+def test_reset_with_a_seed_repeats_the_start_states():
+    def starts(env):
+        first, _ = env.reset(seed=123)
+        return [first.tolist()] + [env.reset()[0].tolist() for _ in range(7)]
+
+    assert starts(GridWorld("four_rooms")) == starts(GridWorld("four_rooms"))

@@ -1,0 +1,261 @@
+"""The client API on its own: split_spans and episode_span, options sent with create_buffer, what the client
+caches about a buffer, BatchStream's reopening, wait_until and the safetensors helpers."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from client import ReplayClient
+from client.batch_stream import BatchStream
+from client.params import load_module_bytes, module_to_bytes
+from client.polling import wait_until
+from client.replay_client import Span, _SamplingCalls, episode_span, split_spans
+from service.errors import RETRY_AFTER_METADATA
+from service.wire import codec
+from tests.conftest import rpc_status
+
+SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
+ROW_BYTES = 8 + 8  # obs float32[2] + action int64
+
+
+def span(rows: int, begins: bool = True, ends: bool = True, terminated: bool = False, offset: int = 0,
+         episode_id: int = 1) -> Span:
+    return Span({"obs": np.arange(rows * 2, dtype=np.float32).reshape(rows, 2),
+                 "action": np.arange(rows, dtype=np.int64) + offset}, episode_id, begins, ends, terminated, offset)
+
+
+def layout(requests: list[list[Span]]) -> list[list[tuple[int, int, int, bool, bool, bool]]]:
+    """(episode_id, offset, rows, begins, ends, terminated) of each span of each request."""
+    return [[(s.episode_id, s.offset, s.rows, s.begins, s.ends, s.terminated) for s in group] for group in requests]
+
+
+# ---------------------------------------------------------------- split_spans / episode_span
+def test_only_the_last_chunk_of_a_split_terminated_episode_is_terminated() -> None:
+    requests = split_spans([span(10, terminated=True)], max_request_bytes=4 * ROW_BYTES)
+    chunks = [s for group in requests for s in group]
+    assert len(chunks) > 1
+    assert [s.terminated for s in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert [s.ends for s in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_chunks_of_a_later_span_are_offset_from_the_spans_own_offset() -> None:
+    """A span that continues its episode at row 100: its chunks are named 100, 100 + rows before, ..."""
+    whole = span(10, begins=False, ends=False, offset=100)
+    requests = split_spans([whole], max_request_bytes=4 * ROW_BYTES)
+    chunks = [s for group in requests for s in group]
+    assert [s.offset for s in chunks] == [100, 103, 106]  # no first-chunk reservation: the span does not begin
+    for chunk in chunks:  # each chunk's rows are the span's rows at its offset
+        rows = slice(chunk.offset - 100, chunk.offset - 100 + chunk.rows)
+        np.testing.assert_array_equal(chunk.columns["action"], whole.columns["action"][rows])
+
+
+def test_the_first_chunk_of_an_odd_episode_keeps_at_least_half_its_rows() -> None:
+    requests = split_spans([span(7)], max_request_bytes=4 * ROW_BYTES)  # 4 rows a request
+    chunks = [s for group in requests for s in group]
+    assert chunks[0].rows == 4  # ceil(7 / 2): the server reserves twice the first chunk for the episode
+    assert sum(s.rows for s in chunks) == 7
+
+
+def test_spans_that_exactly_fill_a_request_go_in_one_request() -> None:
+    requests = split_spans([span(2, episode_id=1), span(2, episode_id=2)], max_request_bytes=4 * ROW_BYTES)
+    assert layout(requests) == [[(1, 0, 2, True, True, False), (2, 0, 2, True, True, False)]]
+
+
+def test_spans_before_and_after_a_split_episode_are_sent_once_each_in_order() -> None:
+    spans = [span(1, episode_id=1), span(10, episode_id=2), span(1, episode_id=3)]
+    requests = split_spans(spans, max_request_bytes=4 * ROW_BYTES)
+    assert layout(requests) == [
+        [(1, 0, 1, True, True, False)],
+        [(2, 0, 5, True, False, False)],
+        [(2, 5, 2, False, False, False)],
+        [(2, 7, 3, False, True, False), (3, 0, 1, True, True, False)],
+    ]
+
+
+def test_an_episode_whose_observation_fields_disagree_on_rows_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"observation fields need L \+ 1 rows.*obs=3.*frame=4"):
+        episode_span({"obs": np.zeros((3, 2)), "frame": np.zeros((4, 2))}, True, ("obs", "frame"))
+
+
+# ---------------------------------------------------------------- create / delete options
+def test_observation_fields_outside_the_schema_are_refused_before_any_call(client: ReplayClient) -> None:
+    with pytest.raises(ValueError, match=r"observation_fields \['pixels'\] are not in the schema"):
+        client.create_buffer("b", 64, SCHEMA, observation_fields=("pixels",))
+    assert client.list_buffers() == []
+
+
+def test_the_reward_field_given_reaches_the_server(client: ReplayClient) -> None:
+    code, details = rpc_status(client.create_buffer, "b", 64, SCHEMA, reward_field="score")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "reward_field 'score'" in details
+
+
+def test_a_buffer_created_again_elsewhere_is_inserted_with_its_new_observation_fields(
+        client: ReplayClient, server) -> None:
+    client.create_buffer("b", 64, SCHEMA)
+    client.insert_episode("b", True, obs=np.zeros((3, 2), np.float32), action=np.zeros(2, np.int64))
+    client.delete_buffer("b")
+    with ReplayClient(server.address, timeout=20) as other:
+        other.create_buffer("b", 64, {"frame": ("float32", (2,)), "action": ("int64", ())},
+                            observation_fields=("frame",))
+    client.insert_episode("b", True, frame=np.zeros((3, 2), np.float32), action=np.zeros(2, np.int64))
+    assert client.describe("b")["stored_steps"] == 3
+
+
+def test_fractional_priorities_are_sent_as_they_are(client: ReplayClient) -> None:
+    client.create_buffer("b", 64, SCHEMA, sampler="prioritized", alpha=1.0)
+    client.insert_episode("b", True, obs=np.zeros((5, 2), np.float32), action=np.arange(4))
+    keys = client.sample("b", 64, mode="states", include_keys=True, seed=0)["key"]
+    keys = np.unique(keys)
+    assert keys.size == 4  # every step (5 observations, 4 steps), so that all but one get priority 0
+    priorities = np.zeros(keys.size)
+    priorities[0] = 0.5  # only this key can be drawn
+    assert client.update_priorities("b", keys, priorities) == (keys.size, 0)
+    batch = client.sample("b", 16, mode="states", include_keys=True, seed=1)
+    assert set(batch["key"].tolist()) == {int(keys[0])}
+
+
+# ---------------------------------------------------------------- sample workers
+def test_sample_workers_are_reached_at_the_host_the_client_connected_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    with ReplayClient("127.0.0.1:1", timeout=1) as replay_client:
+        monkeypatch.setattr(replay_client, "describe", lambda name, timeout=None: {
+            "sample_endpoints": ["0.0.0.0:4242"], "sampling_changes_state": False})
+        opened = []
+        open_channel = replay_client._open_channel
+        monkeypatch.setattr(replay_client, "_open_channel",
+                            lambda address: opened.append(address) or open_channel(address))
+        replay_client._sampling("b", 1.0)
+        assert opened == ["127.0.0.1:4242"]
+
+
+def test_the_sample_call_gets_what_is_left_of_the_timeout_after_describing(monkeypatch: pytest.MonkeyPatch) -> None:
+    given = []
+
+    def slow_describe(name, timeout=None):
+        time.sleep(0.2)  # a slow server answering the describe
+        return {"sample_endpoints": [], "sampling_changes_state": False}
+
+    def sample(request, timeout=None):
+        given.append(timeout)
+        return codec.encode({"x": np.zeros(1, np.float32)})
+
+    with ReplayClient("127.0.0.1:1", timeout=1) as replay_client:
+        monkeypatch.setattr(replay_client, "describe", slow_describe)
+        monkeypatch.setattr(replay_client, "_server_sampling", _SamplingCalls(sample, None))
+        replay_client.sample("b", 1, timeout=1.0)
+    # 1 s in all: the first describe (whether sampling changes state), then the workers' describe, 0.2 s each.
+    assert len(given) == 1 and given[0] < 0.7
+
+
+# ---------------------------------------------------------------- BatchStream
+class FakeError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, retry_after_ms: int | None = None) -> None:
+        self._code, self._retry_after_ms = code, retry_after_ms
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "busy" if self._retry_after_ms is not None else "failed"
+
+    def trailing_metadata(self):
+        return () if self._retry_after_ms is None else ((RETRY_AFTER_METADATA, str(self._retry_after_ms)),)
+
+
+class FakeCall:
+    """A call that yields `payloads`, then raises `error` (or ends)."""
+
+    def __init__(self, payloads: list[bytes], error: Exception | None = None) -> None:
+        self._payloads, self._error = list(payloads), error
+
+    def __next__(self) -> bytes:
+        if self._payloads:
+            return self._payloads.pop(0)
+        if self._error is not None:
+            raise self._error
+        raise StopIteration
+
+    def cancel(self) -> None:
+        pass
+
+
+def opener(calls: list[FakeCall]):
+    """open_call(seconds) handing out `calls` in turn, noting when and with what deadline each was opened."""
+    opened: list[tuple[float, float | None]] = []
+
+    def open_call(seconds: float | None) -> FakeCall:
+        opened.append((time.monotonic(), seconds))
+        return calls[len(opened) - 1]
+
+    return open_call, opened
+
+
+PAYLOAD = codec.encode({"x": np.arange(3, dtype=np.float32)})
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_stream_refused_as_busy_after_a_batch_is_not_opened_again() -> None:
+    """Batches were sampled: opening it again would sample on in a new call, so the error reaches the caller."""
+    open_call, opened = opener([FakeCall([PAYLOAD], FakeError(BUSY, 1)), FakeCall([PAYLOAD])])
+    stream = BatchStream(open_call, 10.0)
+    np.testing.assert_array_equal(next(stream)["x"], [0, 1, 2])
+    with pytest.raises(grpc.RpcError) as info:
+        next(stream)
+    assert info.value.code() == BUSY
+    assert len(opened) == 1
+
+
+def test_a_reopened_stream_gets_what_is_left_of_its_timeout() -> None:
+    open_call, opened = opener([FakeCall([], FakeError(BUSY, 50)), FakeCall([PAYLOAD])])
+    stream = BatchStream(open_call, 10.0)
+    next(stream)
+    assert len(opened) == 2
+    (first_at, first), (second_at, second) = opened
+    assert first == 10.0
+    assert second <= 10.0 - (second_at - first_at) + 1e-6
+    assert second < 9.96
+
+
+def test_a_stream_refused_again_and_again_backs_off_exponentially(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("client.batch_stream.random.random", lambda: 0.0)  # pauses without jitter
+    open_call, opened = opener([FakeCall([], FakeError(BUSY, 1)) for _ in range(3)] + [FakeCall([PAYLOAD])])
+    stream = BatchStream(open_call, 10.0)
+    next(stream)
+    gaps = np.diff([at for at, _ in opened])
+    assert len(gaps) == 3
+    assert gaps[2] >= 0.19  # 0.05, 0.1, 0.2
+
+
+# ---------------------------------------------------------------- wait_until
+def test_wait_until_backs_off_no_longer_than_max_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr("client.polling.time.sleep", pauses.append)
+    results = iter([None] * 12 + [7])
+    assert wait_until(lambda: next(results), time.monotonic() + 60, "x", delay=0.01, max_delay=0.05) == 7
+    assert pauses[:3] == [0.01, 0.02, 0.04]
+    assert max(pauses) == 0.05
+
+
+def test_wait_until_raises_a_grpc_error_it_was_not_told_to_retry() -> None:
+    def check():
+        raise FakeError(grpc.StatusCode.PERMISSION_DENIED)
+
+    with pytest.raises(grpc.RpcError) as info:
+        wait_until(check, time.monotonic() + 5, "x")
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_wait_until_returns_a_result_that_came_as_it_was_stopped() -> None:
+    assert wait_until(lambda: "done", time.monotonic() + 5, "x", stopped=lambda: True) == "done"
+
+
+# ---------------------------------------------------------------- params
+def test_loading_weights_that_lack_a_parameter_fails_naming_it() -> None:
+    source, target = torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*0\.weight"):
+        load_module_bytes(target, module_to_bytes(source))
