@@ -645,6 +645,7 @@ class ReplayClient:
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )
+
         def open_call(remaining: float | None) -> grpc.Call:
             calls, left = self._sampling_within(buffer, remaining)
             return calls.stream(request, timeout=left)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 from collections.abc import Iterator
 
 import grpc
@@ -49,6 +50,13 @@ def server() -> Iterator[ReplayServer]:
 def client(server: ReplayServer) -> Iterator[ReplayClient]:
     with ReplayClient(server.address, timeout=20) as replay_client:
         yield replay_client
+
+
+def free_port() -> int:
+    """A port nothing on 127.0.0.1 listens on now (for a server the test starts, or a client that finds none)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def rpc_status(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:

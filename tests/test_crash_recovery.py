@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 from service.storage.shared_arrays import segments
-from tests.conftest import TEST_INSTANCE
+from tests.conftest import TEST_INSTANCE, free_port
 
 FIELDS = [Field("obs", "float64", (2,), observation=True), Field("reward", "float32")]
 
@@ -134,15 +133,9 @@ def test_writer_killed_mid_insert_is_repaired(method: str, after: bool, monkeypa
             assert np.all(batch["probability"] > 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
     instance = f"{TEST_INSTANCE}fault"
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
                "--http-port", "-1", "--log-level", "WARNING", "--recover"]

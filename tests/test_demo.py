@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from client.local_reader import LocalReader
 from client.polling import wait_until
 from client.trainers.dqn import DQNTrainer
 from service.cli import main as cli_main
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,12 +122,6 @@ def test_demo_allo_learns_from_random_walk_episodes(tmp_path: Path) -> None:
     assert saved["cosine"] == summary["cosine"] and saved["curve"][-1]["avg_cosine"] == round(summary["avg_cosine"], 4)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _interpolate(text: str, env: dict[str, str]) -> str:
     """docker compose's ${VAR:-default} interpolation, nested defaults included (innermost first)."""
     innermost = re.compile(r"\$\{(\w+)(?::-([^${}]*))?\}")
@@ -162,7 +156,7 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
     services = compose["services"]
     assert set(services) == {"server", "actor", "learner"}
     assert services["server"]["shm_size"] and "/healthz" in " ".join(services["server"]["healthcheck"]["test"])
-    port = _free_port()
+    port = free_port()
     env = {
         "REPLAYD_HOST": "127.0.0.1",
         "REPLAYD_PORT": str(port),

@@ -28,7 +28,7 @@ from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
 from service.wire.frames import sample_response_batch
-from tests.conftest import TEST_INSTANCE, rpc_status
+from tests.conftest import TEST_INSTANCE, free_port, rpc_status
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 
@@ -492,11 +492,7 @@ def test_requests_fit_the_clients_message_limit_whatever_max_request_bytes_says(
 def test_a_timeout_bounds_a_retried_call_in_all() -> None:
     """Retries of an idempotent call stay within its timeout (each retry used to get a timeout of its own:
     0.3 s took about 2 s against a port nothing listens on)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with ReplayClient(f"127.0.0.1:{port}", retries=5, timeout=0.3) as client:
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as caught:
@@ -527,11 +523,7 @@ def test_an_explicit_zero_timeout_is_passed_on_not_replaced_by_the_default(clien
 def test_a_first_sample_asks_about_its_buffer_within_the_samples_timeout() -> None:
     """The describe a buffer's first sample makes (sample workers, side effects) had the client's default
     timeout: sample(timeout=0.3) against a server that is down took the describe's retries (seconds)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with ReplayClient(f"127.0.0.1:{port}", retries=5, timeout=60) as client:
         for first_call in (lambda: client.sample("any", 4, timeout=0.3),
                            lambda: next(iter(client.sample_stream("any", 4, timeout=0.3)))):

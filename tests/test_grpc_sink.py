@@ -1,18 +1,15 @@
 """The bare-gRPC baseline of `make bench` (bench/baselines/grpc_sink.py) moves every byte it is timed on."""
 
-import socket
 
 import pytest
 
 from bench.baselines.grpc_sink import GrpcSink
+from tests.conftest import free_port
 
 
 @pytest.fixture
 def sink() -> GrpcSink:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    sink = GrpcSink(port)
+    sink = GrpcSink(free_port())
     yield sink
     sink.close()
     assert sink.process.poll() is not None  # the server process is gone

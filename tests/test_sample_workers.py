@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from service.storage.instance_lock import lock_path
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire.frames import sample_response_batch
-from tests.conftest import TEST_INSTANCE
+from tests.conftest import TEST_INSTANCE, free_port
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 
@@ -162,9 +161,7 @@ def test_a_worker_restarting_while_the_server_stops_is_stopped_too(worker_server
 def test_workers_of_a_killed_server_exit() -> None:
     """SIGKILL gives the server no chance to stop its workers: they notice and exit on their own, rather
     than serving on beside a restarted server."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     instance = f"{TEST_INSTANCE}orphan"
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
                "--http-port", "-1", "--sample-workers", "2"]

@@ -21,7 +21,7 @@ from service.grpc_server.server import ReplayServer
 from service.schema import Field
 from service.storage.instance_lock import InstanceLock, lock_path
 from service.storage.shared_arrays import segments
-from tests.conftest import TEST_INSTANCE
+from tests.conftest import TEST_INSTANCE, free_port
 
 
 def _start(port: int, instance: str, *extra: str) -> subprocess.Popen:
@@ -30,17 +30,9 @@ def _start(port: int, instance: str, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_stale_segments_are_reported_and_removed() -> None:
     instance = f"{TEST_INSTANCE}stale"
-    port = _free_port()
+    port = free_port()
     crashed = _start(port, instance)
     try:
         with ReplayClient(f"127.0.0.1:{port}") as client:
@@ -50,7 +42,7 @@ def test_stale_segments_are_reported_and_removed() -> None:
         crashed.wait(timeout=30)
         assert segments(f"rpd_{instance}_") == [f"rpd_{instance}_b", f"rpd_{instance}_b.data"]
 
-        port = _free_port()
+        port = free_port()
         second = _start(port, instance)
         try:
             with ReplayClient(f"127.0.0.1:{port}") as client:
@@ -64,7 +56,7 @@ def test_stale_segments_are_reported_and_removed() -> None:
             out, _ = second.communicate(timeout=30)
         assert "survive a previous server" in out and f"rpd_{instance}_b" in out
 
-        port = _free_port()
+        port = free_port()
         third = _start(port, instance, "--remove-stale")
         try:
             with ReplayClient(f"127.0.0.1:{port}") as client:
@@ -104,7 +96,7 @@ def test_a_running_servers_instance_cannot_be_taken_nor_its_segments_removed() -
             client.create_buffer("b", 100, {"obs": ("float32", (2,)), "reward": ("float32", ())})
         with pytest.raises(FailedPrecondition, match=f"instance '{instance}' is served by another running process"):
             ReplayServer("127.0.0.1:0", instance=instance)
-        port = _free_port()
+        port = free_port()
         refused = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
                                   instance, "--http-port", "-1", "--remove-stale"],
                                  capture_output=True, text=True, timeout=60)
