@@ -332,6 +332,14 @@ def insert_batches(profile: Profile, rows_per_batch: int, steps: int, rng: np.ra
     return batches, total_steps, total_bytes
 
 
+def cpu_records(case: str, cores: list[np.ndarray], sink_cores: list[np.ndarray], sink_name: str) -> list[dict]:
+    """The cores the server and this client process kept busy over our passes and the bare gRPC ones
+    (medians): a side near 1.0 is what bounds a pass (each side's Python runs on one core at a time)."""
+    ours, bare = np.median(cores, axis=0), np.median(sink_cores, axis=0)
+    return [record(case, f"{side}_cpu_cores", ours[k], "cores", sink_name, bare[k])
+            for k, side in enumerate(("server", "client"))]
+
+
 def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = None) -> list[dict]:
     """Insert and sample over gRPC against a server subprocess (its own GIL, as deployed). `profiles`: names
     of the profiles to run (None: all)."""
@@ -339,6 +347,7 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
     server = ServerProcess()
     client = ReplayClient(server.address, timeout=600)
     sink = GrpcSink(free_port())
+    server_cpu, sink_cpu = subprocesses.CpuMeter(server.process.pid), subprocesses.CpuMeter(sink.process.pid)
     try:
         client.wait_ready(30)
         for profile in PROFILES:
@@ -351,21 +360,28 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
             # What a writer flushes at once (EpisodeWriter: batch_rows); the client splits it into requests
             # of up to max_request_bytes (atari: whole episodes of 28-56 MB go as chunks).
             rows_per_batch = {"cartpole": 50_000, "mujoco": 20_000, "atari": 4_000}[profile.name]
-            rates, sink_rates = [], []
+            rates, sink_rates, cores, sink_cores = [], [], [], []
             for repeat in range(3 if quick else 5):
                 batches, steps, nbytes = insert_batches(profile, min(rows_per_batch, capacity // 2),
                                                         int(capacity * 1.3), rng, first_id=repeat * 2**40)
+                cpu = server_cpu.read()
                 start = time.perf_counter()  # encoding and splitting included, as for a user
                 for spans in batches:
                     client.insert(spans_requests(name, spans, client.max_request_bytes))
                 elapsed = time.perf_counter() - start
+                cores.append((server_cpu.read() - cpu) / elapsed)
                 rates.append((steps / elapsed, nbytes / elapsed))
                 # the same request bytes over bare gRPC (encoded before the clock: the transfer alone)
-                sink_elapsed = sum(sink.drain_seconds([frame.serialize() for frame in
-                                                       spans_requests(name, spans, client.max_request_bytes)])
-                                   for spans in batches)
+                sink_elapsed, sink_cpu_seconds = 0.0, np.zeros(2)
+                for spans in batches:
+                    frames = [frame.serialize() for frame in spans_requests(name, spans, client.max_request_bytes)]
+                    cpu = sink_cpu.read()
+                    sink_elapsed += sink.drain_seconds(frames)
+                    sink_cpu_seconds += sink_cpu.read() - cpu
                 sink_rates.append(nbytes / sink_elapsed)
-            rates, sink_rates = rates[1:], sink_rates[1:]  # the first pass faults in fresh shared memory
+                sink_cores.append(sink_cpu_seconds / sink_elapsed)
+            # the first pass faults in fresh shared memory
+            rates, sink_rates, cores, sink_cores = rates[1:], sink_rates[1:], cores[1:], sink_cores[1:]
             steps_per_s = float(np.median([r[0] for r in rates]))
             bytes_per_s = float(np.median([r[1] for r in rates]))
             sink_mbps = float(np.median(sink_rates)) / MB
@@ -381,12 +397,14 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                               bytes_per_s / MB / tcp_mbps))
             out.append(record(case, "insert_MB_per_s", bytes_per_s / MB, "MB/s", "bare_grpc_stream_same_bytes",
                               sink_mbps, bytes_per_s / MB / sink_mbps))
+            out += cpu_records(case, cores, sink_cores, "bare_grpc_stream_same_bytes")
 
             batches = {"cartpole": 2000, "mujoco": 600, "atari": 400}[profile.name] // (4 if quick else 1)
             for how in ("sample_stream", "sample"):
                 def one_pass(count: int, how: str = how, name: str = name, batch_size: int = profile.batch
-                             ) -> tuple[float, int]:
+                             ) -> tuple[float, int, np.ndarray]:
                     total = 0
+                    cpu = server_cpu.read()
                     start = time.perf_counter()
                     if how == "sample_stream":
                         for batch in client.sample_stream(name, batch_size, "transitions", num_batches=count):
@@ -394,20 +412,23 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                     else:
                         for _ in range(count):
                             total += batch_nbytes(client.sample(name, batch_size, "transitions"))
-                    return time.perf_counter() - start, total
+                    elapsed = time.perf_counter() - start
+                    return elapsed, total, (server_cpu.read() - cpu) / elapsed
 
                 one_pass(20)
-                runs, beside, sink_runs = [], [], []
+                runs, beside, sink_runs, sink_cores = [], [], [], []
                 for _ in range(5):
                     runs.append(one_pass(batches))
                     if how == "sample_stream":  # as many messages of the batch's size over bare gRPC
+                        cpu = sink_cpu.read()
                         sink_runs.append(sink.repeat_seconds(batches, runs[-1][1] // batches))
+                        sink_cores.append((sink_cpu.read() - cpu) / sink_runs[-1])
                     if how == "sample_stream" and profile.name != "cartpole":
                         # as many bytes (in whole 4 MiB writes) over plain loopback TCP, right after the pass
                         write_mb = 4
                         beside_mb = write_mb * max(4, round(runs[-1][1] / 2**20 / write_mb))
                         beside.append(loopback_tcp_gbps(beside_mb, write_mb, repeats=1) * 1e3)
-                elapsed, total = sorted(runs)[len(runs) // 2]  # the median run
+                elapsed, total, _ = sorted(runs, key=lambda run: run[0])[len(runs) // 2]  # the median run
                 case = f"{profile.name} {how} transitions n_step=1 batch={profile.batch}"
                 mbps = total / elapsed / MB
                 if profile.name == "cartpole":
@@ -420,6 +441,7 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                     sink_mbps = total / float(np.median(sink_runs)) / MB
                     out.append(record(case, "MB_per_s", mbps, "MB/s", "bare_grpc_stream_same_sizes", sink_mbps,
                                       mbps / sink_mbps))
+                    out += cpu_records(case, [run[2] for run in runs], sink_cores, "bare_grpc_stream_same_sizes")
                 if beside:
                     tcp_beside = float(np.median(beside))
                     out.append(record(case, "MB_per_s", mbps, "MB/s", "loopback_tcp_interleaved", tcp_beside,

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import psutil
 
+from bench import subprocesses
 from bench.bench_replay import PROFILES, Profile, ServerProcess, insert_batches
 from client.local_reader import LocalReader
 from client.replay_client import ReplayClient, spans_requests
@@ -89,18 +90,6 @@ def _sampling_client(address: str, seconds: float, results: mp.Queue) -> None:
     client.close()
 
 
-def _cpu_seconds(process: psutil.Process) -> float:
-    """CPU time of a process and its children (the server and its sample workers)."""
-    total = 0.0
-    for member in [process, *process.children(recursive=True)]:
-        try:
-            times = member.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
 def workers_scaling(quick: bool) -> list[dict]:
     """Two sampling client processes against K = 0, 1, 2 sample workers. Also the CPU each side spends per
     batch (K = 0): with both cores busy, K = 2 can reach at most 2 cores / (server + client CPU per batch),
@@ -119,11 +108,11 @@ def workers_scaling(quick: bool) -> list[dict]:
             results = context.Queue()
             clients = [context.Process(target=_sampling_client, args=(server.address, seconds, results))
                        for _ in range(2)]
-            server_cpu = _cpu_seconds(server_process)
+            server_cpu = subprocesses.cpu_seconds(server_process)
             for process in clients:
                 process.start()
             reports = [results.get(timeout=120) for _ in clients]
-            server_cpu = _cpu_seconds(server_process) - server_cpu
+            server_cpu = subprocesses.cpu_seconds(server_process) - server_cpu
             for process in clients:
                 process.join()
             totals[workers] = sum(rate for rate, _ in reports)
