@@ -145,6 +145,19 @@ def test_compose_ports_follow_their_variables() -> None:
     assert "--address server:50051" in _interpolate(services["actor"]["command"], {})
 
 
+def test_compose_build_arguments_are_the_dockerfiles_own() -> None:
+    """Every build argument compose passes is an ARG of its Dockerfile, and every ARG a Dockerfile declares
+    can be set from compose (a GPU learner needs both a CUDA base image and torch's CUDA wheel index)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for name, service in compose["services"].items():
+        dockerfile = (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).read_text()
+        declared = set(re.findall(r"^ARG (\w+)", dockerfile, re.M))
+        assert set(service["build"]["args"]) == declared, name
+    cuda_wheels = "https://download.pytorch.org/whl/cu126"
+    learner_args = compose["services"]["learner"]["build"]["args"]
+    assert _interpolate(learner_args["TORCH_INDEX_URL"], {"TORCH_INDEX_URL": cuda_wheels}) == cuda_wheels
+
+
 def _local_command(command: str, env: dict[str, str]) -> list[str]:
     words = shlex.split(_interpolate(command, env))
     assert words[0] == "replayd"

@@ -1,4 +1,5 @@
-"""Uniform states: the observation fields of sampled steps (e.g. ALLO's orthogonality batches)."""
+"""States: the observation fields of sampled steps, drawn by the buffer's sampler (e.g. ALLO's orthogonality
+batches from a uniform buffer)."""
 
 from __future__ import annotations
 
