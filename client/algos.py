@@ -71,4 +71,4 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, help="time budget (default: the algorithm's)")
     parser.add_argument("--envs", dest="num_envs", type=int, help="ppo: environments per actor")
     parser.add_argument("--rollout-steps", type=int, help="ppo: steps per rollout (T)")
-    parser.add_argument("--episodes", type=int, help="allo: random-walk episodes per actor")
+    parser.add_argument("--episodes", type=int, help="allo actors: random-walk episodes per actor")

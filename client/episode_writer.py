@@ -23,11 +23,13 @@ class EpisodeWriter:
     leaving a `with EpisodeWriter(...) as writer:` block without an exception) sends what is left.
 
     Values are checked against the buffer's schema (names, dtype, shape) as they are given, so a wrong
-    one raises ValueError there and changes nothing. A flush that fails because the server is unreachable
-    keeps its spans for the next flush. One the server refuses (an open episode evicted meanwhile, say) is
-    sent again one episode at a time: the episodes it accepts are stored, the refused ones dropped, and
-    the first refusal is raised; an open episode that was refused goes on as a new episode from its
-    unsent steps.
+    one raises ValueError there and changes nothing: a value is converted to its field's dtype only within
+    its kind or from a narrower kind (see `_row`), never truncated or wrapped.
+
+    A flush that fails because the server is unreachable keeps its spans for the next flush. One the
+    server refuses (an open episode evicted meanwhile, say) is sent again one episode at a time: the
+    episodes it accepts are stored, the refused ones dropped, and the first refusal is raised; an open
+    episode that was refused goes on as a new episode from its unsent steps.
     """
 
     def __init__(self, client: ReplayClient, buffer: str, chunk_rows: int = 1000, batch_rows: int = 4096,
@@ -80,17 +82,23 @@ class EpisodeWriter:
             raise ValueError(f"EpisodeWriter for buffer {self.buffer!r} is closed")
 
     def _row(self, values: Mapping[str, Any], expected: set[str], call: str) -> dict[str, np.ndarray]:
-        """`values` as arrays of the buffer's dtypes and shapes (Python scalars and float64 arrays from
-        environments are cast); ValueError naming the field otherwise."""
+        """`values` as arrays of the buffer's dtypes and shapes; ValueError naming the field otherwise.
+
+        A value is converted within its kind (Python scalars, float64 arrays from environments into float32
+        fields, ints into smaller ints) or from a narrower kind (ints into floats), never across to a
+        narrower kind: a float for an int field, say, is refused rather than truncated. Ints must fit their
+        field (300 into uint8 is refused, not wrapped)."""
         if set(values) != expected:
             raise ValueError(f"{call}: buffer {self.buffer!r} expects fields {sorted(expected)}, got {sorted(values)}")
         row = {}
         for name, value in values.items():
             dtype, shape = self.dtypes[name], self.shapes[name]
-            try:
-                array = np.asarray(value, dtype=dtype)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise ValueError(f"{call}: field {name!r} cannot be {dtype}: {exc}") from exc
+            given = np.asarray(value)
+            if not np.can_cast(given.dtype, dtype, casting="same_kind"):
+                raise ValueError(f"{call}: field {name!r} cannot be {dtype}: got {given.dtype} values")
+            array = given.astype(dtype, copy=False)
+            if dtype.kind in "iu" and not np.array_equal(array, given):
+                raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
             if array.shape != shape:
                 raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")
             row[name] = array

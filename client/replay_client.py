@@ -637,8 +637,9 @@ class ReplayClient:
 
     def sample_stream(self, buffer: str, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
                       timeout: float | None = None, **options: Any) -> BatchStream:
-        """Batches from one server stream; HTTP/2 flow control keeps several in flight (and the server samples
-        the next batch while it sends one). Each batch is decoded without a copy: numpy views of the message.
+        """Batches from one server stream; HTTP/2 flow control keeps several in flight (and, for buffers whose
+        sampling counts nothing (no max_times_sampled remover, no rate limiter), the server samples the next
+        batch while it sends one). Each batch is decoded without a copy: numpy views of the message.
 
         `num_batches=0` streams until the stream is closed (which cancels the call; any thread may close it).
         """

@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                               help="largest gRPC message either way (gRPC's default is 4 MB)")
     serve_parser.add_argument("--recover", action="store_true",
                               help="reattach to the buffers a killed server of this --instance left in shared "
-                                   "memory; buffers that fail the consistency checks come from --restore")
+                                   "memory; buffers that fail the consistency checks come from --restore "
+                                   "(without it, from the latest checkpoint in --checkpoint-dir)")
     serve_parser.add_argument("--remove-stale", action="store_true",
                               help="unlink segments of this --instance left by a server that died")
     serve_parser.add_argument("--sample-workers", type=count, default=0,
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
                               help="write a checkpoint of every buffer this often (needs --checkpoint-dir)")
     serve_parser.add_argument("--checkpoint-keep", type=count, default=3,
-                              help="periodic checkpoints keep the newest this many (0: keep all)")
+                              help="after each periodic checkpoint, keep the newest this many complete "
+                                   "checkpoints in --checkpoint-dir, Checkpoint RPC ones included (0: keep all)")
     serve_parser.add_argument("--log-level", default="INFO", type=str.upper,
                               choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     # Actors and learners need the client extras (torch, gymnasium); they are imported only when asked for,

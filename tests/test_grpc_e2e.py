@@ -160,11 +160,15 @@ def test_episode_writer_refuses_a_wrong_value_where_it_is_given_and_goes_on(clie
         writer.append(obs=np.zeros(4, np.float32), acton=1, reward=0.5)
     with pytest.raises(ValueError, match=r"append: field 'obs' expected shape \(4,\), got \(5,\)"):
         writer.append(**{**step, "obs": np.zeros(5)})
-    with pytest.raises(ValueError, match="append: field 'action' cannot be int64"):
+    with pytest.raises(ValueError, match="append: field 'action' cannot be int64: got <U4 values"):
         writer.append(**{**step, "action": "left"})
+    with pytest.raises(ValueError, match="append: field 'action' cannot be int64: got float64 values"):
+        writer.append(**{**step, "action": 1.7})  # refused, not truncated to 1
+    with pytest.raises(ValueError, match="append: field 'action' cannot be int64: values out of its range"):
+        writer.append(**{**step, "action": 2**63})  # refused, not wrapped
+    writer.append(**{**step, "obs": np.zeros(4), "reward": 1})  # float64 into float32, an int into float32
     with pytest.raises(ValueError, match=r"end_episode: field 'obs' expected shape \(4,\), got \(5,\)"):
         writer.end_episode(terminated=True, obs=np.ones(5, np.float32))
-    writer.append(**step)
     writer.end_episode(terminated=True, obs=np.ones(4, np.float32))
     writer.close()
     info = client.describe("v")
