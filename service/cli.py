@@ -8,10 +8,12 @@ import ctypes.util
 import logging
 import math
 import os
+import platform
 import signal
 import threading
 from pathlib import Path
 
+from service.buffers.ring import LOCK_FREE_MACHINES
 from service.errors import FailedPrecondition, ReplayError
 from service.grpc_server.auth import check_bind, check_token
 from service.grpc_server.server import ReplayServer
@@ -233,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     if args.max_message_mb * 2**20 > 2**31 - 1:
         parser.error(f"--max-message-mb: gRPC messages are smaller than 2048 MB, got {args.max_message_mb:g}")
+    if args.sample_workers and platform.machine().lower() not in LOCK_FREE_MACHINES:
+        parser.error(f"--sample-workers sample shared memory lock-free, which needs an x86-64 host; this one is "
+                     f"{platform.machine()!r}")
     if args.tls_cert and args.sample_workers:
         parser.error("--sample-workers serve plain gRPC: run them without --tls-cert (or put TLS in a proxy)")
     if args.checkpoint_every is not None and (args.checkpoint_dir is None or args.checkpoint_every <= 0):

@@ -44,6 +44,18 @@ def test_bad_flag_values_are_usage_errors(flags: list[str], message: str, capsys
     assert message in capsys.readouterr().err
 
 
+def test_sample_workers_off_x86_are_a_usage_error(capsys: pytest.CaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """They read shared memory lock-free, which takes x86's memory ordering (service/buffers/ring.py)."""
+    monkeypatch.setattr(cli, "serve", lambda args: pytest.fail("--sample-workers off x86 started a server"))
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", "--instance", f"{TEST_INSTANCE}cli", "--http-port", "-1", "--sample-workers", "2"])
+    assert info.value.code == 2
+    assert "--sample-workers sample shared memory lock-free, which needs an x86-64 host; this one is 'aarch64'" in (
+        capsys.readouterr().err)
+
+
 def test_recover_without_an_instance_is_a_usage_error(capsys: pytest.CaptureFixture,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A random instance name has no segments to reattach: --recover must name the killed server's."""

@@ -202,3 +202,14 @@ def test_a_draw_that_finds_its_range_emptied_is_drawn_again(attached_ring: Episo
     monkeypatch.setattr(attached_ring.sampler, "draw", emptied_once)
     batch, torn = attached_ring.sample_shared(8, TransitionsMode(N_STEP, GAMMA), np.random.default_rng(0))
     assert torn == 1 and batch["obs"].shape == (8, 3)
+
+
+def test_a_lock_free_reader_is_refused_off_x86(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its validation takes x86's memory ordering: elsewhere attaching fails, naming the host, and maps nothing."""
+    buffer = EpisodicBuffer("arm", f"{TEST_INSTANCE}arm", FIELDS, 64)
+    try:
+        monkeypatch.setattr("platform.machine", lambda: "aarch64")
+        with pytest.raises(FailedPrecondition, match=r"lock-free readers need an x86-64 host .* 'aarch64'"):
+            EpisodicRing.attach(buffer.storage.header_name)
+    finally:
+        buffer.close()

@@ -16,7 +16,10 @@ when the episode closes, so a sample finds its bound in O(1) and never searches 
 open episodes hold OPEN and take their bound from the extent table (the last row landed so far); rows
 that hold nothing hold HOLE. Every insert rewrites the bounds of the rows it reuses.
 
-Commit order within an insert: rows first, then row bounds, then the extent table and counters.
+Commit order within an insert: rows first; a whole episode's extent record and its rows' `row_seq`, then
+their bounds (a lock-free reader that reads a bound then finds the episode's record in place, even below a
+head it read before the head moved back); an open episode's rows are marked OPEN before its extent's last
+row covers them; counters, then the head, last.
 """
 
 from __future__ import annotations
@@ -633,13 +636,16 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         lasts = starts + rows - 1
         seq0 = int(self.state[NEXT_SEQ])
         seqs = np.arange(seq0, seq0 + len(rows), dtype=np.int64)
-        self._set_ring(self.row_end, head, np.repeat(lasts, rows))
+        # The rows' bounds last: the head does not publish these rows to every reader, as it moves back when
+        # the head episode closes and gives up unused room, so a reader may hold a head past them already.
+        # One that reads a bound then finds the rows' extents (id, how they ended) in place.
         self._set_ring(self.row_seq, head, np.repeat(seqs, rows))
         slots = seqs % self.extent_slots
         self.extent_episode_id[slots] = spans.episode_ids[op.span_lo:op.span_hi]
         self.extent_start[slots] = starts
         self.extent_last[slots] = lasts
         self.extent_flags[slots] = ALIVE | np.where(spans.terminated[op.span_lo:op.span_hi], TERMINATED, 0)
+        self._set_ring(self.row_end, head, np.repeat(lasts, rows))
         self.state[NEXT_SEQ] = seq0 + len(rows)
         self.state[EPISODES] += len(rows)
         self.state[SAMPLEABLE] += int(rows.sum()) - len(rows)

@@ -8,12 +8,15 @@ Readers hold no lock; they validate by the tail. A position's row never changes 
 live (>= the tail): the writer marks the rows of evicted extents as holes and moves `state[TAIL_POS]`
 past them before it overwrites any of them, and the tail never moves back. So a batch whose positions
 are all >= the tail read after the gather was read from live rows only: it is whole. Otherwise it raced
-with an eviction and is drawn again. (x86 keeps stores in program order, which this relies on.)
+with an eviction and is drawn again. Bounds publish rows, not the head, which moves back when the newest
+episode closes short of its room (see episodic.py's commit order). (x86 keeps stores in program order,
+and loads too, which this relies on.)
 """
 
 from __future__ import annotations
 
 import math
+import platform
 
 import numpy as np
 
@@ -52,6 +55,9 @@ def shared_sampling(components: dict) -> bool:
     counting draws, a rate limiter). Prioritized readers descend the shared sum tree; priority updates
     still go to the writer."""
     return components["remover"]["kind"] == "fifo" and not components["rate_limited"]
+
+
+LOCK_FREE_MACHINES = ("x86_64", "amd64")  # platform.machine() of hosts whose readers may sample lock-free
 
 
 def check_importance_beta(importance_beta: float) -> None:
@@ -104,6 +110,11 @@ class EpisodicRing:
         Buffers whose sampling changes state (a remover counting draws, a rate limiter) are sampled by
         their server only.
         """
+        machine = platform.machine()
+        if machine.lower() not in LOCK_FREE_MACHINES:
+            # numpy issues no memory barriers: the reader's validation takes x86's ordering of loads and stores.
+            raise FailedPrecondition(f"lock-free readers need an x86-64 host (its memory ordering), this one is "
+                                     f"{machine!r}: sample over gRPC instead")
         storage = SharedArrays.attach(header_name, readonly=True)
         meta = storage.meta
         try:

@@ -107,6 +107,11 @@ class PrioritizedSampler:
     # ---------------------------------------------------------------- sampling
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0) -> Draw:
+        # The head first: it maps the leaves read after it to positions. A lock-free reader whose leaves are
+        # newer than its head (an eviction and insert reused their rows meanwhile) gets positions below the
+        # new tail, which its check of the batch refuses; leaves older than the head would pass with the
+        # evicted step's priority.
+        head = ring.head
         total = self.tree.total
         if total <= 0:
             raise FailedPrecondition(
@@ -125,7 +130,7 @@ class PrioritizedSampler:
                 break
             leaves[torn] = self._search(rng.random(int(torn.sum())) * total)
         # Leaf = ring row; the live range lies within the last `capacity` positions before the head.
-        base = ring.head - ring.capacity
+        base = head - ring.capacity
         positions = base + (leaves - base) % ring.capacity
         rows, bounds, closed, open_seq = ring.locate(positions)
         if torn.any():
