@@ -13,6 +13,7 @@
 #include <numpy/random/distributions.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #define OPEN (-1)
@@ -134,6 +135,9 @@ static int tables_arg(PyObject *const *args, Tables *tables) {
 static void bounds_of_rows(Py_ssize_t count, const int64_t *rows, const Tables *t, int64_t *bounds, char *closed,
                            int64_t *open_seq) {
     for (Py_ssize_t i = 0; i < count; i++) bounds[i] = t->row_end[rows[i]]; /* the random reads alone */
+    /* A lock-free reader reads a row's bound before its row_seq and extent record, which the writer stores
+       first (x86 keeps both orders; this keeps the compiler from moving the later loads above). */
+    atomic_signal_fence(memory_order_seq_cst);
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t row = rows[i], bound = bounds[i], seq = -1;
         closed[i] = 1;
