@@ -20,7 +20,7 @@ import numpy as np
 from client.polling import never, wait_until
 from client.replay_client import ReplayClient
 from service.buffers.ring import EpisodicRing
-from service.errors import DeadlineExceeded, NotFound
+from service.errors import DeadlineExceeded, InvalidArgument, NotFound
 from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
 from service.samplers.states import StatesMode
@@ -155,6 +155,9 @@ class LocalReader:
                       **options: Any) -> LocalStream:
         """Batches until `num_batches` (0: forever); one random stream, so a seeded stream is reproducible.
         `wait` and `timeout` as in `sample`, for the first batch."""
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int | np.integer) or num_batches < 0:
+            raise InvalidArgument(f"sample_stream: num_batches expected an integer >= 0 (0 = until closed), "
+                                  f"got {num_batches!r}")
         rng = np.random.default_rng(seed)
         chosen = batch_mode(mode, **options)
 

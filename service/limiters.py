@@ -138,9 +138,9 @@ class WorkerSeats:
 
 class RateLimiter:
     def __init__(self, min_size_to_sample: int = 1, samples_per_insert: float = 0.0, error_buffer: float = 0.0) -> None:
-        if not isinstance(min_size_to_sample, int | np.integer) or min_size_to_sample < 0:
-            raise InvalidArgument(
-                f"rate_limiter.min_size_to_sample must be an integer >= 0, got {min_size_to_sample!r}")
+        if not isinstance(min_size_to_sample, int | np.integer) or min_size_to_sample < 1:
+            raise InvalidArgument(f"rate_limiter.min_size_to_sample must be an integer >= 1 (an empty buffer has "
+                                  f"nothing to sample), got {min_size_to_sample!r}")
         if not np.isfinite(samples_per_insert) or samples_per_insert < 0:
             raise InvalidArgument(f"rate_limiter.samples_per_insert must be finite and >= 0, got {samples_per_insert}")
         if not np.isfinite(error_buffer) or error_buffer < 0:
@@ -150,7 +150,7 @@ class RateLimiter:
                 f"rate_limiter.error_buffer={error_buffer} is too small for samples_per_insert={samples_per_insert}: "
                 f"need 2 * error_buffer >= samples_per_insert + 1, or inserts and samples could block each other"
             )
-        self.min_size_to_sample = max(1, int(min_size_to_sample))  # an empty buffer cannot be sampled anyway
+        self.min_size_to_sample = int(min_size_to_sample)
         self.samples_per_insert = float(samples_per_insert)
         self.error_buffer = float(error_buffer)
         center = self.min_size_to_sample * self.samples_per_insert

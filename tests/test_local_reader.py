@@ -20,7 +20,7 @@ from client.polling import wait_until
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.lifetime import SharedReads
 from service.buffers.ring import EpisodicRing
-from service.errors import DeadlineExceeded, FailedPrecondition, NotFound, RingChanged
+from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, RingChanged
 from service.removers import MaxTimesSampledRemover
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -87,6 +87,21 @@ def test_a_local_reader_counts_the_torn_draws_it_redraws(client: ReplayClient,
         batches = list(reader.sample_stream(8, num_batches=3))
         assert len(batches) == 3 and all(batch["obs"].shape == (8, 4) for batch in batches)
         assert reader.torn_redraws == 4 and raced.count(True) == 4
+
+
+def test_local_sampling_refuses_counts_the_grpc_path_refuses(client: ReplayClient) -> None:
+    """Protobuf refuses a float n_step and the server a negative num_batches; in-process they were cut to
+    int(2.9) = 2 and to nothing."""
+    _insert_some_episodes(client, "local")
+    with LocalReader(client, "local") as reader:
+        with pytest.raises(InvalidArgument, match=r"transitions.n_step must be an integer in 1..1000, got 2.9"):
+            reader.sample(8, n_step=2.9)
+        with pytest.raises(InvalidArgument, match=r"transitions.n_step must be an integer in 1..1000, got True"):
+            reader.sample(8, n_step=True)
+        for count in (-1, 2.5):
+            with pytest.raises(InvalidArgument, match=rf"num_batches expected an integer >= 0 .*got {count}"):
+                reader.sample_stream(8, num_batches=count)
+        assert reader.sample(8, n_step=np.int64(2))["obs"].shape == (8, 4)
 
 
 def test_a_closed_local_stream_yields_nothing_more(client: ReplayClient) -> None:

@@ -119,6 +119,22 @@ def test_stale_keys_are_ignored_and_never_reach_the_new_occupant() -> None:
         buffer.close()
 
 
+def test_a_negative_key_is_refused_and_a_key_past_the_head_is_stale() -> None:
+    """A negative key is no position a buffer hands out; one at or past the head may come from an earlier
+    buffer of the same name, so it is stale, as an evicted one is."""
+    rng = np.random.default_rng(5)
+    buffer = new_buffer(40)
+    try:
+        insert_episodes(buffer, rng, [9], 0)
+        before = buffer.sampler.tree.get(np.arange(buffer.capacity)).copy()
+        with pytest.raises(InvalidArgument, match=r"update_priorities: keys\[1\] = -5; keys are the positions"):
+            buffer.update_priorities(np.array([0, -5]), np.array([2.0, 2.0]))
+        np.testing.assert_array_equal(buffer.sampler.tree.get(np.arange(buffer.capacity)), before)
+        assert buffer.update_priorities(np.array([buffer.head, 10**12]), np.array([2.0, 2.0])) == (0, 2)
+    finally:
+        buffer.close()
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0, 1e300])  # 1e300 ** 0.7 would make the tree total overflow
 def test_bad_priorities_are_rejected_naming_the_index_and_change_nothing(bad: float) -> None:
     rng = np.random.default_rng(3)

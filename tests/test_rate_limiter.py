@@ -158,6 +158,9 @@ def test_config_is_validated() -> None:
     with pytest.raises(InvalidArgument, match="error_buffer must be finite and >= 0"):
         RateLimiter(1, samples_per_insert=0.0, error_buffer=-1.0)
     RateLimiter(1, samples_per_insert=1.0, error_buffer=1.0)  # the documented boundary: 2 * 1 == 1 + 1
+    # 0 was taken as 1, which also moved the band by samples_per_insert (it is centred on min size * spi)
+    with pytest.raises(InvalidArgument, match=r"min_size_to_sample must be an integer >= 1 .*got 0"):
+        RateLimiter(0, samples_per_insert=2.0, error_buffer=10.0)
     with pytest.raises(InvalidArgument, match="samples_per_insert"):
         RateLimiter(1, samples_per_insert=-1.0)
     # A min size the ring can never hold would leave the buffer unsampleable forever.

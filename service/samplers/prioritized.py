@@ -153,12 +153,19 @@ class PrioritizedSampler:
         """Sets the priorities of live keys; returns (applied, ignored_stale). Call with ring.lock held.
 
         A key is stale when its position is no longer a sampleable step of the ring (evicted, moved,
-        overwritten, retired): its row may hold another step now, which must keep its own priority.
+        overwritten, retired): its row may hold another step now, which must keep its own priority. A key at
+        or past the head is stale too (an earlier buffer of the same name handed it out); a negative key is
+        no position at all and is refused.
         """
         keys = np.asarray(keys, dtype=np.int64).ravel()
         priorities = np.asarray(priorities, dtype=np.float64).ravel()
         if keys.size != priorities.size:
             raise InvalidArgument(f"update_priorities: {keys.size} keys but {priorities.size} priorities")
+        negative = keys < 0
+        if negative.any():
+            index = int(np.argmax(negative))
+            raise InvalidArgument(f"update_priorities: keys[{index}] = {int(keys[index])}; keys are the positions "
+                                  "samples return (include_keys), >= 0")
         bad = ~np.isfinite(priorities) | (priorities < 0)
         if bad.any():
             index = int(np.argmax(bad))

@@ -26,8 +26,8 @@ class TransitionsMode:
     """
 
     def __init__(self, n_step: int = 1, gamma: float = 0.99) -> None:
-        if not 1 <= n_step <= MAX_N_STEP:
-            raise InvalidArgument(f"transitions.n_step must be in 1..{MAX_N_STEP}, got {n_step}")
+        if isinstance(n_step, bool) or not isinstance(n_step, int | np.integer) or not 1 <= n_step <= MAX_N_STEP:
+            raise InvalidArgument(f"transitions.n_step must be an integer in 1..{MAX_N_STEP}, got {n_step!r}")
         if not 0.0 <= gamma <= 1.0:
             raise InvalidArgument(f"transitions.gamma must be in [0, 1], got {gamma}")
         self.n_step = int(n_step)
