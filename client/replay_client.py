@@ -6,6 +6,7 @@ Only the wire contract (proto + codec) is shared with the server; no torch is im
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
 import math
 import os
@@ -43,6 +44,78 @@ def _give_up(timeout: float | None) -> float | None:
 def _left(give_up: float | None) -> float | None:
     """Seconds left until `give_up` (None: no deadline), 0 once it has passed."""
     return None if give_up is None else max(give_up - time.monotonic(), 0.0)
+
+
+class _Unset(enum.Enum):
+    """An option the caller did not pass: its default applies. None cannot serve, since None is refused (a
+    protobuf field set to None is "not set" and gets the field's default, not what the caller asked for)."""
+
+    UNSET = enum.auto()
+
+
+_UNSET = _Unset.UNSET
+# What sample_request sends for an n_step / gamma not passed (transitions mode).
+DEFAULT_N_STEP = 1
+DEFAULT_GAMMA = 0.99
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy) that is not a bool: True would pass as 1."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _refuse_none(**options: Any) -> None:
+    """Refuses numeric options given as None: protobuf takes a field set to None as "not set", and the
+    server would silently use the field's default instead."""
+    for name, value in options.items():
+        if value is None:
+            raise ValueError(f"{name}: expected a number, got None")
+
+
+def _int64_keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:
+    """`keys` as int64, refusing what a cast would change: a float key would update a truncated step and a
+    uint64 above 2**63 - 1 would wrap to a negative one."""
+    if isinstance(keys, list | tuple):  # element by element: np.asarray would make True 1 among ints
+        for index, key in enumerate(keys):
+            if not _is_int(key):
+                raise ValueError(f"keys: expected integers, got {key!r} at index {index}")
+    array = np.asarray(keys)
+    if array.ndim != 1:
+        raise ValueError(f"keys: expected a 1-D sequence, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, np.int64)
+    int64_max = np.iinfo(np.int64).max
+    if array.dtype == object:  # Python ints beyond 64 bits, or a mix of types
+        for index, key in enumerate(array):
+            if not _is_int(key):
+                raise ValueError(f"keys: expected integers, got {key!r} at index {index}")
+        outside = [not 0 <= key <= int64_max for key in array]
+    elif array.dtype.kind in "iu":
+        outside = (array < 0) | (array > int64_max)
+    else:
+        raise ValueError(f"keys: expected integers, got dtype {array.dtype} (first key {array[0].item()!r})")
+    if np.any(outside):
+        index = int(np.argmax(outside))
+        raise ValueError(f"keys: expected integers in 0..{int64_max} (int64 positions), got {int(array[index])} "
+                         f"at index {index}")
+    return array.astype(np.int64)
+
+
+def _float32_bootstrap(bootstrap_value: np.ndarray) -> np.ndarray:
+    """`bootstrap_value` as float32, refusing a value the cast would change into another: a finite one beyond
+    float32's range (inf, which the server would report instead of the value sent) or a nonzero one below
+    its smallest subnormal (0)."""
+    with np.errstate(over="ignore", under="ignore"):  # what the cast lost is refused below, by name
+        cast = np.asarray(bootstrap_value, dtype=np.float32)
+    sent = np.asarray(bootstrap_value)
+    if sent.dtype.kind in "iuf":
+        with np.errstate(invalid="ignore"):
+            lost = (np.isfinite(sent) & ~np.isfinite(cast)) | ((sent != 0) & (cast == 0))
+        if lost.any():
+            env = int(np.argmax(lost.reshape(-1)))
+            raise ValueError(f"bootstrap_value: expected values float32 can hold, got {sent.reshape(-1)[env].item()!r} "
+                             f"at env {env} of the part (float32 makes it {float(cast.reshape(-1)[env])})")
+    return cast
 
 
 def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
@@ -262,6 +335,11 @@ class ReplayClient:
     def __init__(self, address: str, timeout: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  retries: int = 5, token: str | None = None, root_certificates: bytes | None = None,
                  use_sample_workers: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        # A negative or fractional count would never equal the retries done: retried until the deadline.
+        if not _is_int(retries) or retries < 0:
+            raise ValueError(f"retries: expected an integer >= 0, got {retries!r}")
+        if not _is_int(max_request_bytes) or max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes: expected an integer >= 1, got {max_request_bytes!r}")
         self.address = address
         # Inserts of more are split into several requests. A long episode's first chunk may reach twice the
         # request size (split_spans), which must still fit a message with room for the framing.
@@ -417,9 +495,11 @@ class ReplayClient:
 
         reward_field: the per-step reward for n-step returns (None: the field named "reward", if any).
         sampler: "uniform" or "prioritized" (P(i) ~ p_i^alpha). remover: "fifo" or "max_times_sampled"
-        (a step is retired after `max_times_sampled` draws). rate_limiter: dict of min_size_to_sample,
+        (a step is retired after `max_times_sampled` draws; a nonzero `max_times_sampled` with another remover
+        is refused). rate_limiter: dict of min_size_to_sample,
         samples_per_insert, error_buffer (Reverb's SampleToInsertRatio).
         """
+        _refuse_none(capacity_steps=capacity_steps, alpha=alpha, max_times_sampled=max_times_sampled)
         unknown = set(observation_fields) - set(schema)
         if unknown:
             raise ValueError(f"observation_fields {sorted(unknown)} are not in the schema {sorted(schema)}")
@@ -443,6 +523,9 @@ class ReplayClient:
             raise ValueError(f"sampler must be uniform or prioritized, got {sampler!r}")
         if remover not in ("fifo", "max_times_sampled"):
             raise ValueError(f"remover must be fifo or max_times_sampled, got {remover!r}")
+        if remover != "max_times_sampled" and max_times_sampled != 0:  # 0, the default: none given
+            raise ValueError(f"max_times_sampled: only valid with remover='max_times_sampled', got "
+                             f"max_times_sampled={max_times_sampled!r} with remover={remover!r}")
         components: dict[str, Any] = {
             "sampler": pb.SamplerConfig(prioritized=pb.PrioritizedSampler(alpha=alpha)) if sampler == "prioritized"
             else pb.SamplerConfig(uniform=pb.UniformSampler()),
@@ -451,6 +534,7 @@ class ReplayClient:
             if remover == "max_times_sampled" else pb.RemoverConfig(fifo=pb.FifoRemover()),
         }
         if rate_limiter is not None:
+            _refuse_none(**{f"rate_limiter[{key!r}]": value for key, value in rate_limiter.items()})
             components["rate_limiter"] = pb.RateLimiterConfig(**rate_limiter)
         return components
 
@@ -477,6 +561,7 @@ class ReplayClient:
                               gamma: float = 0.99, gae_lambda: float = 0.95) -> dict[str, Any]:
         """Creates a PPO rollout buffer of (num_steps, num_envs) cells. `schema` maps field -> (dtype, cell
         shape); reward, value, terminated, truncated and final_value are added when not listed."""
+        _refuse_none(num_steps=num_steps, num_envs=num_envs, gamma=gamma, gae_lambda=gae_lambda)
         fields = [pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape)) for n, (dtype, shape) in
                   schema.items()]
         config = pb.RolloutConfig(fields=fields, num_steps=num_steps, num_envs=num_envs, gamma=gamma,
@@ -499,17 +584,20 @@ class ReplayClient:
         request = pb.PushRolloutRequest(buffer=buffer, policy_version=policy_version, env_start=env_start,
                                         step_start=step_start, steps=codec.encode(flat), num_envs=envs)
         if bootstrap_value is not None:
-            request.bootstrap = codec.encode({"value": np.asarray(bootstrap_value, dtype=np.float32)})
+            request.bootstrap = codec.encode({"value": _float32_bootstrap(bootstrap_value)})
         response = self._stub.PushRollout(request, timeout=self.timeout)
         return {"missing_steps": response.missing_steps, "rollout_complete": response.rollout_complete}
 
     def rollout_minibatches(self, buffer: str, minibatch_size: int, epochs: int = 1, normalize_advantages: bool = True,
                             drop_last: bool = False, seed: int | None = None,
                             timeout: float | None = None) -> BatchStream:
-        """Shuffled minibatches (with `advantage` and `return`) of the complete rollout, `epochs` times.
+        """Shuffled minibatches (with `advantage` and `return`) of the complete rollout, `epochs` (>= 1) times.
 
         `timeout` bounds the whole stream, so it is None (no deadline) unless given: an update phase may
         take longer than any one call."""
+        # The wire's 0 means "not set", which the server runs as 1 epoch.
+        if not _is_int(epochs) or epochs < 1:
+            raise ValueError(f"epochs: expected an integer >= 1, got {epochs!r}")
         request = pb.RolloutMinibatchesRequest(buffer=buffer, minibatch_size=minibatch_size, epochs=epochs,
                                                normalize_advantages=normalize_advantages, drop_last=drop_last)
         if seed is not None:
@@ -580,24 +668,34 @@ class ReplayClient:
 
     # ---------------------------------------------------------------- sampling
     @staticmethod
-    def sample_request(buffer: str, batch_size: int, mode: str = "transitions", n_step: int = 1,
-                       gamma: float = 0.99, discount: float | None = None, seed: int | None = None,
+    def sample_request(buffer: str, batch_size: int, mode: str = "transitions", n_step: int | _Unset = _UNSET,
+                       gamma: float | _Unset = _UNSET, discount: float | None = None, seed: int | None = None,
                        include_keys: bool = False, wait: bool = False,
                        importance_beta: float = 0.0) -> pb.SampleRequest:
+        """`n_step` (default 1) and `gamma` (default 0.99) apply to mode="transitions" only, `discount` (required)
+        to mode="geometric" only: an option given for a mode that does not use it is refused, not ignored."""
+        _refuse_none(batch_size=batch_size, importance_beta=importance_beta,
+                     **{name: value for name, value in (("n_step", n_step), ("gamma", gamma)) if value is not _UNSET})
+        if mode not in ("transitions", "geometric", "states"):
+            raise ValueError(f"mode must be transitions, geometric or states, got {mode!r}")
+        for name, value, used_by in (("n_step", n_step, "transitions"), ("gamma", gamma, "transitions"),
+                                     ("discount", discount, "geometric")):
+            if value is not _UNSET and value is not None and mode != used_by:
+                raise ValueError(f"{name}: only valid with mode={used_by!r}, got {name}={value!r} with mode={mode!r}")
         request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, include_keys=include_keys, wait=wait,
                                    importance_beta=importance_beta)
         if seed is not None:
             request.seed = seed
         if mode == "transitions":
-            request.transitions.CopyFrom(pb.TransitionsMode(n_step=n_step, gamma=gamma))
+            request.transitions.CopyFrom(pb.TransitionsMode(
+                n_step=DEFAULT_N_STEP if n_step is _UNSET else n_step,
+                gamma=DEFAULT_GAMMA if gamma is _UNSET else gamma))
         elif mode == "geometric":
             if discount is None:
                 raise ValueError("mode='geometric' needs discount=")
             request.geometric.CopyFrom(pb.GeometricMode(discount=discount))
-        elif mode == "states":
-            request.states.CopyFrom(pb.StatesMode())
         else:
-            raise ValueError(f"mode must be transitions, geometric or states, got {mode!r}")
+            request.states.CopyFrom(pb.StatesMode())
         return request
 
     def sample(self, buffer: str, batch_size: int, mode: str = "transitions", *, timeout: float | None = None,
@@ -629,8 +727,9 @@ class ReplayClient:
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
-        """Sets priorities of sampled keys (batch["key"]); returns (applied, ignored_stale)."""
-        request = pb.UpdatePrioritiesRequest(buffer=buffer, keys=np.asarray(keys, dtype=np.int64).tolist(),
+        """Sets priorities of sampled keys (batch["key"]); returns (applied, ignored_stale). Keys must be integers
+        in 0..2**63 - 1 (Python or numpy ints): a float, bool or out-of-range key is refused, not cast."""
+        request = pb.UpdatePrioritiesRequest(buffer=buffer, keys=_int64_keys(keys).tolist(),
                                              priorities=np.asarray(priorities, dtype=np.float64).tolist())
         response = self._stub.UpdatePriorities(request, timeout=self._deadline(timeout))
         return response.applied, response.ignored_stale
@@ -643,6 +742,7 @@ class ReplayClient:
 
         `num_batches=0` streams until the stream is closed (which cancels the call; any thread may close it).
         """
+        _refuse_none(num_batches=num_batches)
         request = pb.SampleStreamRequest(
             request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
         )

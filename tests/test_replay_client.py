@@ -3,6 +3,7 @@ caches about a buffer, BatchStream's reopening, wait_until and the safetensors h
 
 from __future__ import annotations
 
+import re
 import time
 
 import grpc
@@ -260,3 +261,101 @@ def test_loading_weights_that_lack_a_parameter_fails_naming_it() -> None:
     source, target = torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(3, 2))
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*0\.weight"):
         load_module_bytes(target, module_to_bytes(source))
+
+
+# ---------------------------------------------------------------- arguments refused, not altered
+@pytest.mark.parametrize("retries", [-1, 1.5, True, None])
+def test_retries_that_are_not_an_integer_of_at_least_0_are_refused(retries) -> None:
+    """retries=-1 never equalled the count of retries done: the client retried until the deadline (forever
+    without one)."""
+    with pytest.raises(ValueError, match=rf"retries: expected an integer >= 0, got {retries!r}"):
+        ReplayClient("127.0.0.1:1", retries=retries)
+
+
+@pytest.mark.parametrize("max_request_bytes", [0, -8])
+def test_max_request_bytes_below_1_is_refused(max_request_bytes: int) -> None:
+    with pytest.raises(ValueError, match=rf"max_request_bytes: expected an integer >= 1, got {max_request_bytes}"):
+        ReplayClient("127.0.0.1:1", max_request_bytes=max_request_bytes)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    (np.array([3.7, 10.2]), r"expected integers, got dtype float64 \(first key 3.7\)"),  # was steps 3 and 10
+    ([3, 10.0], r"expected integers, got 10.0 at index 1"),
+    ([1, True], r"expected integers, got True at index 1"),
+    (np.array([True]), r"expected integers, got dtype bool"),
+    (np.array([5, 2**64 - 1], np.uint64), rf"expected integers in 0\.\.{2**63 - 1} .*got {2**64 - 1} at index 1"),
+    ([2**70], rf"expected integers in .* got {2**70} at index 0"),
+    ([0, -1], r"expected integers in .* got -1 at index 1"),
+    (np.array([[1, 2]]), r"expected a 1-D sequence, got shape \(1, 2\)"),
+])
+def test_keys_a_cast_would_change_are_refused_before_any_call(client: ReplayClient, keys, message: str) -> None:
+    with pytest.raises(ValueError, match=f"keys: {message}"):
+        client.update_priorities("b", keys, np.ones(np.size(keys)))
+
+
+def test_integer_keys_of_any_integer_type_are_sent(client: ReplayClient) -> None:
+    client.create_buffer("b", 64, SCHEMA, sampler="prioritized")
+    client.insert_episode("b", True, obs=np.zeros((3, 2), np.float32), action=np.arange(2))
+    keys = np.unique(client.sample("b", 32, mode="states", include_keys=True, seed=0)["key"])
+    for sent in (keys.astype(np.uint64), keys.astype(np.int32), [int(k) for k in keys], list(keys)):
+        assert client.update_priorities("b", sent, np.ones(len(keys))) == (len(keys), 0)
+    assert client.update_priorities("b", [], []) == (0, 0)
+
+
+@pytest.mark.parametrize(("call", "args", "option"), [
+    ("sample", ("b", 4), "n_step"),  # protobuf's "not set": the server would use 1
+    ("sample", ("b", 4), "gamma"),  # 0.99
+    ("sample", ("b", 4), "importance_beta"),  # 0
+    ("sample", ("b", None), "batch_size"),
+    ("sample_stream", ("b", 4), "num_batches"),  # 0: endless
+    ("create_buffer", ("b", 64, SCHEMA), "alpha"),
+    ("create_buffer", ("b", 64, SCHEMA), "max_times_sampled"),
+    ("create_buffer", ("b", None, SCHEMA), "capacity_steps"),
+    ("create_buffer", ("b", 64, SCHEMA), "rate_limiter['samples_per_insert']"),
+    ("create_rollout_buffer", ("b", 4, 2, SCHEMA), "gamma"),
+    ("create_rollout_buffer", ("b", 4, 2, SCHEMA), "gae_lambda"),
+    ("create_rollout_buffer", ("b", None, 2, SCHEMA), "num_steps"),
+])
+def test_numeric_options_given_as_none_are_refused_naming_them(client: ReplayClient, call: str, args: tuple,
+                                                                option: str) -> None:
+    options = {}
+    if None not in args:
+        options = ({"rate_limiter": {"min_size_to_sample": 1, "samples_per_insert": None}}
+                   if option.startswith("rate_limiter") else {option: None})
+    with pytest.raises(ValueError, match=rf"{re.escape(option)}: expected a number, got None"):
+        getattr(client, call)(*args, **options)
+    assert client.list_buffers() == []
+
+
+@pytest.mark.parametrize(("mode", "options", "message"), [
+    ("transitions", {"discount": 0.5}, "discount: only valid with mode='geometric', got discount=0.5"),
+    ("geometric", {"discount": 0.5, "n_step": 3}, "n_step: only valid with mode='transitions', got n_step=3"),
+    ("geometric", {"discount": 0.5, "gamma": 0.9}, "gamma: only valid with mode='transitions', got gamma=0.9"),
+    ("states", {"n_step": 1}, "n_step: only valid with mode='transitions', got n_step=1 with mode='states'"),
+    ("states", {"gamma": 0.99}, "gamma: only valid with mode='transitions'"),
+    ("states", {"discount": 0.5}, "discount: only valid with mode='geometric'"),
+])
+def test_an_option_the_mode_does_not_use_is_refused(client: ReplayClient, mode: str, options: dict,
+                                                     message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        client.sample("b", 4, mode, **options)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        client.sample_stream("b", 4, mode, **options)
+
+
+def test_mode_options_left_out_take_their_defaults() -> None:
+    request = ReplayClient.sample_request("b", 4)
+    assert (request.transitions.n_step, request.transitions.gamma) == (1, pytest.approx(0.99))
+    request = ReplayClient.sample_request("b", 4, n_step=3, gamma=0.5)
+    assert (request.transitions.n_step, request.transitions.gamma) == (3, 0.5)
+    assert ReplayClient.sample_request("b", 4, "geometric", discount=0.5).geometric.discount == 0.5
+    assert ReplayClient.sample_request("b", 4, "states").WhichOneof("mode") == "states"
+
+
+def test_max_times_sampled_with_another_remover_is_refused(client: ReplayClient) -> None:
+    """It built a FIFO buffer that never retired a step."""
+    with pytest.raises(ValueError, match="max_times_sampled: only valid with remover='max_times_sampled', got "
+                                         "max_times_sampled=3 with remover='fifo'"):
+        client.create_buffer("b", 64, SCHEMA, max_times_sampled=3)
+    assert client.list_buffers() == []
+    client.create_buffer("b", 64, SCHEMA, max_times_sampled=0)  # 0, the default: none given

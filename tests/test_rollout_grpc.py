@@ -265,3 +265,28 @@ def test_a_partly_pushed_rollout_describes_the_steps_it_holds(client: ReplayClie
     assert info["stored_steps"] == T and info["missing_steps"] == 3 * T and info["capacity_steps"] == 4 * T
     client.push_rollout("ppo", 0, 1, 0, **part(rng, T // 2, 2))  # envs 1-2, the first half
     assert client.describe("ppo")["stored_steps"] == T + T // 2 * 2
+
+
+@pytest.mark.parametrize("epochs", [0, -1, 1.5, True, None])
+def test_epochs_that_are_not_an_integer_of_at_least_1_are_refused(client: ReplayClient, epochs) -> None:
+    """epochs=0 is the wire's "not set": the server would run one epoch."""
+    client.create_rollout_buffer("ppo", T, N, SCHEMA)
+    with pytest.raises(ValueError, match=re.escape(f"epochs: expected an integer >= 1, got {epochs!r}")):
+        client.rollout_minibatches("ppo", 8, epochs=epochs)
+
+
+@pytest.mark.parametrize(("value", "env", "message"), [
+    (1e39, 1, "got 1e+39 at env 1 of the part (float32 makes it inf)"),  # the server would report inf
+    (-1e-46, 2, "got -1e-46 at env 2 of the part (float32 makes it -0.0)"),  # silently 0
+])
+def test_a_bootstrap_value_float32_cannot_hold_is_refused(client: ReplayClient, value: float, env: int,
+                                                           message: str) -> None:
+    rng = np.random.default_rng(7)
+    client.create_rollout_buffer("ppo", T, N, SCHEMA)
+    bootstrap = np.zeros(N)  # float64, as an actor's critic in float64 would give it
+    bootstrap[env] = value
+    with pytest.raises(ValueError, match=re.escape(f"bootstrap_value: expected values float32 can hold, {message}")):
+        client.push_rollout("ppo", 0, 0, 0, bootstrap_value=bootstrap, **part(rng, T, N))
+    assert client.describe("ppo")["missing_steps"] == T * N  # nothing was sent
+    bootstrap[env] = 1e-40  # a float32 subnormal: kept
+    assert client.push_rollout("ppo", 0, 0, 0, bootstrap_value=bootstrap, **part(rng, T, N))["rollout_complete"]
