@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from client import ReplayClient
+from service.errors import NotFound
 from service.grpc_server.sample_workers import WORKER_THREADS, SampleWorkerServicer
 from service.grpc_server.server import ReplayServer
 from service.storage.instance_lock import lock_path
@@ -360,6 +361,20 @@ def test_a_cancelled_wait_on_a_worker_ends_at_once(client: ReplayClient,
     assert ended.value.args[0] == grpc.StatusCode.CANCELLED and "the call ended while it waited" in ended.value.args[1]
     assert time.monotonic() - started < 4 and in_process_worker.worker_seats.taken["waits"] == 0
     assert in_process_worker.rejected == {}  # a cancelled call is not a rejected one
+
+
+def test_a_buffer_deleted_between_the_workers_look_and_its_attach_is_not_found(
+        client: ReplayClient, in_process_worker: SampleWorkerServicer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker finds the segment, then the delete unlinks it before the attach: NOT_FOUND, as for a
+    buffer gone before the look (it was INTERNAL, a FileNotFoundError)."""
+    client.create_buffer("racing", 1000, SCHEMA)
+
+    def unlinked_meanwhile(header: str) -> None:
+        raise FileNotFoundError(2, "No such file or directory", f"/{header}")
+
+    monkeypatch.setattr("service.grpc_server.sample_workers.EpisodicRing.attach", unlinked_meanwhile)
+    with pytest.raises(NotFound, match="buffer 'racing' does not exist"):
+        in_process_worker.ring("racing")
 
 
 def test_a_worker_keeps_a_quarter_of_its_threads_free_for_short_calls() -> None:
