@@ -627,3 +627,55 @@ def test_trainer_compile_loss_steps_like_the_eager_trainer():
                    compile_loss=True)
     with pytest.raises(ValueError, match="compile_loss=True needs the manual-gradient path"):
         DQNTrainer(OBS_DIM, N_ACTIONS, manual_grad=False, compile_loss=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_non_integer_actions_are_refused_not_truncated(dtype):
+    """``.long()`` turned actions [1.7, 0.2, ...] into [1, 0, ...] and trained on those."""
+    online, target = _nets()
+    batch = make_batch()
+    batch["action"] = (batch["action"] + 0.7).to(dtype)
+    message = rf"batch\['action'\]: expected an integer dtype, got {str(dtype).removeprefix('torch.')}"
+    for loss in (q_loss, q_loss_manual_grad):
+        with pytest.raises(ValueError, match=message):
+            loss(online, target, batch)
+    for manual in (False, True):
+        tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), manual_grad=manual)
+        before = [p.detach().clone() for p in tr.online.parameters()]
+        with pytest.raises(ValueError, match=message):
+            tr.step(batch)
+        assert tr.steps == 0 and all(torch.equal(p, b) for p, b in zip(tr.online.parameters(), before, strict=True))
+
+
+def test_compiled_trainer_refuses_non_integer_actions_before_compiling():
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), compile_loss=True)
+    batch = dict(make_batch(), action=make_batch()["action"].float() + 0.5)
+    for call in (tr.step, tr.compile_for):
+        with pytest.raises(ValueError, match=r"batch\['action'\]: expected an integer dtype, got float32"):
+            call(batch)
+    assert tr.compiled_loss.compiled_graphs == 0
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"max_grad_norm": -1.0}, r"max_grad_norm must be None or finite and > 0, got -1.0"),  # climbed the loss
+    ({"max_grad_norm": 0.0}, r"max_grad_norm must be None or finite and > 0, got 0.0"),  # zeroed the gradients
+    ({"max_grad_norm": float("nan")}, r"max_grad_norm must be None or finite and > 0, got nan"),
+    ({"target_update_every": float("nan")}, r"target_update_every must be an integer >= 1, got nan"),  # never
+    ({"target_update_every": 2.5}, r"target_update_every must be an integer >= 1, got 2.5"),  # every 5 steps
+    ({"target_update_every": 0}, r"target_update_every must be an integer >= 1, got 0"),
+    ({"lr": 0.0}, r"lr must be finite and > 0, got 0.0"),  # never trained
+    ({"lr": float("inf")}, r"lr must be finite and > 0, got inf"),
+    ({"tau": float("nan")}, r"tau must be in \(0, 1\], got nan"),
+])
+def test_bad_trainer_settings_raise(settings, message):
+    with pytest.raises(ValueError, match=message):
+        DQNTrainer(OBS_DIM, N_ACTIONS, **settings)
+
+
+@pytest.mark.parametrize("epsilon", [float("nan"), -0.5, 1.5])
+def test_act_refuses_epsilon_outside_zero_to_one(epsilon):
+    """NaN and -0.5 acted greedily, 1.5 as 1."""
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8))
+    with pytest.raises(ValueError, match=rf"epsilon must be in \[0, 1\], got {epsilon}"):
+        tr.act(torch.zeros(2, OBS_DIM), epsilon=epsilon)
+    assert tr.act(torch.zeros(2, OBS_DIM), epsilon=1.0).shape == (2,)

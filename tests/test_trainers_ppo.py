@@ -234,3 +234,18 @@ def test_continuous_act_returns_the_joint_log_prob_of_each_action():
         mean, std = tr.model.actor(obs), tr.model.log_std.exp()
     lp = (-((out["action"] - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)).sum(1)
     torch.testing.assert_close(out["log_prob"], lp)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"max_grad_norm": -1.0}, r"max_grad_norm must be None or finite and > 0, got -1.0"),  # climbed the loss
+    ({"max_grad_norm": float("nan")}, r"max_grad_norm must be None or finite and > 0, got nan"),
+    ({"clip_coef": -0.2}, r"clip_coef must be finite and > 0, got -0.2"),  # an inverted clip range
+    ({"clip_coef": 0.0}, r"clip_coef must be finite and > 0, got 0.0"),
+    ({"vf_coef": -0.5}, r"vf_coef must be finite and >= 0, got -0.5"),  # maximized the value error
+    ({"ent_coef": float("nan")}, r"ent_coef must be finite and >= 0, got nan"),
+    ({"lr": 0.0}, r"lr must be finite and > 0, got 0.0"),  # never trained
+])
+def test_bad_trainer_settings_raise(settings, message):
+    with pytest.raises(ValueError, match=message):
+        PPOTrainer(OBS, A, **settings)
+    PPOTrainer(OBS, A, max_grad_norm=None, vf_coef=0.0, ent_coef=0.0)  # no clipping, terms off: allowed

@@ -22,6 +22,7 @@ The duals ``beta`` (d, d lower-triangular) and barrier coefficient ``b`` are upd
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -145,6 +146,8 @@ class AlloTrainer:
     four-rooms seed kept a near-degenerate pair of dimensions swapped through 10000 steps, with 1.0 it
     sorted them out by step 5000 (bench/allo_paper_check.py; presumably less barrier noise in the
     gradients Adam normalizes by, against an eigenvalue gap of ~0.01).
+
+    ``barrier_init`` must lie in [0, ``barrier_max``], the range every step clips the barrier to.
     """
 
     def __init__(
@@ -161,6 +164,17 @@ class AlloTrainer:
         device: torch.device | str = "cpu",
         encoder: nn.Module | None = None,
     ) -> None:
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be finite and > 0, got {lr!r}")
+        for name, rate in (("lr_beta", lr_beta), ("lr_barrier", lr_barrier)):
+            if not (math.isfinite(rate) and rate >= 0):  # 0 keeps them fixed; negative would descend on the duals
+                raise ValueError(f"{name} must be finite and >= 0, got {rate!r}")
+        # The barrier is clipped to [0, barrier_max] after every step: a barrier_init outside it would be
+        # replaced at the first step, and a negative barrier_max would make the barrier negative.
+        if not barrier_max >= 0:
+            raise ValueError(f"barrier_max must be >= 0, got {barrier_max!r}")
+        if not (math.isfinite(barrier_init) and 0 <= barrier_init <= barrier_max):
+            raise ValueError(f"barrier_init must be in [0, barrier_max={barrier_max!r}], got {barrier_init!r}")
         self.device = torch.device(device)
         self.encoder = (encoder if encoder is not None else AlloEncoder(obs_dim, d, hidden)).to(self.device)
         self.optimizer = torch.optim.Adam(self.encoder.parameters(), lr=lr)

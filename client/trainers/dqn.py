@@ -8,7 +8,7 @@ compiling per batch shape.
 
 Batch fields used (dict of tensors, first axis B, already on the device):
 
-* ``obs`` (B, *S), ``action`` (B,) int64
+* ``obs`` (B, *S), ``action`` (B,) int64 (any integer dtype; a float one is refused, not truncated)
 * ``n_step_return`` (B,) = sum_{k<n_eff} γ^k r_{t+k}
 * ``bootstrap_discount`` (B,) = γ^n_eff, or 0 if the episode terminated within those steps
   (truncation keeps bootstrapping, so it keeps γ^n_eff)
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -106,6 +107,12 @@ def _check_loss(loss_type: str, huber_delta: float) -> None:
         raise ValueError(f"huber_delta must be finite and > 0, got {huber_delta!r}")
 
 
+def _check_action(action: Tensor) -> None:
+    """Refuses float (or bool) actions: ``.long()`` would truncate 1.7 to action 1 without a word."""
+    if action.dtype.is_floating_point or action.dtype.is_complex or action.dtype == torch.bool:
+        raise ValueError(f"batch['action']: expected an integer dtype, got {str(action.dtype).removeprefix('torch.')}")
+
+
 def q_loss(
     online: nn.Module,
     target: nn.Module,
@@ -123,6 +130,7 @@ def q_loss(
     _check_loss(loss_type, huber_delta)
     obs, boot_obs = batch["obs"], batch["bootstrap_obs"]  # (B, *S) each
     action = batch["action"]  # (B,) int64
+    _check_action(action)
     B = obs.shape[0]
 
     if double and isinstance(online, QNetwork):
@@ -186,6 +194,7 @@ def q_loss_manual_grad(
     obs = _flat(batch["obs"], online.weights_and_biases[0][0].dtype)  # (B, obs_dim)
     boot_obs = _flat(batch["bootstrap_obs"], obs.dtype)  # (B, obs_dim)
     action = batch["action"]
+    _check_action(action)
     action = (action if action.dtype == torch.int64 else action.long()).view(-1, 1)  # (B, 1)
     n_step_return = _as(batch["n_step_return"], obs.dtype)  # (B,)
     discount = _as(batch["bootstrap_discount"], obs.dtype)  # (B,)
@@ -357,8 +366,12 @@ class DQNTrainer:
         manual_grad: bool | None = None,
         compile_loss: bool = False,
     ) -> None:
-        if target_update_every < 1:
-            raise ValueError(f"target_update_every must be >= 1, got {target_update_every}")
+        if isinstance(target_update_every, bool) or not isinstance(target_update_every, numbers.Integral) or not (
+                target_update_every >= 1):  # a float 2.5 would update every 5 steps, NaN never
+            raise ValueError(f"target_update_every must be an integer >= 1, got {target_update_every!r}")
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be finite and > 0, got {lr!r}")
+        _check_max_grad_norm(max_grad_norm)
         _check_loss(loss_type, huber_delta)
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
@@ -425,7 +438,9 @@ class DQNTrainer:
 
     @torch.no_grad()
     def act(self, obs: Tensor, epsilon: float = 0.0) -> Tensor:
-        """Epsilon-greedy actions (B,) for obs (B, *S)."""
+        """Epsilon-greedy actions (B,) for obs (B, *S); ``epsilon`` in [0, 1]."""
+        if not 0.0 <= epsilon <= 1.0:  # NaN or below 0 acted greedily, above 1 as 1
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
         q = self.online(obs.to(self.device))
         greedy = q.argmax(1)
         if epsilon <= 0.0:
@@ -433,6 +448,13 @@ class DQNTrainer:
         random = torch.randint(q.shape[1], greedy.shape, device=q.device)
         explore = torch.rand(greedy.shape, device=q.device) < epsilon
         return torch.where(explore, random, greedy)
+
+
+def _check_max_grad_norm(max_grad_norm: float | None) -> None:
+    """None (no clipping) or finite and > 0: clip_grad_norm_ scales the gradients by max_grad_norm / norm, so a
+    negative one turns them around (training climbs the loss) and 0 or NaN wipes them out."""
+    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be None or finite and > 0, got {max_grad_norm!r}")
 
 
 def _clone_module(module: nn.Module) -> nn.Module:
