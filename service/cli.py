@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "when it is one checkpoint)")
     serve_parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                               help="where the Checkpoint RPC writes by default and periodic checkpoints go")
-    serve_parser.add_argument("--checkpoint-every", type=float, default=None, metavar="SECONDS",
+    serve_parser.add_argument("--checkpoint-every", type=positive, default=None, metavar="SECONDS",
                               help="write a checkpoint of every buffer this often (needs --checkpoint-dir)")
     serve_parser.add_argument("--checkpoint-keep", type=count, default=3,
                               help="after each periodic checkpoint, keep the newest this many complete "
@@ -240,8 +240,11 @@ def main(argv: list[str] | None = None) -> None:
                      f"{platform.machine()!r}")
     if args.tls_cert and args.sample_workers:
         parser.error("--sample-workers serve plain gRPC: run them without --tls-cert (or put TLS in a proxy)")
-    if args.checkpoint_every is not None and (args.checkpoint_dir is None or args.checkpoint_every <= 0):
-        parser.error("--checkpoint-every needs --checkpoint-dir and a positive number of seconds")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_every is not None and args.checkpoint_every > threading.TIMEOUT_MAX:  # what a wait can take
+        parser.error(f"--checkpoint-every: expected at most {threading.TIMEOUT_MAX:.0f} seconds, "
+                     f"got {args.checkpoint_every:g}")
     try:
         check_bind(args.host, args.token, args.insecure_bind_all)
         if args.token:

@@ -377,11 +377,14 @@ def test_periodic_checkpoints(tmp_path: Path) -> None:
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")]) <= 3
 
 
-@pytest.mark.parametrize(("every", "has_dir"), [(0, True), (-1.0, True), (5.0, False)])
+@pytest.mark.parametrize(("every", "has_dir"), [(0, True), (-1.0, True), (5.0, False), (float("nan"), True),
+                                               (float("inf"), True), (1e10, True)])
 def test_periodic_checkpoints_need_a_positive_period_and_a_directory(tmp_path: Path, every: float,
                                                                     has_dir: bool) -> None:
-    """A period of 0 would write checkpoints back to back for as long as the server runs."""
-    with pytest.raises(ValueError, match="checkpoint_every: expected seconds > 0 and a checkpoint_dir"):
+    """A period of 0 (or NaN) would write checkpoints back to back for as long as the server runs; one longer
+    than a wait can take (inf) ended the checkpoint thread with an OverflowError."""
+    with pytest.raises(ValueError, match=r"checkpoint_every: expected seconds > 0 \(at most 9223372036\) and a "
+                                         rf"checkpoint_dir, got {every!r}"):
         ReplayServer("127.0.0.1:0", instance=new_instance(), checkpoint_dir=str(tmp_path) if has_dir else None,
                      checkpoint_every=every).stop(grace=0)  # the stop runs only if it was wrongly accepted
     assert list(tmp_path.iterdir()) == []

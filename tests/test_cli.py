@@ -29,9 +29,13 @@ from tests.conftest import TEST_INSTANCE
     (["--sample-workers", "1", "--tls-cert", "c.pem", "--tls-key", "k.pem"], "--sample-workers serve plain gRPC"),
     (["--max-workers", "2"], "expected at least 3 worker threads, got 2"),  # was a ValueError traceback
     (["--checkpoint-every", "60"], "--checkpoint-every needs --checkpoint-dir"),  # never checkpointed
-    (["--checkpoint-every", "0", "--checkpoint-dir", "ckpt"], "--checkpoint-every needs --checkpoint-dir and a "
-                                                               "positive number of seconds"),
-    (["--checkpoint-every", "-1", "--checkpoint-dir", "ckpt"], "a positive number of seconds"),
+    (["--checkpoint-every", "0", "--checkpoint-dir", "ckpt"], "argument --checkpoint-every: expected a number > 0, "
+                                                               "got 0"),
+    (["--checkpoint-every", "-1", "--checkpoint-dir", "ckpt"], "expected a number > 0, got -1"),
+    (["--checkpoint-every", "nan", "--checkpoint-dir", "ckpt"], "expected a number > 0, got nan"),  # back to back
+    (["--checkpoint-every", "inf", "--checkpoint-dir", "ckpt"], "expected a number > 0, got inf"),  # OverflowError
+    (["--checkpoint-every", "1e10", "--checkpoint-dir", "ckpt"], "--checkpoint-every: expected at most 9223372036 "
+                                                                 "seconds, got 1e+10"),
     (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
     (["--tls-key", "k.pem"], "--tls-cert and --tls-key go together"),
 ])

@@ -91,8 +91,12 @@ class ReplayServer:
             raise ValueError("tls_cert and tls_key: expected both or neither")
         if sample_workers and tls_cert is not None:
             raise ValueError("sample workers serve plain gRPC; run them without TLS (or put TLS in a proxy)")
-        if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every <= 0):
-            raise ValueError("checkpoint_every: expected seconds > 0 and a checkpoint_dir")
+        # Written so that NaN fails it (it checkpointed back to back); the checkpoint thread's wait takes at most
+        # TIMEOUT_MAX seconds (inf ended the thread with an OverflowError).
+        if checkpoint_every is not None and (checkpoint_dir is None
+                                             or not 0 < checkpoint_every <= threading.TIMEOUT_MAX):
+            raise ValueError(f"checkpoint_every: expected seconds > 0 (at most {threading.TIMEOUT_MAX:.0f}) and a "
+                             f"checkpoint_dir, got {checkpoint_every!r} and checkpoint_dir={checkpoint_dir!r}")
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.checkpoint_keep = checkpoint_keep
         self.restore_from = restore_from
