@@ -13,7 +13,7 @@ import secrets
 
 from client.actors.common import ActorReport, flush_with_retry, refresh_weights, wait_for_buffer
 from client.actors.dqn import DQNActorConfig, run_dqn_actor
-from client.algos import ALGOS, add_common_options, build, refuse_foreign_options
+from client.algos import ALGOS, add_common_options, at_least, build, refuse_foreign_options
 
 __all__ = ["ActorReport", "DQNActorConfig", "flush_with_retry", "main", "refresh_weights", "run_dqn_actor",
            "wait_for_buffer"]
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--buffer")
     parser.add_argument("--env", dest="env_id")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--actor-index", type=int, help="ppo: this actor's slot block (0 .. actors - 1)")
+    parser.add_argument("--actor-index", type=at_least(0), help="ppo: this actor's slot block (0 .. actors - 1)")
     args = vars(parser.parse_args(argv))
     algo_name = args.pop("algo")
     algo = ALGOS[algo_name]

@@ -4,6 +4,7 @@ run them, how their configs are built from options, and how the demo shows their
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -65,10 +66,30 @@ def refuse_compile_loss_off_cpu(parser: argparse.ArgumentParser, options: dict[s
         parser.error(f"--compile-loss runs on the CPU only, not --device {options['device']}: add --device cpu")
 
 
+def seconds(text: str) -> float:
+    """argparse type: a finite number > 0 (a budget of NaN never ran out, a negative one at once)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= `minimum` (a count or period below it was used as given, to no good)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names it for a non-integer: "invalid int value: '1.5'"
+    return parse
+
+
 def add_common_options(parser: argparse.ArgumentParser) -> None:
     """Options the actor, learner and demo command lines share (unset: the algorithm's default)."""
     parser.add_argument("--algo", choices=sorted(ALGOS), default="dqn")
-    parser.add_argument("--seconds", type=float, help="time budget (default: the algorithm's)")
-    parser.add_argument("--envs", dest="num_envs", type=int, help="ppo: environments per actor")
-    parser.add_argument("--rollout-steps", type=int, help="ppo: steps per rollout (T)")
-    parser.add_argument("--episodes", type=int, help="allo actors: random-walk episodes per actor")
+    parser.add_argument("--seconds", type=seconds, help="time budget (default: the algorithm's)")
+    parser.add_argument("--envs", dest="num_envs", type=at_least(1), help="ppo: environments per actor")
+    parser.add_argument("--rollout-steps", type=at_least(1), help="ppo: steps per rollout (T)")
+    parser.add_argument("--episodes", type=at_least(1), help="allo actors: random-walk episodes per actor")

@@ -33,7 +33,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from client.algos import ALGOS, Algo, add_common_options, build, refuse_compile_loss_off_cpu, refuse_foreign_options
+from client.algos import (
+    ALGOS,
+    Algo,
+    add_common_options,
+    at_least,
+    build,
+    refuse_compile_loss_off_cpu,
+    refuse_foreign_options,
+)
 from client.learners.common import Progress, write_summary
 from client.replay_client import ReplayClient
 
@@ -129,10 +137,11 @@ class ProgressBar:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_options(parser)
-    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--actors", type=at_least(1), default=2)
     parser.add_argument("--run-dir", help="default runs/demo (dqn) or runs/demo-<algo>")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--eval-every", type=int, help="dqn/allo: learner steps, ppo: versions between evaluations")
+    parser.add_argument("--eval-every", type=at_least(1),
+                        help="dqn/allo: learner steps, ppo: versions between evaluations")
     parser.add_argument("--instance", help="names the server's shared memory (rpd_<instance>_...)")
     parser.add_argument("--local", action="store_true", default=None,
                         help="dqn: the learner samples the server's shared memory directly instead of over gRPC")

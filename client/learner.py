@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from client.algos import ALGOS, add_common_options, build, refuse_compile_loss_off_cpu, refuse_foreign_options
+from client.algos import ALGOS, add_common_options, at_least, build, refuse_compile_loss_off_cpu, refuse_foreign_options
 from client.learners.common import Progress, write_run
 from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
 
@@ -25,9 +25,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--run-dir")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--eval-every", type=int, help="dqn/allo: learner steps, ppo: versions between evaluations")
-    parser.add_argument("--learning-starts", type=int, help="dqn/allo: sampleable steps before training")
-    parser.add_argument("--actors", type=int, help="ppo: number of actors (rollout slots = actors * envs)")
+    parser.add_argument("--eval-every", type=at_least(1),
+                        help="dqn/allo: learner steps, ppo: versions between evaluations")
+    parser.add_argument("--learning-starts", type=at_least(0), help="dqn/allo: sampleable steps before training")
+    parser.add_argument("--actors", type=at_least(1), help="ppo: number of actors (rollout slots = actors * envs)")
     parser.add_argument("--local", action="store_true", default=None,
                         help="dqn: sample the server's shared memory directly (the server runs on this host)")
     parser.add_argument("--compile-loss", action="store_true", default=None,

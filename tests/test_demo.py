@@ -3,6 +3,7 @@ docker-compose.yml run as local processes (no Docker engine in CI)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import yaml
 
 from client import ReplayClient
 from client.actor import main as actor_main
+from client.algos import ALGOS
 from client.demo import actor_processes
 from client.demo import main as demo_main
 from client.learner import main as learner_main
@@ -247,6 +249,43 @@ def test_command_lines_refuse_options_the_algorithm_does_not_take(command, argv,
     assert exited.value.code == 2
     assert f"--algo {argv[1]} does not take {refused}" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize(("command", "argv", "message"), [
+    (demo_main, ["--seconds", "nan"], "argument --seconds: expected a number of seconds > 0, got nan"),  # forever
+    (demo_main, ["--seconds", "-5"], "argument --seconds: expected a number of seconds > 0, got -5"),  # at once
+    (actor_main, ["--address", "127.0.0.1:1", "--seconds", "inf"], "expected a number of seconds > 0, got inf"),
+    (learner_main, ["--address", "127.0.0.1:1", "--seconds", "0"], "expected a number of seconds > 0, got 0"),
+    (demo_main, ["--eval-every", "-5"], "argument --eval-every: expected an integer >= 1, got -5"),  # acted as 5
+    (learner_main, ["--address", "127.0.0.1:1", "--eval-every", "0"],
+     "argument --eval-every: expected an integer >= 1, got 0"),  # a ZeroDivisionError
+    (learner_main, ["--address", "127.0.0.1:1", "--eval-every", "1.5"], "argument --eval-every: invalid int value"),
+    (learner_main, ["--address", "127.0.0.1:1", "--learning-starts", "-1"],
+     "argument --learning-starts: expected an integer >= 0, got -1"),  # acted as 0
+    (learner_main, ["--algo", "ppo", "--address", "127.0.0.1:1", "--actors", "0"],
+     "argument --actors: expected an integer >= 1, got 0"),
+    (demo_main, ["--actors", "-1"], "argument --actors: expected an integer >= 1, got -1"),  # ran no actors
+    (actor_main, ["--algo", "ppo", "--address", "127.0.0.1:1", "--actor-index", "-1"],
+     "argument --actor-index: expected an integer >= 0, got -1"),
+    (actor_main, ["--algo", "ppo", "--address", "127.0.0.1:1", "--envs", "0"],
+     "argument --envs: expected an integer >= 1, got 0"),
+    (demo_main, ["--algo", "ppo", "--rollout-steps", "-2"],
+     "argument --rollout-steps: expected an integer >= 1, got -2"),
+    (actor_main, ["--algo", "allo", "--address", "127.0.0.1:1", "--episodes", "-5"],
+     "argument --episodes: expected an integer >= 1, got -5"),  # ended at once
+])
+def test_command_lines_refuse_bad_numbers(command, argv, message, capsys, monkeypatch) -> None:
+    """Usage errors at parse time, before a server, buffer or actor is started."""
+    def started(*args: object, **kwargs: object) -> None:
+        pytest.fail(f"{argv} were accepted: the command started")
+
+    monkeypatch.setattr("client.demo.local_server", started)
+    for name, algo in ALGOS.items():
+        monkeypatch.setitem(ALGOS, name, dataclasses.replace(algo, actor=started, learn=started))
+    with pytest.raises(SystemExit) as exited:
+        command(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("command", "argv"), [
