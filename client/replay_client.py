@@ -57,6 +57,7 @@ _UNSET = _Unset.UNSET
 # What sample_request sends for an n_step / gamma not passed (transitions mode).
 DEFAULT_N_STEP = 1
 DEFAULT_GAMMA = 0.99
+DEFAULT_ALPHA = 0.6  # what create_buffer sends for a prioritized sampler's alpha not passed
 
 
 def _is_int(value: Any) -> bool:
@@ -65,11 +66,11 @@ def _is_int(value: Any) -> bool:
 
 
 def _refuse_none(**options: Any) -> None:
-    """Refuses numeric options given as None: protobuf takes a field set to None as "not set", and the
-    server would silently use the field's default instead."""
+    """Refuses options given as None: protobuf takes a field set to None as "not set", and the server would
+    silently use the field's default instead."""
     for name, value in options.items():
         if value is None:
-            raise ValueError(f"{name}: expected a number, got None")
+            raise ValueError(f"{name}: expected a value, got None")
 
 
 def _int64_keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -486,7 +487,7 @@ class ReplayClient:
         observation_fields: Sequence[str] = ("obs",),
         reward_field: str | None = None,
         sampler: str = "uniform",
-        alpha: float = 0.6,
+        alpha: float | _Unset = _UNSET,
         remover: str = "fifo",
         max_times_sampled: int = 0,
         rate_limiter: Mapping[str, float] | None = None,
@@ -494,12 +495,16 @@ class ReplayClient:
         """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape).
 
         reward_field: the per-step reward for n-step returns (None: the field named "reward", if any).
-        sampler: "uniform" or "prioritized" (P(i) ~ p_i^alpha). remover: "fifo" or "max_times_sampled"
+        sampler: "uniform" or "prioritized" (P(i) ~ p_i^alpha; alpha 0.6 unless given, and refused with the
+        uniform sampler). remover: "fifo" or "max_times_sampled"
         (a step is retired after `max_times_sampled` draws; a nonzero `max_times_sampled` with another remover
         is refused). rate_limiter: dict of min_size_to_sample,
         samples_per_insert, error_buffer (Reverb's SampleToInsertRatio).
         """
         _refuse_none(capacity_steps=capacity_steps, alpha=alpha, max_times_sampled=max_times_sampled)
+        if alpha is not _UNSET and sampler != "prioritized":
+            raise ValueError(f"alpha: only valid with sampler='prioritized', got alpha={alpha!r} with "
+                             f"sampler={sampler!r}")
         unknown = set(observation_fields) - set(schema)
         if unknown:
             raise ValueError(f"observation_fields {sorted(unknown)} are not in the schema {sorted(schema)}")
@@ -517,7 +522,7 @@ class ReplayClient:
         return info
 
     @staticmethod
-    def _components(sampler: str, alpha: float, remover: str, max_times_sampled: int,
+    def _components(sampler: str, alpha: float | _Unset, remover: str, max_times_sampled: int,
                     rate_limiter: Mapping[str, float] | None) -> dict[str, Any]:
         if sampler not in ("uniform", "prioritized"):
             raise ValueError(f"sampler must be uniform or prioritized, got {sampler!r}")
@@ -527,7 +532,8 @@ class ReplayClient:
             raise ValueError(f"max_times_sampled: only valid with remover='max_times_sampled', got "
                              f"max_times_sampled={max_times_sampled!r} with remover={remover!r}")
         components: dict[str, Any] = {
-            "sampler": pb.SamplerConfig(prioritized=pb.PrioritizedSampler(alpha=alpha)) if sampler == "prioritized"
+            "sampler": pb.SamplerConfig(prioritized=pb.PrioritizedSampler(
+                alpha=DEFAULT_ALPHA if alpha is _UNSET else alpha)) if sampler == "prioritized"
             else pb.SamplerConfig(uniform=pb.UniformSampler()),
             "remover": pb.RemoverConfig(
                 max_times_sampled=pb.MaxTimesSampledRemover(max_times_sampled=max_times_sampled))
@@ -595,6 +601,8 @@ class ReplayClient:
 
         `timeout` bounds the whole stream, so it is None (no deadline) unless given: an update phase may
         take longer than any one call."""
+        # protobuf takes None as "not set": False for normalize_advantages (True by default here), 0 for sizes.
+        _refuse_none(minibatch_size=minibatch_size, normalize_advantages=normalize_advantages, drop_last=drop_last)
         # The wire's 0 means "not set", which the server runs as 1 epoch.
         if not _is_int(epochs) or epochs < 1:
             raise ValueError(f"epochs: expected an integer >= 1, got {epochs!r}")

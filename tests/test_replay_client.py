@@ -18,6 +18,7 @@ from client.polling import wait_until
 from client.replay_client import Span, _SamplingCalls, episode_span, split_spans
 from service.errors import RETRY_AFTER_METADATA
 from service.wire import codec
+from service.wire import replay_pb2 as pb
 from tests.conftest import rpc_status
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
@@ -322,7 +323,7 @@ def test_numeric_options_given_as_none_are_refused_naming_them(client: ReplayCli
     if None not in args:
         options = ({"rate_limiter": {"min_size_to_sample": 1, "samples_per_insert": None}}
                    if option.startswith("rate_limiter") else {option: None})
-    with pytest.raises(ValueError, match=rf"{re.escape(option)}: expected a number, got None"):
+    with pytest.raises(ValueError, match=rf"{re.escape(option)}: expected a value, got None"):
         getattr(client, call)(*args, **options)
     assert client.list_buffers() == []
 
@@ -350,6 +351,17 @@ def test_mode_options_left_out_take_their_defaults() -> None:
     assert (request.transitions.n_step, request.transitions.gamma) == (3, 0.5)
     assert ReplayClient.sample_request("b", 4, "geometric", discount=0.5).geometric.discount == 0.5
     assert ReplayClient.sample_request("b", 4, "states").WhichOneof("mode") == "states"
+
+
+def test_alpha_with_the_uniform_sampler_is_refused(client: ReplayClient) -> None:
+    """It built a uniform buffer, the alpha asked for unused."""
+    with pytest.raises(ValueError, match=re.escape("alpha: only valid with sampler='prioritized', got alpha=1.0 "
+                                                   "with sampler='uniform'")):
+        client.create_buffer("b", 64, SCHEMA, alpha=1.0)
+    assert client.list_buffers() == []
+    client.create_buffer("b", 64, SCHEMA, sampler="prioritized")
+    info = client._stub.DescribeBuffer(pb.DescribeBufferRequest(name="b"))
+    assert info.episodic.sampler.prioritized.alpha == pytest.approx(0.6)  # left out: the documented default
 
 
 def test_max_times_sampled_with_another_remover_is_refused(client: ReplayClient) -> None:

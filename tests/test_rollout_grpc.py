@@ -275,6 +275,15 @@ def test_epochs_that_are_not_an_integer_of_at_least_1_are_refused(client: Replay
         client.rollout_minibatches("ppo", 8, epochs=epochs)
 
 
+@pytest.mark.parametrize("option", ["minibatch_size", "normalize_advantages", "drop_last"])
+def test_minibatch_options_given_as_none_are_refused(client: ReplayClient, option: str) -> None:
+    """protobuf takes None as "not set": normalize_advantages (True by default) would be False, a size 0."""
+    client.create_rollout_buffer("ppo", T, N, SCHEMA)
+    arguments = {"minibatch_size": 8, option: None}
+    with pytest.raises(ValueError, match=re.escape(f"{option}: expected a value, got None")):
+        client.rollout_minibatches("ppo", **arguments)
+
+
 @pytest.mark.parametrize(("value", "env", "message"), [
     (1e39, 1, "got 1e+39 at env 1 of the part (float32 makes it inf)"),  # the server would report inf
     (-1e-46, 2, "got -1e-46 at env 2 of the part (float32 makes it -0.0)"),  # silently 0
