@@ -86,10 +86,11 @@ def test_dual_and_barrier_update_formulas():
     new_beta, new_b = update_duals_and_barrier(beta, b, E1, E2, lr_beta=0.1, lr_barrier=2.0, barrier_max=10.0)
     expected_beta = torch.tensor([[100.0, 0.0], [0.5 + 0.1 * (-0.05), -1.0 + 0.1 * (-0.2)]])
     torch.testing.assert_close(new_beta, expected_beta)  # (0,0) clipped at 100
-    mean_q = (0.2 * 0.4 + 0.1 * -0.2 + -0.3 * -0.1) / 4
-    torch.testing.assert_close(new_b, torch.tensor(1.0 + 2.0 * mean_q))
-    # Negative mean(E1*E2) leaves b unchanged; b_max caps it.
-    _, b_same = update_duals_and_barrier(beta, b, E1, -E2, 0.1, 2.0, 10.0)
+    # The mean of the entries clipped at 0 (the authors' update): 0.1 * -0.2 counts as 0, not against the rest.
+    mean_positive_q = (0.2 * 0.4 + 0.0 + -0.3 * -0.1) / 4
+    torch.testing.assert_close(new_b, torch.tensor(1.0 + 2.0 * mean_positive_q))
+    # No positive entry of E1*E2 leaves b unchanged; b_max caps it.
+    _, b_same = update_duals_and_barrier(beta, b, E1.abs(), -E2.abs(), 0.1, 2.0, 10.0)
     torch.testing.assert_close(b_same, b)
     _, b_cap = update_duals_and_barrier(beta, torch.tensor(9.99), E1, E2, 0.1, 100.0, 10.0)
     torch.testing.assert_close(b_cap, torch.tensor(10.0))

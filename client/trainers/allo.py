@@ -17,7 +17,7 @@ Loss (everything in one function, ``allo_loss``)::
 The duals ``beta`` (d, d lower-triangular) and barrier coefficient ``b`` are updated outside autodiff::
 
     beta <- clip(beta + lr_beta * tril((E1 + E2) / 2), -100, 100)
-    b    <- clip(b + lr_b * max(mean(E1 * E2), 0), 0, b_max)
+    b    <- clip(b + lr_b * mean(max(E1 * E2, 0)), 0, b_max)
 """
 
 from __future__ import annotations
@@ -127,11 +127,15 @@ def update_duals_and_barrier(
     """One (projected) gradient-ascent step on duals and barrier; returns new tensors (no autodiff).
 
     beta <- clip(beta + lr_beta * tril((E1+E2)/2), -beta_clip, beta_clip)
-    b    <- clip(b + lr_barrier * max(mean(E1*E2), 0), 0, barrier_max)
+    b    <- clip(b + lr_barrier * mean(max(E1*E2, 0)), 0, barrier_max)
+
+    The barrier grows by the mean of the positive entries of E1*E2, as the authors' code does
+    (``update_barrier_coefficients``: each entry clipped at 0, then the mean); negative entries do not
+    cancel positive ones.
     """
     E1, E2 = E1.detach(), E2.detach()
     new_beta = torch.clamp(beta + lr_beta * torch.tril((E1 + E2) / 2), -beta_clip, beta_clip)
-    new_barrier = torch.clamp(barrier + lr_barrier * torch.clamp((E1 * E2).mean(), min=0.0), 0.0, barrier_max)
+    new_barrier = torch.clamp(barrier + lr_barrier * torch.clamp(E1 * E2, min=0.0).mean(), 0.0, barrier_max)
     return new_beta, new_barrier
 
 
