@@ -4,7 +4,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from service.errors import FailedPrecondition
+from service.errors import FailedPrecondition, ResourceExhausted
+from service.storage import shared_arrays
 from service.storage.shared_arrays import SHM_DIR, ArraySpec, SharedArrays, segment_exists
 
 
@@ -82,3 +83,27 @@ def test_a_create_whose_header_name_is_taken_leaves_no_data_segment() -> None:
         assert segment_exists(name)  # the leftover is not ours to remove
     finally:
         os.unlink(leftover)
+
+
+def test_a_buffer_the_space_left_after_the_others_fill_cannot_hold_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmpfs backs pages when they are first written: a first buffer of 6 MB takes almost nothing of 10 MB
+    free at create, and a second of 6 MB would fit the free space as read, then SIGBUS the server once both
+    fill up. The second is refused; once the first is written through, the free space itself says so."""
+    free = 10 * 2**20
+    monkeypatch.setattr(shared_arrays, "shm_free_bytes", lambda: free)
+    monkeypatch.setattr(shared_arrays, "segments", lambda prefix="rpd_": [n for n in os.listdir(SHM_DIR)
+                                                                        if n.startswith(f"rpd_test{os.getpid()}")])
+    first = SharedArrays.create(f"rpd_test{os.getpid()}_first", [ArraySpec("a", "uint8", (6 * 2**20,))], {})
+    try:
+        assert shared_arrays.promised_bytes() >= 6 * 2**20 - 4096  # nothing written yet
+        with pytest.raises(ResourceExhausted, match=r"existing buffers will still fill \d+"):
+            SharedArrays.create(f"rpd_test{os.getpid()}_second", [ArraySpec("a", "uint8", (6 * 2**20,))], {})
+        assert not segment_exists(f"rpd_test{os.getpid()}_second.data")
+        first.arrays["a"][:] = 1  # written through: backed, no longer promised
+        assert shared_arrays.promised_bytes() < 2**16
+        second = SharedArrays.create(f"rpd_test{os.getpid()}_second", [ArraySpec("a", "uint8", (2**20,))], {})
+        second.close()
+        second.unlink()
+    finally:
+        first.close()
+        first.unlink()

@@ -57,21 +57,38 @@ def shm_free_bytes() -> int | None:
     return stats.f_bavail * stats.f_frsize
 
 
+def promised_bytes(prefix: str = "rpd_") -> int:
+    """Bytes the existing replayd segments may still claim: tmpfs backs a segment's pages only when they are
+    first written, so the part of its size not yet backed is not in the free space yet, but will be taken."""
+    promised = 0
+    for name in segments(prefix):
+        try:
+            stats = os.stat(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:  # deleted meanwhile
+            continue
+        promised += max(stats.st_size - stats.st_blocks * 512, 0)
+    return promised
+
+
 def check_allocation(header_name: str, nbytes: int, max_bytes: int | None) -> None:
-    """Refuses a segment over `max_bytes` or over the free shared memory: tmpfs hands out sparse pages, so
+    """Refuses a segment over `max_bytes` or over the shared memory left: tmpfs hands out sparse pages, so
     an oversized segment would be created fine and the server killed by SIGBUS on the first write past
-    the space."""
+    the space. What is left is the free space less what the existing buffers have not written yet (two
+    buffers that each fit the free space may not fit together)."""
     if max_bytes is not None and nbytes > max_bytes:
         raise ResourceExhausted(
             f"{header_name}: the buffer needs {nbytes} bytes of shared memory, over the server's limit of "
             f"{max_bytes} bytes (--max-buffer-gb); lower its size (capacity_steps, num_steps x num_envs, field shapes)"
         )
     free = shm_free_bytes()
-    if free is not None and nbytes > free:
+    if free is None:
+        return
+    promised = promised_bytes()
+    if nbytes > free - promised:
         raise ResourceExhausted(
-            f"{header_name}: the buffer needs {nbytes} bytes of shared memory, but /dev/shm has only {free} "
-            "bytes free; lower its size (capacity_steps, num_steps x num_envs, field shapes) or give the host more "
-            "shared memory"
+            f"{header_name}: the buffer needs {nbytes} bytes of shared memory, but /dev/shm has {free} bytes free "
+            f"of which the existing buffers will still fill {promised}; lower its size (capacity_steps, "
+            "num_steps x num_envs, field shapes), delete a buffer, or give the host more shared memory"
         )
 
 
