@@ -12,7 +12,7 @@ import json
 import torch
 
 from client.algos import ALGOS, add_common_options, at_least, build, refuse_compile_loss_off_cpu, refuse_foreign_options
-from client.learners.common import Progress, write_run
+from client.learners.common import BufferMismatch, Progress, write_run
 from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
 
 __all__ = ["CARTPOLE_SCHEMA", "DQNLearnerConfig", "Progress", "learn_dqn", "main", "write_run"]
@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     refuse_foreign_options(parser, algo_name, args, (algo.learner_config,))
     refuse_compile_loss_off_cpu(parser, args)
     torch.set_num_threads(1)
-    summary = algo.learn(build(algo.learner_config, **args), report=lambda p: print(json.dumps(p.curve[-1]),
-                                                                                     flush=True))
+    try:
+        summary = algo.learn(build(algo.learner_config, **args), report=lambda p: print(json.dumps(p.curve[-1]),
+                                                                                         flush=True))
+    except BufferMismatch as exc:
+        parser.exit(1, f"{parser.prog}: {exc}\n")
     print(json.dumps({k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps")}), flush=True)
 
 

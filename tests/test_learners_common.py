@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from client import ReplayClient
-from client.learners.common import env_steps, evaluate_greedy
+from client.learner import main as learner_main
+from client.learners.common import BufferMismatch, create_or_reuse, env_steps, evaluate_greedy
+from client.learners.dqn import CARTPOLE_SCHEMA
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
 
@@ -45,3 +47,35 @@ def test_greedy_evaluation_resets_episode_i_with_seed_plus_i(monkeypatch: pytest
     score = evaluate_greedy(lambda obs: torch.zeros(len(obs), dtype=torch.int64), "Countdown-v0", 4, seed=12)
     assert resets == [12, 13, 14, 15]
     assert score == pytest.approx(np.mean([3, 4, 5, 1]))  # seeds 12..15: 3, 4, 5 and 1 steps
+
+
+def test_a_learner_reuses_its_buffer_left_alike_and_names_what_differs_otherwise(client: ReplayClient) -> None:
+    """A learner started again on the same server goes on with the buffer an earlier one made (creating it
+    again failed: FAILED_PRECONDITION, a traceback)."""
+    def create() -> object:
+        return client.create_buffer("cartpole", 1000, CARTPOLE_SCHEMA)
+
+    assert create_or_reuse(client, "cartpole", create, "episodic", 1000, CARTPOLE_SCHEMA) is False
+    assert create_or_reuse(client, "cartpole", create, "episodic", 1000, CARTPOLE_SCHEMA) is True
+    with pytest.raises(BufferMismatch, match=r"buffer 'cartpole' already exists on the server with capacity 1000 "
+                                             r"steps \(needs 2000\), field 'obs' float32\[4\] \(needs float64\[4\]\)"):
+        create_or_reuse(client, "cartpole", lambda: client.create_buffer("cartpole", 2000, CARTPOLE_SCHEMA),
+                        "episodic", 2000, {**CARTPOLE_SCHEMA, "obs": ("float64", (4,))})
+    with pytest.raises(BufferMismatch, match=r"kind episodic \(needs rollout\), capacity 1000 steps \(needs 8\), "
+                                             r"no field 'log_prob'"):
+        create_or_reuse(client, "cartpole", create, "rollout", 8, {"log_prob": ("float32", ())})
+
+
+def test_a_learner_refused_its_buffer_exits_with_one_line_and_stops_its_actors(
+        client: ReplayClient, capsys: pytest.CaptureFixture) -> None:
+    """It publishes its first weights before the buffer (actors wait for the buffer, then fetch them): a
+    learner that cannot go on publishes them final, or its actors would collect for nobody until their
+    --seconds ran out."""
+    client.create_buffer("cartpole", 500, CARTPOLE_SCHEMA)  # e.g. the README's learner example, another size
+    with pytest.raises(SystemExit) as info:
+        learner_main(["--algo", "dqn", "--address", client.address, "--seconds", "5"], prog="replayd learn")
+    assert info.value.code == 1
+    assert capsys.readouterr().err == ("replayd learn: buffer 'cartpole' already exists on the server with capacity "
+                                       "500 steps (needs 100000): delete it (ReplayClient.delete_buffer) or restart "
+                                       "the server\n")
+    assert client.fetch_weights("q", newer_than=0).final

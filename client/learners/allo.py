@@ -21,6 +21,7 @@ from client.gridworld import GridWorld, cosine_similarities
 from client.learners.common import (
     CurvePlot,
     Progress,
+    create_or_reuse,
     env_steps,
     finish_learner,
     save_figure,
@@ -58,7 +59,9 @@ class AlloLearnerConfig:
 
 def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
     tracker, client = start_learner(config, "avg_cosine", report)
-    client.create_buffer(config.buffer, config.capacity_steps, GRID_SCHEMA)
+    create_or_reuse(client, config.buffer, lambda: client.create_buffer(config.buffer, config.capacity_steps,
+                                                                        GRID_SCHEMA),
+                    "episodic", config.capacity_steps, GRID_SCHEMA)
     env = GridWorld(config.layout)
     _, true = env.laplacian_eigenvectors(config.d)
     states = torch.from_numpy(env.all_observations()).to(config.device)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
@@ -93,6 +94,44 @@ def evaluate_greedy(act: Callable[[torch.Tensor], torch.Tensor], env_id: str, ep
 
 
 STARTUP_SECONDS = 120.0  # how long a learner waits for the actors' first data, outside its budget
+
+
+class BufferMismatch(RuntimeError):
+    """The learner's buffer exists on the server, made otherwise than this learner needs it."""
+
+
+def create_or_reuse(client: ReplayClient, name: str, create: Callable[[], object], kind: str,
+                    capacity_steps: int, fields: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
+    """Creates the learner's buffer, or reuses one an earlier learner left on the server (a learner started
+    again goes on with its data) when it is alike: same kind, capacity and `fields` (name -> dtype, shape;
+    fields it has beyond these, such as a rollout buffer's own, do not count). Returns whether it reused
+    one; BufferMismatch naming the differences otherwise."""
+    try:
+        create()
+        return False
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            raise
+        try:
+            info = client.describe(name)
+        except grpc.RpcError:
+            raise exc from None  # refused for another reason than an existing buffer
+    differences = []
+    if info["kind"] != kind:
+        differences.append(f"kind {info['kind']} (needs {kind})")
+    if info["capacity_steps"] != capacity_steps:
+        differences.append(f"capacity {info['capacity_steps']} steps (needs {capacity_steps})")
+    for field_name, (dtype, shape) in fields.items():
+        have = info["fields"].get(field_name)
+        if have is None:
+            differences.append(f"no field {field_name!r}")
+        elif (have[0], tuple(have[1])) != (np.dtype(dtype).name, tuple(shape)):
+            differences.append(f"field {field_name!r} {have[0]}{list(have[1])} (needs {np.dtype(dtype).name}"
+                               f"{list(shape)})")
+    if differences:
+        raise BufferMismatch(f"buffer {name!r} already exists on the server with {', '.join(differences)}: delete it "
+                             "(ReplayClient.delete_buffer) or restart the server")
+    return True
 
 
 def wait_for_steps(client: ReplayClient, buffer: str, steps: int) -> None:

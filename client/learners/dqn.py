@@ -12,6 +12,7 @@ from client.learners.common import (
     CurvePlot,
     Progress,
     WeightsPublisher,
+    create_or_reuse,
     env_steps,
     evaluate_greedy,
     finish_learner,
@@ -58,7 +59,13 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
                          compile_loss=config.compile_loss)
     weights = WeightsPublisher(client, config.weights)
     weights.publish(trainer.online)  # before the buffer: actors wait for it, then fetch the weights
-    client.create_buffer(config.buffer, config.capacity_steps, CARTPOLE_SCHEMA)
+    try:
+        create_or_reuse(client, config.buffer,
+                        lambda: client.create_buffer(config.buffer, config.capacity_steps, CARTPOLE_SCHEMA),
+                        "episodic", config.capacity_steps, CARTPOLE_SCHEMA)
+    except BaseException:
+        weights.publish(trainer.online, final=True)  # the actors waiting for this learner stop
+        raise
     wait_for_steps(client, config.buffer, config.learning_starts)
 
     progress = tracker.progress

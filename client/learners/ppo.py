@@ -22,6 +22,7 @@ from client.learners.common import (
     CurvePlot,
     Progress,
     WeightsPublisher,
+    create_or_reuse,
     evaluate_greedy,
     finish_learner,
     start_learner,
@@ -73,7 +74,14 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
     weights = WeightsPublisher(client, config.weights)
     # Before the buffer: actors wait for it, then fetch the weights (and wait for finish_rollout to reach them).
     version = weights.publish(trainer.model)
-    client.create_rollout_buffer(config.buffer, config.rollout_steps, slots, schema, config.gamma, config.gae_lambda)
+    try:
+        create_or_reuse(client, config.buffer,
+                        lambda: client.create_rollout_buffer(config.buffer, config.rollout_steps, slots, schema,
+                                                             config.gamma, config.gae_lambda),
+                        "rollout", config.rollout_steps * slots, schema)
+    except BaseException:
+        weights.publish(trainer.model, final=True)  # the actors waiting for this learner stop
+        raise
     client.finish_rollout(config.buffer, version)
     minibatch_size = config.rollout_steps * slots // config.minibatches
     progress = tracker.progress
