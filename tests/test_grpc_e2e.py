@@ -18,7 +18,7 @@ from service import errors
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.grpc_server import convert
 from service.grpc_server.server import ReplayServer
-from service.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode
+from service.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode, wait_seconds
 from service.limiters import WorkerSeats
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.uniform import UniformSampler
@@ -299,14 +299,27 @@ def test_empty_buffer_fails_fast_or_waits_for_data(client: ReplayClient) -> None
     client.create_buffer("empty", 100, SCHEMA)
     code, details = rpc_status(client.sample, "empty", 4)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no sampleable steps" in details
-    code, _ = rpc_status(client.sample, "empty", 4, wait=True, timeout=0.3)
-    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    code, details = rpc_status(client.sample, "empty", 4, wait=True, timeout=0.5)
+    # The server's own DEADLINE_EXCEEDED, saying what it waited for, not the client's bare one
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "buffer 'empty' got no step to draw" in details
     result: dict = {}
     waiter = threading.Thread(target=lambda: result.update(client.sample("empty", 4, wait=True, timeout=20)))
     waiter.start()
     client.insert_episode("empty", terminated=True, **episode(np.random.default_rng(0), 3))
     waiter.join()
     assert result["obs"].shape == (4, 4)
+
+
+@pytest.mark.parametrize(("remaining", "waits"), [(2.0, 1.95), (0.1, 0.075), (0.0, 0.0)])
+def test_a_waiting_sample_gives_up_just_before_the_calls_deadline(remaining: float, waits: float) -> None:
+    """Its DEADLINE_EXCEEDED says what it waited for; waiting the whole deadline, the client's own bare
+    "Deadline Exceeded" often came first (seen with a 2 s timeout against a server process)."""
+    class Context:
+        def time_remaining(self) -> float:
+            return remaining
+
+    request = pb.SampleRequest(buffer="b", batch_size=1, wait=True)
+    assert wait_seconds(request, Context()) == pytest.approx(waits)
 
 
 def test_stream_insert_reports_what_was_stored(client: ReplayClient) -> None:

@@ -322,6 +322,11 @@ def time_remaining(context: grpc.ServicerContext) -> float | None:
     return None if remaining is None or remaining > threading.TIMEOUT_MAX else max(0.0, remaining)
 
 
+# A waiting sample gives up this long before the call's deadline (a quarter of the time left at most), so that
+# its DEADLINE_EXCEEDED, which says what it waited for, reaches the client before the client's own bare one.
+_REPLY_MARGIN_SECONDS = 0.05
+
+
 def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
     """How long a sample may wait for data: None unless the request asks to wait (up to its deadline)."""
     if not request.wait:
@@ -329,7 +334,7 @@ def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> fl
     remaining = time_remaining(context)
     if remaining is None:
         raise errors.InvalidArgument("sample: wait=true needs a call deadline (timeout)")
-    return remaining
+    return remaining - min(_REPLY_MARGIN_SECONDS, remaining / 4)
 
 
 def sample_mode(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes: int) -> BatchMode:
