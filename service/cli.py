@@ -19,7 +19,7 @@ from service.grpc_server.auth import check_bind, check_token
 from service.grpc_server.server import ReplayServer
 from service.schema import check_instance_name
 from service.storage.instance_lock import InstanceLock
-from service.storage.shared_arrays import remove_segment, segments
+from service.storage.shared_arrays import SHM_DIR, remove_segment, segments
 
 
 def tune_allocator() -> None:
@@ -103,6 +103,9 @@ def list_segments(args: argparse.Namespace) -> None:
     by_instance: dict[str, list[str]] = {}
     for name in segments(prefix):  # rpd_<instance>_<buffer>[.data]; instance names have no "_"
         by_instance.setdefault(name.split("_")[1], []).append(name)
+    if not by_instance:
+        print(f"no replayd segments in {SHM_DIR}" + (f" for instance {args.instance}" if args.instance else ""))
+        return
     removed, live = 0, []
     for instance, names in by_instance.items():
         lock = None
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--host", default="127.0.0.1",
                               help="bind address (default 127.0.0.1; 0.0.0.0 accepts remote actors and needs "
                                    "--token or --insecure-bind-all)")
-    serve_parser.add_argument("--port", type=port, default=50051)
+    serve_parser.add_argument("--port", type=port, default=50051, help="gRPC port (default 50051)")
     serve_parser.add_argument("--instance", default=None, type=instance_name,
                               help="names the shared-memory segments (rpd_<instance>_<buffer>); random by default")
     serve_parser.add_argument("--max-message-mb", type=positive, default=512.0,
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                                    "them and calls blocked on a rate limiter or waiting for data 3/8; one more gets "
                                    "UNAVAILABLE (retried by clients), so a quarter stays free for short calls")
     serve_parser.add_argument("--http-port", type=http_port, default=8080,
-                              help="health, /metrics and the status page; 0 picks a free port, -1 turns it off")
+                              help="health, /metrics and the status page (default 8080; 0 picks a free port, "
+                                   "-1 turns it off)")
     serve_parser.add_argument("--max-buffer-gb", type=positive, default=None,
                               help="shared memory one buffer may take (default: what /dev/shm has free)")
     serve_parser.add_argument("--token", default=os.environ.get("REPLAYD_TOKEN", ""),

@@ -16,6 +16,7 @@ import pytest
 
 from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer
+from service.cli import main as cli_main
 from service.errors import FailedPrecondition, InvalidArgument
 from service.grpc_server.server import ReplayServer
 from service.schema import Field
@@ -152,3 +153,9 @@ def test_a_lock_file_replaced_while_it_was_being_locked_is_locked_again(monkeypa
         lock.release()
         os.close(replaced[0])
     assert not os.path.exists(path)
+
+
+def test_listing_no_segments_says_so(capsys: pytest.CaptureFixture) -> None:
+    """An empty listing printed nothing: a user could not tell it from a command that did not run."""
+    cli_main(["segments", "--instance", f"{TEST_INSTANCE}none"])
+    assert capsys.readouterr().out == f"no replayd segments in /dev/shm for instance {TEST_INSTANCE}none\n"

@@ -70,15 +70,26 @@ def promised_bytes(prefix: str = "rpd_") -> int:
     return promised
 
 
+def _size(nbytes: int) -> str:
+    """A size to read at a glance, and exactly: '48,928.3 GB (48928267437667 bytes)'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"
+
+
 def check_allocation(header_name: str, nbytes: int, max_bytes: int | None) -> None:
     """Refuses a segment over `max_bytes` or over the shared memory left: tmpfs hands out sparse pages, so
     an oversized segment would be created fine and the server killed by SIGBUS on the first write past
     the space. What is left is the free space less what the existing buffers have not written yet (two
     buffers that each fit the free space may not fit together)."""
+    # rpd_<instance>_<buffer> (instance names have no "_"): the name the user gave
+    named = re.fullmatch(r"rpd_[^_]+_(.+)", header_name)
+    what = f"buffer {named.group(1)!r}" if named else header_name
     if max_bytes is not None and nbytes > max_bytes:
         raise ResourceExhausted(
-            f"{header_name}: the buffer needs {nbytes} bytes of shared memory, over the server's limit of "
-            f"{max_bytes} bytes (--max-buffer-gb); lower its size (capacity_steps, num_steps x num_envs, field shapes)"
+            f"{what}: needs {_size(nbytes)} of shared memory, over the server's limit of {_size(max_bytes)} "
+            "(--max-buffer-gb); lower its size (capacity_steps, num_steps x num_envs, field shapes)"
         )
     free = shm_free_bytes()
     if free is None:
@@ -86,9 +97,9 @@ def check_allocation(header_name: str, nbytes: int, max_bytes: int | None) -> No
     promised = promised_bytes()
     if nbytes > free - promised:
         raise ResourceExhausted(
-            f"{header_name}: the buffer needs {nbytes} bytes of shared memory, but /dev/shm has {free} bytes free "
-            f"of which the existing buffers will still fill {promised}; lower its size (capacity_steps, "
-            "num_steps x num_envs, field shapes), delete a buffer, or give the host more shared memory"
+            f"{what}: needs {_size(nbytes)} of shared memory, but /dev/shm has {_size(free)} free of which the "
+            f"existing buffers will still fill {_size(promised)}; lower its size (capacity_steps, num_steps x "
+            "num_envs, field shapes), delete a buffer, or give the host more shared memory"
         )
 
 
