@@ -463,3 +463,25 @@ def test_recovery_restores_only_the_corrupt_buffers_from_the_checkpoint(tmp_path
             assert stored == {"good": {7, 8}, "bad": {7}}
         finally:
             server.stop(grace=0)
+
+
+def test_bounds_of_an_uncommitted_block_are_not_drawn_after_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed after _write_block stored the rows' bounds, before the head moved: recovery drops the block, and
+    must drop its bounds past the head too. A new open episode's reserved (unwritten) room read them, and the
+    uniform sampler drew the dead block's rows as steps of the new episode (found by a review)."""
+    with segments_removed(f"rpd_{TEST_INSTANCE}_phantom"):
+        buffer = EpisodicBuffer("phantom", TEST_INSTANCE, FIELDS, 200)
+        header = buffer.storage.header_name
+        buffer.insert(*whole(1, 20))  # positions 0..20
+        crash_inside(buffer, "_write_block", monkeypatch, after=True)
+        with pytest.raises(Crash):
+            buffer.insert(*whole(2, 30))  # would be 21..51: never acknowledged
+        monkeypatch.undo()
+        buffer.storage.close()
+        with closing(EpisodicBuffer.recover(header)) as recovered:
+            recovered.insert(*chunk(3, 5, True, False))  # open: rows 21..25 landed, room to 30
+            positions = np.arange(recovered.tail_position(), recovered.head)
+            _, bounds, _ = recovered.episode_bounds(positions)
+            assert int(np.count_nonzero(positions < bounds)) == recovered.sampleable_steps  # was 29, not 24
+            batch = recovered.sample(2000, TransitionsMode(1, 0.9), np.random.default_rng(0), include_keys=True)
+            np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))

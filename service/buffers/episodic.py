@@ -288,9 +288,9 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
     def _repair(self) -> None:
         """Makes the shared state consistent again after the writer died mid-insert.
 
-        The committed state is what the head covers: every op writes rows, then their bounds, then extent
-        records, and moves the head last. Extents past the head belong to an interrupted op and are dropped;
-        row bounds and counters are rebuilt from the surviving extent table; an episode that an interrupted
+        The committed state is what the head covers: every op writes rows, bounds and extent records, and
+        moves the head last. Extents past the head belong to an interrupted op and are dropped; row bounds
+        (of every row) and counters are rebuilt from the surviving extent table; an episode that an interrupted
         move left in two places keeps its newest; the sampler's leaves are recomputed for the live rows.
         """
         state, slots_total, capacity = self.state, self.extent_slots, self.capacity
@@ -341,9 +341,11 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         ends = np.append(starts[1:], head)  # each extent's room reaches the next extent (or the head)
         if np.any(alive & ((lasts < starts) | (lasts >= ends))):
             raise FailedPrecondition(f"recover {self.name!r}: an extent's last row lies outside its room")
-        # Row bounds of the live range, rebuilt from the extent table.
-        self._set_ring(self.row_end, tail_pos, np.full(head - tail_pos, HOLE, dtype=np.int64))
-        self._set_ring(self.row_seq, tail_pos, np.full(head - tail_pos, -1, dtype=np.int64))
+        # Row bounds rebuilt from the extent table, over the whole ring: an interrupted op may have left bounds
+        # past the head (a block killed before the head moved) or below the tail (an eviction killed before
+        # its rows became holes), which rooms reserved later would read as steps.
+        self.row_end[:] = HOLE
+        self.row_seq[:] = -1
         lengths = np.where(alive, lasts - starts + 1, 0)
         positions = np.repeat(starts, lengths) + (np.arange(int(lengths.sum())) -
                                                    np.repeat(np.cumsum(lengths) - lengths, lengths))
