@@ -22,7 +22,7 @@ from service.errors import FailedPrecondition
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
-from service.storage.shared_arrays import segments
+from service.storage.shared_arrays import remove_segment, segments
 from tests.conftest import TEST_INSTANCE, free_port
 
 FIELDS = [Field("obs", "float64", (2,), observation=True), Field("reward", "float32")]
@@ -461,6 +461,34 @@ def test_recovery_restores_only_the_corrupt_buffers_from_the_checkpoint(tmp_path
             server.start()
             stored = {name: set(live_episodes(server.registry.episodic(name))) for name in ("good", "bad")}
             assert stored == {"good": {7, 8}, "bad": {7}}
+        finally:
+            server.stop(grace=0)
+
+
+@pytest.mark.parametrize("checkpoint_from", ["restore_from", "checkpoint_dir"])
+def test_recover_on_an_emptied_dev_shm_restores_the_whole_checkpoint(tmp_path, checkpoint_from: str) -> None:
+    """After a reboot (or in a new container) no segment of the instance is left: --recover restored
+    nothing, without a word, and periodic checkpoints of the empty server then pruned the good ones."""
+    from service.checkpoint import write_checkpoint
+    from service.grpc_server.server import ReplayServer
+    from service.registry import BufferRegistry
+
+    instance = f"{TEST_INSTANCE}boot"
+    with segments_removed(f"rpd_{instance}_"):
+        registry = BufferRegistry(instance)
+        try:
+            registry.add("kept", EpisodicBuffer("kept", instance, FIELDS, 200))
+            registry.episodic("kept").insert(*whole(7, 10))
+            write_checkpoint(registry, tmp_path)
+        finally:
+            for name, _ in registry.all():
+                registry.detach(name)
+        for segment in segments(f"rpd_{instance}_"):  # the reboot empties /dev/shm
+            remove_segment(segment)
+        server = ReplayServer("127.0.0.1:0", instance=instance, recover=True, **{checkpoint_from: str(tmp_path)})
+        try:
+            server.start()
+            assert set(live_episodes(server.registry.episodic("kept"))) == {7}
         finally:
             server.stop(grace=0)
 

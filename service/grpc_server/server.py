@@ -164,17 +164,23 @@ class ReplayServer:
         if self.recover:
             recovery = recover_instance(self.registry)
             self._recovered = recovery.recovered
-            if recovery.lost and self.restore_from is not None:
+            source = self.restore_from
+            if source is None and self.checkpoint_dir is not None and has_checkpoint(self.checkpoint_dir):
+                source = self.checkpoint_dir
+            if not recovery.recovered and not recovery.lost:
+                # No segment of this instance at all: /dev/shm was emptied (a reboot, a new container), so the
+                # whole checkpoint comes back. (With some segments there, a buffer without any was deleted.)
+                if source is not None:
+                    restore_checkpoint(source, self.registry, max_bytes=self.max_buffer_bytes)
+                else:
+                    log.warning("--recover: no shared-memory segment of instance %s and no checkpoint to restore",
+                                self.instance)
+            elif recovery.lost and source is not None:
                 # Buffers whose segments failed the checks come back from the latest checkpoint.
-                restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes,
-                                   only=set(recovery.lost))
-            elif recovery.lost and self.checkpoint_dir is not None:
-                if has_checkpoint(self.checkpoint_dir):
-                    restore_checkpoint(self.checkpoint_dir, self.registry, max_bytes=self.max_buffer_bytes,
-                                       only=set(recovery.lost))
-                else:  # killed before its first periodic checkpoint: serve what was recovered
-                    log.warning("buffers %s could not be recovered and %s holds no checkpoint yet: they are lost",
-                                sorted(recovery.lost), self.checkpoint_dir)
+                restore_checkpoint(source, self.registry, max_bytes=self.max_buffer_bytes, only=set(recovery.lost))
+            elif recovery.lost:  # killed before its first periodic checkpoint: serve what was recovered
+                log.warning("buffers %s could not be recovered and no checkpoint holds them: they are lost",
+                            sorted(recovery.lost))
         elif self.restore_from is not None:  # all or nothing (restore_checkpoint)
             restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes)
         self._server.start()
