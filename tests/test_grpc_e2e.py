@@ -334,6 +334,20 @@ def test_stream_insert_reports_what_was_stored(client: ReplayClient) -> None:
     assert client.describe("s")["episodes"] == 1
 
 
+def test_a_malformed_request_after_stored_ones_says_they_were_stored(client: ReplayClient) -> None:
+    """As every other refusal in a stream does: the client then knows what a retry must resend."""
+    rng = np.random.default_rng(2)
+    client.create_buffer("m", 1000, SCHEMA)
+    good = spans_request("m", [Span({**episode(rng, 4), "action": np.zeros(5, np.int64),
+                                     "reward": np.zeros(5, np.float32)}, 1)])
+    with grpc.insecure_channel(client.address) as channel:
+        insert = channel.stream_unary("/replayd.v1.Replay/Insert")  # bytes as they are: one frame malformed
+        code, details = rpc_status(insert, iter([good.serialize(), b"\xff"]), timeout=20)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.endswith("(request 1 of the stream; the 1 before it were stored)")
+    assert client.describe("m")["episodes"] == 1
+
+
 def test_an_insert_response_counts_the_rows_of_its_spans(client: ReplayClient) -> None:
     rng = np.random.default_rng(2)
     client.create_buffer("rows", 1000, SCHEMA)

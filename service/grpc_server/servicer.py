@@ -471,7 +471,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         call_end: CallEnd | None = None  # made when a rate limiter could hold an insert back
         for frame in frames:
             if isinstance(frame, MalformedRequest):
-                raise errors.InvalidArgument(f"{frame.error} (request {requests} of the stream)")
+                stored = f"; the {requests} before it were stored" if requests else ""
+                raise errors.InvalidArgument(f"{frame.error} (request {requests} of the stream{stored})")
             request = frame.request
             buffer = self.registry.episodic(request.buffer)
             try:
