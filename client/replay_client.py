@@ -632,8 +632,9 @@ class ReplayClient:
         return FetchedWeights(response.version, response.safetensors, response.final)
 
     def checkpoint(self, directory: str = "", timeout: float | None = None) -> str:
-        """Has the server write every buffer to a new checkpoint under `directory` (a path on the server;
-        empty: its --checkpoint-dir); returns the checkpoint's manifest path."""
+        """Has the server write every buffer to a new checkpoint in its --checkpoint-dir, or in the subdirectory
+        of it named `directory` (one plain name: the server writes nowhere else); returns the checkpoint's
+        manifest path (on the server)."""
         response = self._stub.Checkpoint(pb.CheckpointRequest(directory=str(directory)),
                                          timeout=self._deadline(timeout))
         return response.path

@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                               help="restore the buffers of a checkpoint before serving (DIR's LATEST, or DIR itself "
                                    "when it is one checkpoint)")
     serve_parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                              help="where the Checkpoint RPC writes by default and periodic checkpoints go")
+                              help="where periodic checkpoints go, and the only place the Checkpoint RPC "
+                                   "writes (in it, or a subdirectory the request names)")
     serve_parser.add_argument("--checkpoint-every", type=positive, default=None, metavar="SECONDS",
                               help="write a checkpoint of every buffer this often (needs --checkpoint-dir)")
     serve_parser.add_argument("--checkpoint-keep", type=count, default=3,

@@ -29,7 +29,7 @@ from service.registry import BufferRegistry
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 from service.storage.shared_arrays import segments
-from tests.conftest import TEST_INSTANCE
+from tests.conftest import TEST_INSTANCE, rpc_status
 
 SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}
 ROLLOUT_SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
@@ -86,7 +86,7 @@ def samples(client: ReplayClient) -> dict[str, list[dict[str, np.ndarray]]]:
 def test_round_trip_through_grpc(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     instance = new_instance()
-    with ReplayServer("127.0.0.1:0", instance=instance) as server, \
+    with ReplayServer("127.0.0.1:0", instance=instance, checkpoint_dir=str(tmp_path)) as server, \
             ReplayClient(server.address, timeout=20) as client:
         client.create_buffer("uni", 200, SCHEMA, rate_limiter={"min_size_to_sample": 5, "samples_per_insert": 1.0,
                                                                "error_buffer": 500})
@@ -103,7 +103,7 @@ def test_round_trip_through_grpc(tmp_path: Path) -> None:
         client.push_rollout("ppo", 3, 0, 0, bootstrap_value=np.ones(N, np.float32), **rollout_part(rng))
         client.sample("uni", 8, seed=3)  # counted against the limiter's samples per insert
         assert client.describe("uni")["counters"]["rate_limiter.samples"] == 8
-        manifest = client.checkpoint(str(tmp_path))
+        manifest = client.checkpoint()  # into the server's --checkpoint-dir
         assert Path(manifest).name == MANIFEST and (tmp_path / LATEST).is_file()
         infos = {name: client.describe(name) for name in ("uni", "pri", "ppo")}
         trees = {name: server.registry.episodic("pri").storage.arrays[name].copy()
@@ -390,13 +390,26 @@ def test_periodic_checkpoints_need_a_positive_period_and_a_directory(tmp_path: P
     assert list(tmp_path.iterdir()) == []
 
 
-def test_checkpoint_rpc_needs_a_directory(client: ReplayClient) -> None:
-    with pytest.raises(grpc.RpcError) as error:
-        client.checkpoint()
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint-dir" in error.value.details()
-    with pytest.raises(grpc.RpcError) as error:
-        client.checkpoint("/tmp/a\0b")
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NUL byte" in error.value.details()
+def test_checkpoint_rpc_needs_a_checkpoint_dir(client: ReplayClient, tmp_path: Path) -> None:
+    """Without one the server has nowhere a client may make it write."""
+    code, details = rpc_status(client.checkpoint)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "the server has no --checkpoint-dir" in details
+    code, _ = rpc_status(client.checkpoint, str(tmp_path))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("directory", ["/tmp/elsewhere", "../up", "..", ".", "a/b", "-x", "a\0b", "x" * 65])
+def test_checkpoint_rpc_writes_only_under_the_checkpoint_dir(tmp_path: Path, directory: str) -> None:
+    """A path of the client's choosing was written with the server's rights (a LATEST file there replaced)."""
+    root = tmp_path / "checkpoints"
+    with ReplayServer("127.0.0.1:0", instance=new_instance(), checkpoint_dir=str(root)) as server, \
+            ReplayClient(server.address, timeout=20) as client:
+        code, details = rpc_status(client.checkpoint, directory)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("checkpoint.directory: expected empty or the name of a subdirectory")
+        assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["checkpoints"])
+        assert Path(client.checkpoint("run-1.a")).parent.parent == root / "run-1.a"
 
 
 def test_a_buffer_deleted_during_a_checkpoint_is_left_out_and_the_rest_is_saved(tmp_path: Path) -> None:

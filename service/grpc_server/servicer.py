@@ -6,6 +6,8 @@ import collections
 import functools
 import json
 import logging
+import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -380,6 +382,26 @@ def sample_message(batch: dict[str, np.ndarray], max_message_bytes: int) -> byte
     return sample_response_bytes(parts)
 
 
+# One plain directory name (no "/", not "." or ".."): a client names a place under --checkpoint-dir, no other.
+_CHECKPOINT_SUBDIRECTORY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def checkpoint_directory(root: str | None, subdirectory: str) -> str:
+    """Where a Checkpoint RPC writes: the server's --checkpoint-dir, or the subdirectory of it the request
+    names. A client must not make the server write anywhere else (a path of its choosing would be written,
+    and a LATEST file there replaced, with the server's rights)."""
+    if not root:
+        raise errors.FailedPrecondition("checkpoint: the server has no --checkpoint-dir, the only place the "
+                                        "Checkpoint RPC writes to; start it with one")
+    if not subdirectory:
+        return root
+    if not _CHECKPOINT_SUBDIRECTORY.fullmatch(subdirectory):
+        raise errors.InvalidArgument(f"checkpoint.directory: expected empty or the name of a subdirectory of the "
+                                     f"server's --checkpoint-dir (letters, digits, '_', '.', '-', up to 64, "
+                                     f"not starting with '.' or '-'), got {subdirectory!r}")
+    return os.path.join(root, subdirectory)
+
+
 class ReplayServicer(pb_grpc.ReplayServicer):
     def __init__(self, registry: BufferRegistry, max_message_bytes: int, max_buffer_bytes: int | None = None,
                  checkpoint_dir: str | None = None, metrics: CollectorRegistry | None = None) -> None:
@@ -611,11 +633,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     # ---------------------------------------------------------------- checkpoints
     @rpc
     def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointResponse:
-        directory = request.directory or self.checkpoint_dir
-        if not directory:
-            raise errors.InvalidArgument("checkpoint: directory is empty and the server has no --checkpoint-dir")
-        if "\0" in directory:
-            raise errors.InvalidArgument(f"checkpoint: directory {directory!r} contains a NUL byte")
+        directory = checkpoint_directory(self.checkpoint_dir, request.directory)
         try:
             manifest = checkpoint.write_checkpoint(self.registry, directory)
         except OSError as exc:
