@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from client import ReplayClient
-from service.errors import NotFound
+from service.errors import InvalidArgument, NotFound
 from service.grpc_server.sample_workers import WORKER_THREADS, SampleWorkerServicer
 from service.grpc_server.server import ReplayServer
 from service.storage.instance_lock import lock_path
@@ -375,6 +375,15 @@ def test_a_buffer_deleted_between_the_workers_look_and_its_attach_is_not_found(
     monkeypatch.setattr("service.grpc_server.sample_workers.EpisodicRing.attach", unlinked_meanwhile)
     with pytest.raises(NotFound, match="buffer 'racing' does not exist"):
         in_process_worker.ring("racing")
+
+
+@pytest.mark.parametrize("name", ["racing.data", "a/b", ""])
+def test_a_worker_checks_buffer_names_as_the_server_does(
+        client: ReplayClient, in_process_worker: SampleWorkerServicer, name: str) -> None:
+    """"b.data" opened the data segment as a header (copying it whole before failing), "a/b" was INTERNAL."""
+    client.create_buffer("racing", 1000, SCHEMA)
+    with pytest.raises(InvalidArgument, match=r"buffer name .* must match"):
+        in_process_worker.ring(name)
 
 
 def test_a_worker_keeps_a_quarter_of_its_threads_free_for_short_calls() -> None:

@@ -37,6 +37,7 @@ from service.grpc_server.servicer import (
     wait_seconds,
 )
 from service.limiters import WorkerSeats
+from service.schema import check_buffer_name
 from service.wire import replay_pb2 as pb
 
 log = logging.getLogger("replayd.sample_worker")
@@ -63,7 +64,8 @@ class SampleWorkerServicer:
         self.rejected[method] = self.rejected.get(method, 0) + 1
 
     def ring(self, buffer: str) -> EpisodicRing:
-        header = shm_name(self.instance, buffer)
+        # Checked as the server checks it: "b.data" would open a buffer's data segment as its header.
+        header = shm_name(self.instance, check_buffer_name(buffer))
         try:
             inode = os.stat(f"/dev/shm/{header}").st_ino
         except (FileNotFoundError, ValueError):
