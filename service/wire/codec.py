@@ -42,6 +42,11 @@ _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _CONTINUATION = 0xFFFFFFFF
 _MESSAGE_PREFIX = struct.Struct("<Ii")  # an IPC message's continuation marker and metadata length
 _CACHE_LIMIT = 512
+# Payload metadata (schema message, record batch header) is cached by its bytes only up to this size: a client
+# can pad field metadata at will, and every payload is decoded (and its metadata cached) before the buffer
+# compares its schema. 256 fields with 64-character names (the limits) take 64 KB of schema and 76 KB of head;
+# the usual few fields, under 1 KB. At most 512 x 128 KiB = 64 MiB per cache.
+_MAX_CACHED_KEY_BYTES = 1 << 17
 _PARTS_MIN_BYTES = 256 * 2**10
 # A row travels as one Arrow fixed-size list, whose size is an int32; numpy allows at most 64 dimensions.
 _MAX_ROW_VALUES = 2**31 - 1
@@ -108,6 +113,8 @@ _decode_plans: dict[bytes, _Plan] = {}
 
 
 def _remember(cache: dict, key: object, value: T) -> T:
+    if isinstance(key, bytes) and len(key) > _MAX_CACHED_KEY_BYTES:
+        return value  # decoded each time instead: held, 512 such keys would fill the server's memory
     if len(cache) >= _CACHE_LIMIT:
         try:
             cache.pop(next(iter(cache)), None)
