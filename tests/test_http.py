@@ -237,3 +237,20 @@ def test_byte_metrics_count_rollout_bootstraps_and_fetched_weights(http_server: 
         len(push.steps) + len(push.bootstrap))
     assert _value(samples, "replayd_rpc_received_bytes_total", method="PublishWeights", buffer="") == len(blob)
     assert _value(samples, "replayd_rpc_sent_bytes_total", method="FetchWeights", buffer="") == len(blob)
+
+
+def test_a_deleted_buffer_leaves_no_series_behind(http_server: ReplayServer) -> None:
+    """Each deleted name kept 46 lines of /metrics: creating and deleting buffers grew it without end."""
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    with ReplayClient(http_server.address) as client:
+        for name in ("gone1", "gone2"):
+            client.create_buffer(name, 1000, SCHEMA)
+            client.insert_episode(name, True, **_episode())
+            client.sample(name, 8)
+            list(client.sample_stream(name, 8, num_batches=2))
+        assert 'buffer="gone1"' in httpx.get(f"{base}/metrics").text
+        client.delete_buffer("gone1")
+        client.delete_buffer("gone2")
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'buffer="gone1"' not in metrics and 'buffer="gone2"' not in metrics
+    assert 'replayd_rpc_latency_seconds_count{buffer="",method="DeleteBuffer"} 2.0' in metrics

@@ -2,8 +2,8 @@
 
 Registered in the server's own CollectorRegistry (ReplayServer.metrics, no globals) and observed by the
 servicer's `rpc`/`stream_rpc` decorators. Labels: `method` and `buffer`, the buffer the request names
-(empty for calls that name none, and for calls that fail naming a buffer that does not exist: a client
-must not be able to create series at will).
+(empty for calls that name none, or a buffer that does not exist when the call ends: a client must not be
+able to create series at will, and a deleted buffer's series are dropped).
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ class RpcMetrics:
                             "weights)", LABELS, registry=registry)
         self._children: dict[tuple[int, str, str], Histogram | Counter] = {}
 
-    def label(self, buffer: str, succeeded: bool) -> str:
-        return buffer if buffer and (succeeded or self.known(buffer)) else ""
+    def label(self, buffer: str) -> str:
+        """The `buffer` label of a call: the name of a buffer that exists when the call is observed, else ''
+        (a failed call naming none, a DeleteBuffer done: deleted buffers leave no series behind)."""
+        return buffer if buffer and self.known(buffer) else ""
 
     def _child(self, metric: Histogram | Counter, method: str, buffer: str) -> Histogram | Counter:
         """`metric.labels(method, buffer)`, cached: labels() takes a lock and a few µs on every call."""
@@ -79,6 +81,13 @@ class RpcMetrics:
         if child is None:
             child = self._children[key] = metric.labels(method, buffer)
         return child
+
+    def forget(self, buffer: str) -> None:
+        """Drops a deleted buffer's series: creating and deleting buffers must not grow /metrics without end."""
+        for key in [key for key in self._children if key[2] == buffer]:
+            metric = next(m for m in (self.latency, self.message_latency, self.received, self.sent) if id(m) == key[0])
+            metric.remove(key[1], buffer)
+            del self._children[key]
 
     def observe_latency(self, method: str, buffer: str, seconds: float) -> None:
         self._child(self.latency, method, buffer).observe(seconds)
@@ -95,4 +104,4 @@ class RpcMetrics:
             self._child(self.sent, method, buffer).inc(sent)
 
     def add_received(self, method: str, request: object) -> None:
-        self.add_bytes(method, self.label(buffer_of(request), False), request_bytes(request), 0)
+        self.add_bytes(method, self.label(buffer_of(request)), request_bytes(request), 0)

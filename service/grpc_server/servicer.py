@@ -109,13 +109,12 @@ def rpc(method: Callable) -> Callable:
             request = _counted_frames(metrics, method.__name__, request, buffers)
         else:
             buffers.append(buffer_of(request))
-        response, succeeded = None, False
+        response = None
         try:
             response = _unary(self, method, request, context)
-            succeeded = True
             return response
         finally:
-            label = metrics.label(buffers[0] if buffers else "", succeeded)
+            label = metrics.label(buffers[0] if buffers else "")
             metrics.observe_latency(method.__name__, label, time.perf_counter() - start)
             metrics.add_bytes(method.__name__, label, request_bytes(request), _sent_bytes(response))
 
@@ -257,14 +256,13 @@ def stream_rpc(method: Callable | None = None, *, ahead: Callable[[Any, Any], in
     def wrapper(self: ReplayServicer, request, context: grpc.ServicerContext):
         metrics: RpcMetrics | None = getattr(self, "rpc_metrics", None)
         start = time.perf_counter()
-        succeeded = False
         messages = produced = None
         try:
             if isinstance(request, MalformedRequest):
                 raise errors.InvalidArgument(request.error)
             observe = None
             if metrics is not None:
-                label = metrics.label(buffer_of(request), False)
+                label = metrics.label(buffer_of(request))
 
                 def observe(seconds: float, message: object) -> None:
                     metrics.observe_message(method.__name__, label, seconds, _sent_bytes(message))
@@ -275,7 +273,6 @@ def stream_rpc(method: Callable | None = None, *, ahead: Callable[[Any, Any], in
                 produced = method(self, request, context)
                 messages = _Ahead(produced, depth, observe, seats) if depth > 0 else _timed(produced, observe)
                 yield from messages
-            succeeded = True
         except Exception as exc:
             _abort(self, method, exc, context)
         finally:
@@ -286,7 +283,7 @@ def stream_rpc(method: Callable | None = None, *, ahead: Callable[[Any, Any], in
             elif produced is not None:
                 produced.close()
             if metrics is not None:
-                label = metrics.label(buffer_of(request), succeeded)
+                label = metrics.label(buffer_of(request))
                 metrics.observe_latency(method.__name__, label, time.perf_counter() - start)
 
     return wrapper
@@ -470,6 +467,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @rpc
     def DeleteBuffer(self, request: pb.DeleteBufferRequest, context) -> pb.DeleteBufferResponse:
         self.registry.delete(request.name)
+        if self.rpc_metrics is not None:
+            self.rpc_metrics.forget(request.name)
         return pb.DeleteBufferResponse()
 
     @rpc
