@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import safetensors
 
-from service.errors import InvalidArgument
+from service.errors import InvalidArgument, ResourceExhausted
 from service.schema import check_buffer_name
 
 
@@ -26,10 +26,16 @@ class StoredWeights(NamedTuple):
     final: bool  # published as its publisher's last version: no newer one will come
 
 
+# Names the store holds at most: one per learner (and per model it broadcasts) is what it is for; without a
+# bound a client could fill the server's memory with blobs under new names (each up to the message limit).
+MAX_NAMES = 64
+
+
 class WeightStore:
-    def __init__(self) -> None:
+    def __init__(self, max_names: int = MAX_NAMES) -> None:
         self._weights: dict[str, StoredWeights] = {}
         self._lock = threading.Lock()
+        self.max_names = max_names
 
     def publish(self, name: str, version: int, payload: bytes, final: bool = False) -> tuple[bool, int]:
         """Stores `payload` if `version` is newer than the stored one; returns (accepted, stored version).
@@ -42,6 +48,9 @@ class WeightStore:
             stored_version = self._weights.get(name, _NOTHING).version
             if version <= stored_version:
                 return False, stored_version
+            if name not in self._weights and len(self._weights) >= self.max_names:
+                raise ResourceExhausted(f"weights {name!r}: the server holds weights under {self.max_names} names "
+                                        "already, its most")
             self._weights[name] = StoredWeights(version, payload, final)
             return True, version
 

@@ -8,6 +8,7 @@ import torch
 from client import ReplayClient
 from client.params import load_module_bytes, module_to_bytes
 from client.replay_client import FetchedWeights
+from service.weights import MAX_NAMES
 
 
 def test_publish_and_fetch_newest_version(client: ReplayClient) -> None:
@@ -72,3 +73,16 @@ def test_modules_with_shared_parameters_serialize() -> None:
     source, target = Tied(), Tied()
     load_module_bytes(target, module_to_bytes(source))
     assert torch.equal(target.a.weight, source.a.weight) and torch.equal(target.b.weight, source.a.weight)
+
+
+def test_weights_under_more_names_than_the_store_holds_are_refused(client: ReplayClient) -> None:
+    """Without a bound a client filled the server's memory with blobs under new names (8 x 25 MB: +391 MB)."""
+    blob = module_to_bytes(torch.nn.Linear(2, 1))
+    for k in range(MAX_NAMES):
+        assert client.publish_weights(f"w{k}", 1, blob)
+    with pytest.raises(grpc.RpcError) as refused:
+        client.publish_weights("one_more", 1, blob)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"the server holds weights under {MAX_NAMES} names already" in refused.value.details()
+    assert client.publish_weights("w0", 2, blob)  # a newer version under a held name still replaces it
+    assert client.fetch_weights("one_more") == FetchedWeights(0, b"", False)
