@@ -6,17 +6,21 @@ import threading
 
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.rollout import RolloutBuffer
-from service.errors import FailedPrecondition, InvalidArgument, NotFound
+from service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from service.limiters import WorkerSeats
 
 Buffer = EpisodicBuffer | RolloutBuffer
+# Buffers one server holds at most: each keeps 4 file descriptors open (its two segments), so without a bound
+# a client creating tiny buffers would exhaust a 1024-descriptor limit at about 250 and stop new connections.
+MAX_BUFFERS = 200
 
 
 class BufferRegistry:
     """A server's buffers by name. `worker_seats` caps the calls that may block at once across them all."""
 
-    def __init__(self, instance: str, worker_seats: WorkerSeats | None = None) -> None:
+    def __init__(self, instance: str, worker_seats: WorkerSeats | None = None, max_buffers: int = MAX_BUFFERS) -> None:
         self.instance = instance
+        self.max_buffers = max_buffers
         self.worker_seats = worker_seats or WorkerSeats()
         self._buffers: dict[str, Buffer] = {}
         self._lock = threading.Lock()
@@ -24,18 +28,26 @@ class BufferRegistry:
 
     def add(self, name: str, buffer: Buffer) -> None:
         with self._lock:
-            if name in self._buffers:
+            try:
+                self._check_room(name)
+            except BaseException:
                 buffer.close(unlink=True)
-                raise FailedPrecondition(f"buffer {name!r} already exists")
+                raise
             self._buffers[name] = buffer
             if isinstance(buffer, EpisodicBuffer):  # rollout buffers never block a call
                 buffer.worker_seats = self.worker_seats
 
     def reserve_check(self, name: str) -> None:
-        """Fails fast before allocating shared memory for a name that is taken."""
+        """Fails fast before allocating shared memory for a name that is taken, or a buffer too many."""
         with self._lock:
-            if name in self._buffers:
-                raise FailedPrecondition(f"buffer {name!r} already exists")
+            self._check_room(name)
+
+    def _check_room(self, name: str) -> None:
+        if name in self._buffers:
+            raise FailedPrecondition(f"buffer {name!r} already exists")
+        if len(self._buffers) >= self.max_buffers:
+            raise ResourceExhausted(f"buffer {name!r}: the server holds {len(self._buffers)} buffers, its most; "
+                                    "delete one first")
 
     def get(self, name: str) -> Buffer:
         try:

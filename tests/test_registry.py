@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import FailedPrecondition
+from service.errors import FailedPrecondition, ResourceExhausted
 from service.registry import BufferRegistry
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -36,3 +36,22 @@ def test_adding_a_second_buffer_under_a_taken_name_frees_it_and_keeps_the_first(
         np.testing.assert_array_equal(batch["obs"], np.ones((8, 2), np.float32))
     finally:
         registry.close()  # a leaked "loser" is unlinked (and reported) by conftest's leak check
+
+
+def test_a_buffer_past_the_servers_most_is_refused_and_freed() -> None:
+    """Each buffer keeps 4 file descriptors: tiny buffers created without end exhausted a 1024 limit."""
+    instance = f"{TEST_INSTANCE}most"
+    registry = BufferRegistry(instance, max_buffers=2)
+    try:
+        for name in ("a", "b"):
+            registry.reserve_check(name)
+            registry.add(name, EpisodicBuffer(name, instance, FIELDS, 8))
+        with pytest.raises(ResourceExhausted, match="buffer 'c': the server holds 2 buffers, its most"):
+            registry.reserve_check("c")
+        with pytest.raises(ResourceExhausted, match="its most"):
+            registry.add("c", EpisodicBuffer("c", instance, FIELDS, 8))
+        assert segments(f"rpd_{instance}_c") == []  # the refused buffer's memory freed
+        registry.delete("a")
+        registry.add("c", EpisodicBuffer("c", instance, FIELDS, 8))  # room again
+    finally:
+        registry.close()
