@@ -11,6 +11,7 @@ from safetensors.numpy import save
 from client import ReplayClient
 from client.replay_client import episode_span, spans_requests
 from service.grpc_server.server import ReplayServer
+from service.http.app import loopback_hosts
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
@@ -254,3 +255,14 @@ def test_a_deleted_buffer_leaves_no_series_behind(http_server: ReplayServer) -> 
     metrics = httpx.get(f"{base}/metrics").text
     assert 'buffer="gone1"' not in metrics and 'buffer="gone2"' not in metrics
     assert 'replayd_rpc_latency_seconds_count{buffer="",method="DeleteBuffer"} 2.0' in metrics
+
+
+def test_a_loopback_server_answers_only_loopback_host_headers(http_server: ReplayServer) -> None:
+    """A page whose name DNS rebinding points at 127.0.0.1 sends its own name as Host: it could read
+    /metrics and /api/buffers of a loopback server without a token."""
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    assert httpx.get(f"{base}/api/buffers", headers={"host": "attacker.example"}).status_code == 400
+    for host in ("127.0.0.1", "localhost", f"localhost:{http_server.http.port}"):
+        assert httpx.get(f"{base}/api/buffers", headers={"host": host}).status_code == 200
+    assert loopback_hosts("0.0.0.0") is None and loopback_hosts("server") is None  # compose: any name
+    assert loopback_hosts("::1") == ["127.0.0.1", "[::1]", "localhost"]

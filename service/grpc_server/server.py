@@ -136,12 +136,13 @@ class ReplayServer:
             self.servicer.sample_endpoints = self.sample_workers.endpoints
             self.http = None
             if http_address is not None:
-                from service.http.app import HttpServer, create_app
+                from service.http.app import HttpServer, create_app, loopback_hosts
 
                 http_host, http_port = http_address.rsplit(":", 1)
-                # uvicorn takes an IPv6 host without the brackets gRPC's address needs
-                self.http = HttpServer(create_app(self.registry, self.servicer.rejected, self.metrics, token),
-                                       http_host.strip("[]"), int(http_port))
+                http_host = http_host.strip("[]")  # uvicorn takes an IPv6 host without the brackets gRPC needs
+                app = create_app(self.registry, self.servicer.rejected, self.metrics, token,
+                                 allowed_hosts=loopback_hosts(http_host))
+                self.http = HttpServer(app, http_host, int(http_port))
         except BaseException:
             self._instance_lock.release()
             raise

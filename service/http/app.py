@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from collections.abc import Iterator
 
@@ -10,6 +11,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from service.buffers.episodic import EpisodicBuffer
 from service.errors import NotFound
@@ -181,12 +183,30 @@ class BufferCollector:
                     waits, wait_seconds, waiting, raw, rejected)
 
 
+def loopback_hosts(host: str) -> list[str] | None:
+    """The Host headers a server bound to loopback `host` answers (None: any, for a server bound elsewhere).
+    A web page's script may not read another origin's responses, but through DNS rebinding its own name
+    comes to point at 127.0.0.1; the Host header still carries that name, so refusing it keeps a page
+    from reading /metrics and /api/buffers of a loopback server without a token."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return None
+    if not loopback:
+        return None
+    literal = f"[{host}]" if ":" in host else host  # the Host header brackets IPv6 literals
+    return sorted({"localhost", "127.0.0.1", "[::1]", literal})
+
+
 def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: CollectorRegistry,
-               token: str | None = None) -> FastAPI:
+               token: str | None = None, allowed_hosts: list[str] | None = None) -> FastAPI:
     """With `token`, every route that reveals server state needs `Authorization: Bearer <token>`. Open:
     /healthz (container health checks carry no credentials) and the status page's static HTML, whose
-    script reads the token from the URL fragment (`/#token=...`, never sent to the server) for its calls."""
+    script reads the token from the URL fragment (`/#token=...`, never sent to the server) for its calls.
+    With `allowed_hosts` (loopback_hosts), a request whose Host header names another host gets 400."""
     app = FastAPI(title="replayd", docs_url=None, redoc_url=None, openapi_url=None)
+    if allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
     metrics.register(BufferCollector(registry, rejected))
 
     def authorized(request: Request) -> None:
