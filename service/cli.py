@@ -13,7 +13,7 @@ import signal
 import threading
 from pathlib import Path
 
-from service.buffers.ring import LOCK_FREE_MACHINES
+from service.buffers.ring import lock_free_host
 from service.errors import FailedPrecondition, ReplayError
 from service.grpc_server.auth import check_bind, check_token
 from service.grpc_server.server import ReplayServer
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     if args.max_message_mb * 2**20 > 2**31 - 1:
         parser.error(f"--max-message-mb: gRPC messages are smaller than 2048 MB, got {args.max_message_mb:g}")
-    if args.sample_workers and platform.machine().lower() not in LOCK_FREE_MACHINES:
+    if args.sample_workers and not lock_free_host():
         parser.error(f"--sample-workers sample shared memory lock-free, which needs an x86-64 host; this one is "
                      f"{platform.machine()!r}")
     if args.tls_cert and args.sample_workers:

@@ -32,10 +32,9 @@ MAX_NAMES = 64
 
 
 class WeightStore:
-    def __init__(self, max_names: int = MAX_NAMES) -> None:
+    def __init__(self) -> None:
         self._weights: dict[str, StoredWeights] = {}
         self._lock = threading.Lock()
-        self.max_names = max_names
 
     def publish(self, name: str, version: int, payload: bytes, final: bool = False) -> tuple[bool, int]:
         """Stores `payload` if `version` is newer than the stored one; returns (accepted, stored version).
@@ -48,8 +47,8 @@ class WeightStore:
             stored_version = self._weights.get(name, _NOTHING).version
             if version <= stored_version:
                 return False, stored_version
-            if name not in self._weights and len(self._weights) >= self.max_names:
-                raise ResourceExhausted(f"weights {name!r}: the server holds weights under {self.max_names} names "
+            if name not in self._weights and len(self._weights) >= MAX_NAMES:
+                raise ResourceExhausted(f"weights {name!r}: the server holds weights under {MAX_NAMES} names "
                                         "already, its most")
             self._weights[name] = StoredWeights(version, payload, final)
             return True, version

@@ -400,8 +400,10 @@ def test_checkpoint_rpc_needs_a_checkpoint_dir(client: ReplayClient, tmp_path: P
 
 
 @pytest.mark.parametrize("directory", ["/tmp/elsewhere", "../up", "..", ".", "a/b", "-x", "a\0b", "x" * 65])
-def test_checkpoint_rpc_writes_only_under_the_checkpoint_dir(tmp_path: Path, directory: str) -> None:
+def test_checkpoint_rpc_writes_only_under_the_checkpoint_dir(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                           monkeypatch: pytest.MonkeyPatch, directory: str) -> None:
     """A path of the client's choosing was written with the server's rights (a LATEST file there replaced)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # should it regress, relative paths land in a temp dir
     root = tmp_path / "checkpoints"
     with ReplayServer("127.0.0.1:0", instance=new_instance(), checkpoint_dir=str(root)) as server, \
             ReplayClient(server.address, timeout=20) as client:

@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from client.trainers.settings import check_non_negative, check_positive
+
 __all__ = ["AlloEncoder", "AlloTrainer", "allo_loss", "default_single_call", "update_duals_and_barrier"]
 
 
@@ -168,11 +170,9 @@ class AlloTrainer:
         device: torch.device | str = "cpu",
         encoder: nn.Module | None = None,
     ) -> None:
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be finite and > 0, got {lr!r}")
-        for name, rate in (("lr_beta", lr_beta), ("lr_barrier", lr_barrier)):
-            if not (math.isfinite(rate) and rate >= 0):  # 0 keeps them fixed; negative would descend on the duals
-                raise ValueError(f"{name} must be finite and >= 0, got {rate!r}")
+        check_positive("lr", lr)
+        check_non_negative("lr_beta", lr_beta)  # 0 keeps them fixed; negative would descend on the duals
+        check_non_negative("lr_barrier", lr_barrier)
         # The barrier is clipped to [0, barrier_max] after every step: a barrier_init outside it would be
         # replaced at the first step, and a negative barrier_max would make the barrier negative.
         if not barrier_max >= 0:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from client.trainers.compiled import CompiledFunction
+from client.trainers.settings import check_max_grad_norm, check_positive
 
 __all__ = ["DQNTrainer", "QNetwork", "q_loss", "q_loss_grads", "q_loss_grads_flat", "q_loss_manual_grad",
            "update_target"]
@@ -369,9 +370,8 @@ class DQNTrainer:
         if isinstance(target_update_every, bool) or not isinstance(target_update_every, numbers.Integral) or not (
                 target_update_every >= 1):  # a float 2.5 would update every 5 steps, NaN never
             raise ValueError(f"target_update_every must be an integer >= 1, got {target_update_every!r}")
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be finite and > 0, got {lr!r}")
-        _check_max_grad_norm(max_grad_norm)
+        check_positive("lr", lr)
+        check_max_grad_norm(max_grad_norm)
         _check_loss(loss_type, huber_delta)
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
@@ -448,13 +448,6 @@ class DQNTrainer:
         random = torch.randint(q.shape[1], greedy.shape, device=q.device)
         explore = torch.rand(greedy.shape, device=q.device) < epsilon
         return torch.where(explore, random, greedy)
-
-
-def _check_max_grad_norm(max_grad_norm: float | None) -> None:
-    """None (no clipping) or finite and > 0: clip_grad_norm_ scales the gradients by max_grad_norm / norm, so a
-    negative one turns them around (training climbs the loss) and 0 or NaN wipes them out."""
-    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be None or finite and > 0, got {max_grad_norm!r}")
 
 
 def _clone_module(module: nn.Module) -> nn.Module:

@@ -7,12 +7,13 @@ or (B, A) float32 for continuous, ``log_prob`` (B,) (behaviour policy), ``value`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.distributions import Categorical, Distribution, Normal
+
+from client.trainers.settings import check_max_grad_norm, check_non_negative, check_positive
 
 __all__ = ["ActorCritic", "PPOTrainer", "ppo_loss"]
 
@@ -139,17 +140,11 @@ class PPOTrainer:
         max_grad_norm: float | None = 0.5,
         device: torch.device | str = "cpu",
     ) -> None:
-        # Checked here, not per step: each is used as given, so a wrong one trains wrongly without an error.
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be finite and > 0, got {lr!r}")
-        if not (math.isfinite(clip_coef) and clip_coef > 0):  # a negative one inverts the clip range
-            raise ValueError(f"clip_coef must be finite and > 0, got {clip_coef!r}")
-        for name, coef in (("vf_coef", vf_coef), ("ent_coef", ent_coef)):
-            if not (math.isfinite(coef) and coef >= 0):  # negative: the loss would push that term the wrong way
-                raise ValueError(f"{name} must be finite and >= 0, got {coef!r}")
-        # clip_grad_norm_ scales the gradients by max_grad_norm / norm: a negative one turns them around.
-        if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be None or finite and > 0, got {max_grad_norm!r}")
+        check_positive("lr", lr)
+        check_positive("clip_coef", clip_coef)  # a negative one inverts the clip range
+        check_non_negative("vf_coef", vf_coef)  # negative: the loss would push that term the wrong way
+        check_non_negative("ent_coef", ent_coef)
+        check_max_grad_norm(max_grad_norm)
         self.device = torch.device(device)
         self.model = ActorCritic(obs_dim, action_dim, hidden, continuous).to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr, eps=1e-5)

@@ -57,7 +57,10 @@ def shared_sampling(components: dict) -> bool:
     return components["remover"]["kind"] == "fifo" and not components["rate_limited"]
 
 
-LOCK_FREE_MACHINES = ("x86_64", "amd64")  # platform.machine() of hosts whose readers may sample lock-free
+def lock_free_host() -> bool:
+    """Whether this host may sample shared memory lock-free: numpy issues no memory barriers, so the readers'
+    validation takes x86's ordering of loads and stores."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def check_importance_beta(importance_beta: float) -> None:
@@ -110,11 +113,9 @@ class EpisodicRing:
         Buffers whose sampling changes state (a remover counting draws, a rate limiter) are sampled by
         their server only.
         """
-        machine = platform.machine()
-        if machine.lower() not in LOCK_FREE_MACHINES:
-            # numpy issues no memory barriers: the reader's validation takes x86's ordering of loads and stores.
+        if not lock_free_host():
             raise FailedPrecondition(f"lock-free readers need an x86-64 host (its memory ordering), this one is "
-                                     f"{machine!r}: sample over gRPC instead")
+                                     f"{platform.machine()!r}: sample over gRPC instead")
         storage = SharedArrays.attach(header_name, readonly=True)
         meta = storage.meta
         try:

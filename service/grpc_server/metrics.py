@@ -67,7 +67,7 @@ class RpcMetrics:
                                 "published weights)", LABELS, registry=registry)
         self.sent = Counter("replayd_rpc_sent_bytes", "Payload bytes sent (sampled batches, minibatches, fetched "
                             "weights)", LABELS, registry=registry)
-        self._children: dict[tuple[int, str, str], Histogram | Counter] = {}
+        self._children: dict[tuple[Histogram | Counter, str, str], Histogram | Counter] = {}
 
     def label(self, buffer: str) -> str:
         """The `buffer` label of a call: the name of a buffer that exists when the call is observed, else ''
@@ -76,7 +76,7 @@ class RpcMetrics:
 
     def _child(self, metric: Histogram | Counter, method: str, buffer: str) -> Histogram | Counter:
         """`metric.labels(method, buffer)`, cached: labels() takes a lock and a few µs on every call."""
-        key = (id(metric), method, buffer)
+        key = (metric, method, buffer)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(method, buffer)
@@ -85,8 +85,8 @@ class RpcMetrics:
     def forget(self, buffer: str) -> None:
         """Drops a deleted buffer's series: creating and deleting buffers must not grow /metrics without end."""
         for key in [key for key in self._children if key[2] == buffer]:
-            metric = next(m for m in (self.latency, self.message_latency, self.received, self.sent) if id(m) == key[0])
-            metric.remove(key[1], buffer)
+            metric, method, _ = key
+            metric.remove(method, buffer)
             del self._children[key]
 
     def observe_latency(self, method: str, buffer: str, seconds: float) -> None:
