@@ -249,3 +249,17 @@ def test_bad_trainer_settings_raise(settings, message):
     with pytest.raises(ValueError, match=message):
         PPOTrainer(OBS, A, **settings)
     PPOTrainer(OBS, A, max_grad_norm=None, vf_coef=0.0, ent_coef=0.0)  # no clipping, terms off: allowed
+
+
+@pytest.mark.parametrize("name", ["log_prob", "value", "advantage", "return"])
+def test_per_sample_columns_may_come_as_a_column_but_never_broadcast(name):
+    """A (B, 1) log_prob (a rollout schema with log_prob shape (1,)), value, advantage or return: the same
+    loss as (B,), not a silent (B, B) broadcast; one that does not hold B values is refused."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, A)
+    batch = _batch(model)
+    flat, _ = ppo_loss(model, batch)
+    column, _ = ppo_loss(model, {**batch, name: batch[name].reshape(B, 1)})
+    torch.testing.assert_close(column, flat)
+    with pytest.raises(RuntimeError, match="shape"):
+        ppo_loss(model, {**batch, name: torch.randn(B, 2)})

@@ -89,9 +89,12 @@ def ppo_loss(
     if model.continuous:
         new_log_prob, entropy = new_log_prob.sum(-1), entropy.sum(-1)  # (B,)
 
-    log_ratio = new_log_prob - batch["log_prob"]  # (B,)
+    # The per-sample columns as (B,): a (B, 1) one (a schema's shape (1,)) would broadcast against the
+    # (B,) new log-prob and value to (B, B) without an error; one not holding B values raises here.
+    old_log_prob, adv, ret, old_value = (batch[name].reshape(new_value.shape)
+                                         for name in ("log_prob", "advantage", "return", "value"))
+    log_ratio = new_log_prob - old_log_prob  # (B,)
     ratio = log_ratio.exp()  # (B,)
-    adv = batch["advantage"]  # (B,)
     if norm_adv and adv.numel() > 1:
         # In float64 (as the server's normalization): float32's rounding of the mean of equal advantages
         # is as large as the 1e-8, and would turn them into ~0.8 instead of 0.
@@ -102,7 +105,6 @@ def ppo_loss(
     pg_loss = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
 
     # Value loss, optionally clipped around the old value.
-    ret, old_value = batch["return"], batch["value"]  # (B,) each
     if clip_vloss:
         v_clipped = old_value + torch.clamp(new_value - old_value, -clip_coef, clip_coef)
         v_loss = 0.5 * torch.max((new_value - ret).square(), (v_clipped - ret).square()).mean()
