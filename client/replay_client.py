@@ -143,7 +143,8 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         # A sample that counts draws (max_times_sampled) or feeds a rate limiter is no idempotent call.
         "sampling_changes_state": which == "episodic" and (
             config.remover.WhichOneof("kind") == "max_times_sampled" or config.HasField("rate_limiter")),
-    }
+    } | ({"num_steps": config.num_steps, "num_envs": config.num_envs, "gamma": config.gamma,
+          "gae_lambda": config.gae_lambda} if which == "rollout" else {})
 
 
 @dataclass

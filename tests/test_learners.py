@@ -129,3 +129,28 @@ def test_the_allo_learner_scores_its_final_encoder_once(
     summary = allo.learn_allo(config, report)
     assert [point["learner_steps"] for point in summary["curve"]] == scored_at
     assert reported == scored_at
+
+
+@pytest.mark.parametrize(("made", "message"), [
+    ({"gamma": 0.9}, r"gamma 0\.9 \(needs 0\.99\)"),
+    ({"gae_lambda": 0.5}, r"gae_lambda 0\.5 \(needs 0\.95\)"),
+    ({"num_steps": 16, "num_envs": 3}, r"num_steps 16 \(needs 8\), num_envs 3 \(needs 6\)"),  # 48 cells either way
+])
+def test_the_ppo_learner_does_not_reuse_a_rollout_buffer_made_with_other_gae_settings(
+        client: ReplayClient, tmp_path, monkeypatch: pytest.MonkeyPatch, made: dict, message: str) -> None:
+    """An earlier learner's rollout buffer alike in cells and fields but not in γ, λ or its (steps, envs) split
+    would have GAE run with the other settings (or the actors' parts refused): the learner names what differs."""
+    monkeypatch.setattr(ppo, "PPOTrainer", FakePPOTrainer)
+
+    def no_actors(*args, **kwargs):
+        raise TimeoutError("no actors in this test")
+
+    monkeypatch.setattr(ppo, "wait_until", no_actors)
+    settings = {"num_steps": 8, "num_envs": 6, "gamma": 0.99, "gae_lambda": 0.95, **made}
+    client.create_rollout_buffer(ppo.BUFFER, settings["num_steps"], settings["num_envs"],
+                                 {"obs": ("float32", (4,)), "action": ("int64", ()), "log_prob": ("float32", ())},
+                                 settings["gamma"], settings["gae_lambda"])
+    config = ppo.PPOLearnerConfig(address=client.address, run_dir=str(tmp_path), actors=3, num_envs=2,
+                                  rollout_steps=8, seconds=60)
+    with pytest.raises(common.BufferMismatch, match=message):
+        ppo.learn_ppo(config)

@@ -101,11 +101,13 @@ class BufferMismatch(RuntimeError):
 
 
 def create_or_reuse(client: ReplayClient, name: str, create: Callable[[], object], kind: str,
-                    capacity_steps: int, fields: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
+                    capacity_steps: int, fields: Mapping[str, tuple[str, tuple[int, ...]]],
+                    settings: Mapping[str, object] | None = None) -> bool:
     """Creates the learner's buffer, or reuses one an earlier learner left on the server (a learner started
     again goes on with its data) when it is alike: same kind, capacity and `fields` (name -> dtype, shape;
-    fields it has beyond these, such as a rollout buffer's own, do not count). Returns whether it reused
-    one; BufferMismatch naming the differences otherwise."""
+    fields it has beyond these, such as a rollout buffer's own, do not count), and the `settings` (describe's
+    keys -> values, e.g. a rollout buffer's num_steps, num_envs, gamma and gae_lambda). Returns whether it
+    reused one; BufferMismatch naming the differences otherwise."""
     try:
         create()
         return False
@@ -128,6 +130,9 @@ def create_or_reuse(client: ReplayClient, name: str, create: Callable[[], object
         elif (have[0], tuple(have[1])) != (np.dtype(dtype).name, tuple(shape)):
             differences.append(f"field {field_name!r} {have[0]}{list(have[1])} (needs {np.dtype(dtype).name}"
                                f"{list(shape)})")
+    if info["kind"] == kind:
+        differences += [f"{key} {info.get(key)} (needs {value})" for key, value in (settings or {}).items()
+                        if info.get(key) != value]
     if differences:
         raise BufferMismatch(f"buffer {name!r} already exists on the server with {', '.join(differences)}: delete it "
                              "(ReplayClient.delete_buffer) or restart the server")

@@ -78,7 +78,9 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
         create_or_reuse(client, config.buffer,
                         lambda: client.create_rollout_buffer(config.buffer, config.rollout_steps, slots, schema,
                                                              config.gamma, config.gae_lambda),
-                        "rollout", config.rollout_steps * slots, schema)
+                        "rollout", config.rollout_steps * slots, schema,
+                        {"num_steps": config.rollout_steps, "num_envs": slots, "gamma": config.gamma,
+                         "gae_lambda": config.gae_lambda})
     except BaseException:
         weights.publish(trainer.model, final=True)  # the actors waiting for this learner stop
         raise
