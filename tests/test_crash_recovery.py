@@ -513,3 +513,31 @@ def test_bounds_of_an_uncommitted_block_are_not_drawn_after_recovery(monkeypatch
             assert int(np.count_nonzero(positions < bounds)) == recovered.sampleable_steps  # was 29, not 24
             batch = recovered.sample(2000, TransitionsMode(1, 0.9), np.random.default_rng(0), include_keys=True)
             np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
+
+
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize("grows", [False, True])
+def test_steps_an_interrupted_append_commits_have_a_priority(grows: bool, after: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An append to an open episode commits when its last row is published (the head is already past its
+    room, or grown to cover it). The steps it adds got their first priority only after that: killed in
+    between, they came back live with leaf 0, counted sampleable but never drawn (found by a review)."""
+    with segments_removed(f"rpd_{TEST_INSTANCE}_prio"):
+        buffer = EpisodicBuffer("prio", TEST_INSTANCE, FIELDS, 200, sampler=PrioritizedSampler(0.5))
+        header = buffer.storage.header_name
+        buffer.insert(*chunk(100, 5, True, False))  # open, with a small room
+        if not grows:
+            buffer.insert(*whole(1, 10))  # after the room: the append stays inside it
+        crash_inside(buffer, "_rows_written", monkeypatch, after)
+        with pytest.raises(Crash):
+            buffer.insert(*chunk(100, 30 if grows else 3, False, False, 5))
+        monkeypatch.undo()
+        buffer.storage.close()
+        with closing(EpisodicBuffer.recover(header)) as recovered:
+            positions = np.arange(recovered.tail_position(), recovered.head)
+            rows, bounds, _ = recovered.episode_bounds(positions)
+            steps = positions < bounds
+            assert int(np.count_nonzero(steps)) == recovered.sampleable_steps
+            leaves = recovered.sampler.tree.get(rows)
+            assert np.all(leaves[steps] > 0), f"live steps without a priority at {positions[steps & (leaves == 0)]}"
+            assert np.all(leaves[~steps] == 0)

@@ -65,13 +65,14 @@ def test_a_block_written_below_a_head_that_moved_back_is_read_whole_or_not_at_al
 
         set_ring, rows_written = writer._set_ring, writer._rows_written
 
-        def store(array: np.ndarray, pos: int, values: np.ndarray) -> None:
+        def store(array: np.ndarray, pos: int, values: np.ndarray) -> None:  # reads before and after each
             read_with_stale_head()
             set_ring(array, pos, values)
+            read_with_stale_head()  # after the last: every store of the block done, the new head not yet
 
-        def written(lo: int, hi: int) -> None:  # every store of the block done, the new head not yet
+        def written(lo: int, hi: int, bounds: np.ndarray | int) -> None:  # the priorities, before the bounds
             read_with_stale_head()
-            rows_written(lo, hi)
+            rows_written(lo, hi, bounds)
 
         writer._set_ring, writer._rows_written = store, written
         # E2: 2 steps, terminated, at positions 5, 6, 7 (final row 7): 5 and 6 lie below the head 8 read above.

@@ -647,12 +647,13 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         self.extent_start[slots] = starts
         self.extent_last[slots] = lasts
         self.extent_flags[slots] = ALIVE | np.where(spans.terminated[op.span_lo:op.span_hi], TERMINATED, 0)
-        self._set_ring(self.row_end, head, np.repeat(lasts, rows))
+        bounds = np.repeat(lasts, rows)
+        self._rows_written(head, head + int(rows.sum()), bounds)
+        self._set_ring(self.row_end, head, bounds)
         self.state[NEXT_SEQ] = seq0 + len(rows)
         self.state[EPISODES] += len(rows)
         self.state[SAMPLEABLE] += int(rows.sum()) - len(rows)
         self.state[STORED] += int(rows.sum())
-        self._rows_written(head, head + int(rows.sum()))
 
     def _write_extent_rows(self, op: _Op, columns: Mapping[str, np.ndarray], at: int, mark_from: int,
                            prev_sampleable: int) -> None:
@@ -666,6 +667,8 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
             self.state[NEXT_SEQ] = extent.seq + 1
         marked = extent.last + 1 - mark_from
         self._set_ring(self.row_seq, mark_from, np.full(marked, extent.seq, dtype=np.int64))
+        # The previous last row and the new rows but the last become steps once the last row is published.
+        self._rows_written(max(extent.start, mark_from - 1), extent.last + 1, extent.last)
         if op.closes:
             # How it ended first: a reader that sees a row's final bound also sees that. Then the bounds,
             # then the extent's last row: a lock-free reader that saw a row OPEN and then this last row
@@ -686,7 +689,6 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
             self.state[EPISODES] += 1
         else:
             self._open[extent.episode_id] = extent
-        self._rows_written(max(extent.start, mark_from - 1), extent.last + 1)
 
     def _kill_extent(self, extent: _Extent) -> None:
         """Turns a moved-away extent into holes (its rows were copied to the head)."""
@@ -737,9 +739,12 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         self._set_ring(self.row_seq, tail_pos, np.full(new_tail_pos - tail_pos, -1, dtype=np.int64))
         self._rows_cleared(tail_pos, new_tail_pos)
 
-    def _rows_written(self, lo: int, hi: int) -> None:
-        self.remover.on_rows_written(self, lo, hi)  # first: the sampler reads which rows are retired
-        self.sampler.on_rows_written(self, lo, hi)
+    def _rows_written(self, lo: int, hi: int, bounds: np.ndarray | int) -> None:
+        """Positions [lo, hi) are about to get these bounds (their episode's final row, or last landed row
+        while open). Called before the bounds are stored: whenever the writer dies, a step that recovery
+        finds published has its sampler state (a priority) already."""
+        self.remover.on_rows_written(self, lo, hi)
+        self.sampler.on_rows_written(self, lo, hi, bounds)
 
     def _rows_cleared(self, lo: int, hi: int) -> None:
         self.remover.on_rows_cleared(self, lo, hi)

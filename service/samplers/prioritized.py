@@ -79,12 +79,12 @@ class PrioritizedSampler:
         return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)
 
     # ---------------------------------------------------------------- buffer hooks (under ring.lock)
-    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
-        """Positions [lo, hi) changed: the sampleable ones among them are new items."""
+    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int, bounds: np.ndarray | int) -> None:
+        """Positions [lo, hi) are about to get `bounds`: the steps among them are new items (none retired).
+        A lock-free reader that draws one before its bound is stored finds it no step, and draws again."""
         positions = np.arange(lo, hi, dtype=np.int64)
-        rows, bounds, _ = ring.episode_bounds(positions)
         fresh = self._leaf_values(self._max_priority[:1])[0]
-        self.tree.update(rows, np.where(positions < bounds, fresh, 0.0))
+        self.tree.update(positions % ring.capacity, np.where(positions < bounds, fresh, 0.0))
 
     def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
         self.tree.update(np.arange(lo, hi, dtype=np.int64) % ring.capacity, 0.0)

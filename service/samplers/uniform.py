@@ -72,8 +72,8 @@ class UniformSampler:
         """Whether a draw can succeed now."""
         return ring.sampleable_steps > 0
 
-    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
-        """Positions [lo, hi) changed (new rows, or rows that just got a successor)."""
+    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int, bounds: np.ndarray | int) -> None:
+        """Positions [lo, hi) are about to get `bounds` (new rows, or rows that just got a successor)."""
 
     def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
         """Positions [lo, hi) no longer hold sampleable steps."""
