@@ -96,7 +96,9 @@ class EpisodeWriter:
             given = np.asarray(value)
             if not np.can_cast(given.dtype, dtype, casting="same_kind"):
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: got {given.dtype} values")
-            array = given.astype(dtype, copy=False)
+            # A copy: the row is sent later, and a caller may reuse its array (an env writing each
+            # observation into one buffer); a view would store whatever that array holds by then.
+            array = given.astype(dtype, copy=True)
             if dtype.kind in "iu" and not np.array_equal(array, given):
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
             if array.shape != shape:

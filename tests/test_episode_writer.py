@@ -146,3 +146,23 @@ def test_ending_an_episode_right_after_its_chunk_was_refused_stores_nothing_and_
     assert writer.episodes_written == 1
     with pytest.raises(ValueError, match="end_episode: the episode has no steps"):  # a real empty episode still is
         EpisodeWriter(client, "r").end_episode(terminated=True, obs=np.zeros(4, np.float32))
+
+
+def test_a_step_is_stored_as_it_was_when_appended_even_if_the_caller_reuses_its_array(client: ReplayClient) -> None:
+    """Environments that write each observation into one array (gymnasium vector envs with copy=False, say):
+    the writer kept a reference to a float32 observation instead of its value, so every row of the episode
+    held the last observation written into that array."""
+    client.create_buffer("b", 1000, SCHEMA)
+    writer = EpisodeWriter(client, "b")
+    obs = np.zeros(4, np.float32)
+    for t in range(3):
+        obs[:] = t
+        writer.append(obs=obs, action=t, reward=float(t))
+    obs[:] = 3
+    writer.end_episode(terminated=True, obs=obs)
+    obs[:] = -1  # the next episode's first observation, written before the episode above is sent
+    writer.close()
+    batch = client.sample("b", 64, seed=0)
+    transitions = set(zip(batch["obs"][:, 0].tolist(), batch["action"].tolist(), batch["next_obs"][:, 0].tolist(),
+                          strict=True))
+    assert transitions == {(0.0, 0, 1.0), (1.0, 1, 2.0), (2.0, 2, 3.0)}
