@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from client import ReplayClient
-from client.actors.common import ActorReport, EpisodeRecorder, refresh_weights
+from client.actors.common import ActorReport, EpisodeRecorder, action_rng, refresh_weights
 from client.actors.dqn import DQNActorConfig, epsilon_at, explores, run_dqn_actor
 from client.actors.ppo import PPOActorConfig, Rollout, collect, run_ppo_actor
 from client.learners.dqn import CARTPOLE_SCHEMA
@@ -235,3 +235,16 @@ def test_the_allo_actor_walks_in_all_four_directions(client: ReplayClient) -> No
     assert report.pushed == 2
     actions = client.sample("fourrooms", 4_000, seed=0)["action"]
     assert set(actions.tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 - 1])
+def test_an_actors_actions_do_not_repeat_its_envs_draws(seed: int) -> None:
+    """gymnasium seeds an env's generator with SeedSequence(seed), as default_rng(seed) does: actions drawn
+    from default_rng(seed) were the env's own draws (found by a review: in the ALLO actor every random
+    action equalled a start state the gridworld drew)."""
+    from gymnasium.utils.seeding import np_random
+
+    env_draws = np_random(seed)[0].integers(4, size=256)
+    np.testing.assert_array_equal(np.random.default_rng(seed).integers(4, size=256), env_draws)  # the trap
+    assert not np.array_equal(action_rng(seed).integers(4, size=256), env_draws)
+    np.testing.assert_array_equal(action_rng(seed).random(4), action_rng(seed).random(4))  # still reproducible

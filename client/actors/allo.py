@@ -6,9 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from client.actors.common import ActorReport, EpisodeRecorder, StopEvent, connect, stop_condition
+from client.actors.common import ActorReport, EpisodeRecorder, StopEvent, action_rng, connect, stop_condition
 from client.gridworld import GridWorld
 
 BUFFER = "fourrooms"
@@ -29,7 +27,7 @@ class AlloActorConfig:
 def run_allo_actor(config: AlloActorConfig, stop: StopEvent | None = None) -> ActorReport:
     """Random-walk episodes until `config.episodes` are written, `config.seconds` pass or `stop` is set."""
     env = GridWorld(config.layout, max_episode_steps=config.episode_steps)
-    rng = np.random.default_rng(config.seed)
+    rng = action_rng(config.seed)
     report = ActorReport()
     stopped = stop_condition(config.seconds, stop)
     client = connect(config.address, config.buffer, stopped)

@@ -8,12 +8,20 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
+import numpy as np
 import torch
 
 from client.episode_writer import EpisodeWriter
 from client.params import load_module_bytes
 from client.polling import RECONNECT, never, wait_until
 from client.replay_client import FetchedWeights, ReplayClient
+
+
+def action_rng(seed: int) -> np.random.Generator:
+    """The actor's random stream for its actions, apart from the env's: gymnasium (and GridWorld) seed the
+    env's generator with SeedSequence(seed) too, so default_rng(seed) would repeat the env's own draws
+    (a random action equal to the start state the env drew)."""
+    return np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
 
 
 class StopEvent(Protocol):

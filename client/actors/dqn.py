@@ -12,6 +12,7 @@ from client.actors.common import (
     ActorReport,
     EpisodeRecorder,
     StopEvent,
+    action_rng,
     connect,
     refresh_weights,
     stop_condition,
@@ -52,7 +53,7 @@ def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> Acto
 
     torch.set_num_threads(1)
     env = gym.make(config.env_id)
-    rng = np.random.default_rng(config.seed)
+    rng = action_rng(config.seed)
     network = QNetwork(int(np.prod(env.observation_space.shape)), int(env.action_space.n), config.hidden)
     report = ActorReport()
     stopped = stop_condition(config.seconds, stop)
