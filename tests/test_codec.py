@@ -327,3 +327,20 @@ def test_payload_metadata_past_the_cache_limit_is_decoded_but_not_held() -> None
     codec.decode(small)
     codec.decode(small)  # a layout is learned when it comes back
     assert bytes(small[:codec._head_size(memoryview(small))]) in codec._layouts
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_a_compressed_record_batch_is_refused_before_it_is_decompressed(compression: str) -> None:
+    """Arrow's reader allocates and inflates every buffer of a compressed body to the size the body claims:
+    a 66 KB zstd payload of 2 GiB of zeros made the server allocate 2 GiB, far past the message limit that
+    bounds what a call may make it hold. replayd bodies are never compressed (decoding is zero-copy)."""
+    batch = pa.ipc.open_stream(codec.encode({"obs": np.zeros((4096, 8), np.float32)})).read_next_batch()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as writer:
+        writer.write_batch(batch)
+    payload = sink.getvalue().to_pybytes()
+    assert len(payload) < 4096 * 8 * 4 // 10  # it does inflate
+    allocated = pa.total_allocated_bytes()
+    with pytest.raises(codec.CodecError, match=f"compressed record batches are not supported.*{compression}"):
+        codec.decode(payload)
+    assert pa.total_allocated_bytes() == allocated

@@ -419,3 +419,23 @@ def test_oversized_buffers_are_refused_before_allocating(target: Target) -> None
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.details().startswith("buffer 'huge': needs ")
     assert [b["name"] for b in target.client.list_buffers()] == ["ep", "ro"]
+
+
+def test_a_compressed_insert_is_refused_and_changes_nothing(target: Target) -> None:
+    """A zstd body inflates on the server to what it claims (a 66 KB request held 2 GiB): refused as a
+    malformed payload naming the request field, the buffer untouched, the server serving."""
+    batch = pa.ipc.open_stream(codec.encode(_episode(5))).read_next_batch()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_batch(batch)
+    request = pb.InsertRequest(buffer="ep", steps=sink.getvalue().to_pybytes(), episode_ids=[77], span_rows=[6],
+                               begins=[True], ends=[True], terminated=[True], span_offsets=[0])
+    before = target.client.describe("ep")
+    with pytest.raises(grpc.RpcError) as info:
+        target.channel.stream_unary(SERVICE + "Insert", request_serializer=_identity)(
+            iter([request.SerializeToString()]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("insert.steps: compressed record batches are not supported")
+    assert target._take_snapshot() == target.snapshot
+    assert target.client.describe("ep") == before
+    target.healthy()

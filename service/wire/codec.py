@@ -374,6 +374,38 @@ def decode(payload: bytes | memoryview | pa.Buffer) -> dict[str, np.ndarray]:
     return columns
 
 
+def _flatbuffer_field(data: bytes, table: int, index: int) -> int | None:
+    """Where field `index` of the flatbuffers table at `table` lies in `data`; None if it is absent."""
+    vtable = table - _read(data, "<i", table)
+    vtable_size = _read(data, "<H", vtable)
+    entry = 4 + 2 * index
+    offset = _read(data, "<H", vtable + entry) if entry + 2 <= vtable_size else 0
+    return table + offset if offset else None
+
+
+def _read(data: bytes, fmt: str, at: int) -> int:
+    if not 0 <= at <= len(data) - struct.calcsize(fmt):  # unpack_from would count a negative offset from the end
+        raise CodecError("malformed Arrow IPC payload: record batch metadata out of bounds")
+    return struct.unpack_from(fmt, data, at)[0]
+
+
+def _body_compression(metadata: bytes) -> int | None:
+    """The codec (0: LZ4 frame, 1: ZSTD) a record batch message's metadata declares for its body, if any.
+    Message: header (field 2, the RecordBatch table); RecordBatch: compression (field 3, a BodyCompression
+    table whose field 0 is the codec, default LZ4 frame)."""
+    message = _read(metadata, "<I", 0)
+    header = _flatbuffer_field(metadata, message, 2)
+    if header is None:
+        return None
+    batch = header + _read(metadata, "<I", header)
+    compression = _flatbuffer_field(metadata, batch, 3)
+    if compression is None:
+        return None
+    table = compression + _read(metadata, "<I", compression)
+    codec_at = _flatbuffer_field(metadata, table, 0)
+    return 0 if codec_at is None else _read(metadata, "<b", codec_at)
+
+
 def _decode_arrow(payload: bytes | memoryview | pa.Buffer) -> tuple[_Plan, dict[str, np.ndarray], int]:
     """Decodes and fully validates a payload with Arrow's IPC reader: (plan, columns, record batch body size)."""
     buffer = payload if isinstance(payload, pa.Buffer) else pa.py_buffer(payload)
@@ -389,6 +421,13 @@ def _decode_arrow(payload: bytes | memoryview | pa.Buffer) -> tuple[_Plan, dict[
         batch_message = reader.read_next_message()
         if batch_message.type != "record batch":
             raise CodecError(f"expected one record batch after the schema, got {batch_message.type}")
+        compression = _body_compression(batch_message.metadata.to_pybytes())
+        if compression is not None:
+            # Arrow's reader would inflate every buffer to the size the body claims, before anything is
+            # checked: a few KB of zstd claim gigabytes, far past the message limit. replayd never compresses.
+            name = {0: "lz4", 1: "zstd"}.get(compression, f"codec {compression}")
+            raise CodecError(f"compressed record batches are not supported (got {name}); send the body "
+                             "uncompressed (gRPC compresses messages if the channel asks it to)")
         batch = pa.ipc.read_record_batch(batch_message, plan.schema)
         # The IPC reader trusts lengths in the message; buffers shorter than they claim would be read past.
         batch.validate(full=True)
