@@ -112,3 +112,23 @@ def test_sample_response_joins_numpy_parts_once() -> None:
     decoded = codec.decode(sample_response_batch(raw))
     np.testing.assert_array_equal(decoded["obs"].reshape(-1), obs)
     assert pb.SampleResponse.FromString(sample_response_bytes((b"ab", flags))).batch == b"ab\x01\x00\x01"
+
+
+def test_splitting_many_small_fields_holds_no_more_than_the_message() -> None:
+    """Repeated fields may travel unpacked, one key per value: 8 MB of them (4 M fields of 2 bytes) made the
+    split hold a memoryview per field, 1.1 GB; at the default 512 MB message limit, far more than the server
+    has. What the split holds must stay within a few times the message, whatever its fields."""
+    import tracemalloc
+
+    fields = 1 << 18
+    raw = (pb.InsertRequest(buffer="b").SerializeToString() + b"\x18\x01" * fields  # episode_ids, unpacked
+           + _field(2, 2, b"\x05arrow"))
+    tracemalloc.start()
+    try:
+        rest, steps = split_bytes_field(raw, pb.InsertRequest.STEPS_FIELD_NUMBER)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert bytes(steps) == b"arrow"
+    assert list(pb.InsertRequest.FromString(rest).episode_ids) == [1] * fields
+    assert peak < 4 * len(raw), f"{peak} bytes held to split {len(raw)}"
