@@ -348,6 +348,23 @@ def test_a_malformed_request_after_stored_ones_says_they_were_stored(client: Rep
     assert client.describe("m")["episodes"] == 1
 
 
+
+@pytest.mark.parametrize(("buffer", "status"), [("missing", grpc.StatusCode.NOT_FOUND),
+                                                ("ro", grpc.StatusCode.INVALID_ARGUMENT)])
+def test_a_request_naming_no_episodic_buffer_after_stored_ones_says_they_were_stored(
+        client: ReplayClient, buffer: str, status: grpc.StatusCode) -> None:
+    """A later request of the stream that names an unknown or a rollout buffer: refused as any other, saying
+    that the requests before it were stored."""
+    rng = np.random.default_rng(2)
+    client.create_buffer("n", 1000, SCHEMA)
+    client.create_rollout_buffer("ro", 2, 2, {})
+    columns = {**episode(rng, 4), "action": np.zeros(5, np.int64), "reward": np.zeros(5, np.float32)}
+    code, details = rpc_status(client.insert, [spans_request("n", [Span(columns, 1)]),
+                                               spans_request(buffer, [Span(columns, 2)])], retry=False)
+    assert code == status and repr(buffer) in details
+    assert details.endswith("(request 1 of the stream; the 1 before it were stored)")
+    assert client.describe("n")["episodes"] == 1
+
 def test_an_insert_response_counts_the_rows_of_its_spans(client: ReplayClient) -> None:
     rng = np.random.default_rng(2)
     client.create_buffer("rows", 1000, SCHEMA)

@@ -495,8 +495,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 stored = f"; the {requests} before it were stored" if requests else ""
                 raise errors.InvalidArgument(f"{frame.error} (request {requests} of the stream{stored})")
             request = frame.request
-            buffer = self.registry.episodic(request.buffer)
             try:
+                buffer = self.registry.episodic(request.buffer)
                 columns = _decode(frame.steps, "insert.steps")
                 spans_of_request = convert.spans_from_request(request)
                 if buffer.limiter is not None and call_end is None:
