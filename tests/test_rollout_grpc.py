@@ -231,6 +231,26 @@ def test_a_bootstrap_with_more_than_the_value_column_is_refused(server: ReplaySe
         assert response.rollout_complete and response.missing_steps == 0
 
 
+
+def test_a_part_larger_than_the_rollout_names_its_size(server: ReplayServer, client: ReplayClient) -> None:
+    """A part of more env slots (num_envs) or steps than the buffer holds: the message says so, not that
+    env_start = 0 (or step_start = 0) is out of a range no value fits ("0 <= env_start <= 4 - 8")."""
+    rng = np.random.default_rng(6)
+    client.create_rollout_buffer("ppo", T, N, SCHEMA)
+    wide = _push_request(rng, {"value": np.zeros(2 * N, np.float32)})
+    wide.num_envs = 2 * N  # the same rows as T / 2 steps of 2 N envs
+    long = _push_request(rng, {"value": np.zeros(1, np.float32)})
+    long.num_envs = 1  # T N steps of one env
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ReplayStub(channel)
+        code, details = rpc_status(stub.PushRollout, wide, timeout=20)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith(f"num_envs: expected <= {N} (the buffer's env slots), got {2 * N}"), details
+        code, details = rpc_status(stub.PushRollout, long, timeout=20)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith(f"push: expected <= {T} steps (the buffer's num_steps), got {T * N}"), details
+    assert client.describe("ppo")["missing_steps"] == T * N
+
 def test_a_minibatch_request_without_epochs_streams_one_epoch(server: ReplayServer, client: ReplayClient) -> None:
     """epochs is 0 on the wire when a client leaves it out: one pass over the rollout, each sample once."""
     full = _full_rollout(client, np.random.default_rng(5))

@@ -291,6 +291,10 @@ class RolloutBuffer(LiveBuffer):
         T, N = self.config.num_steps, self.config.num_envs
         if steps < 1 or envs < 1:
             raise InvalidArgument(f"push: expected >= 1 step and env, got (steps, envs) = {(steps, envs)}")
+        if steps > T:
+            raise InvalidArgument(f"push: expected <= {T} steps (the buffer's num_steps), got {steps}")
+        if envs > N:
+            raise InvalidArgument(f"num_envs: expected <= {N} (the buffer's env slots), got {envs}")
         if not 0 <= step_start <= T - steps:
             raise InvalidArgument(
                 f"step_start: expected 0 <= step_start <= {T} - {steps} (the part's steps), got {step_start}"
