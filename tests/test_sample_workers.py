@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import pytest
 
 from client import ReplayClient
 from service.errors import InvalidArgument, NotFound
-from service.grpc_server.sample_workers import WORKER_THREADS, SampleWorkerServicer
+from service.grpc_server.sample_workers import WORKER_THREADS, SampleWorkers, SampleWorkerServicer
 from service.grpc_server.server import ReplayServer
 from service.storage.instance_lock import lock_path
 from service.wire import codec
@@ -389,3 +390,45 @@ def test_a_worker_checks_buffer_names_as_the_server_does(
 def test_a_worker_keeps_a_quarter_of_its_threads_free_for_short_calls() -> None:
     seats = SampleWorkerServicer(TEST_INSTANCE, 2**20).worker_seats
     assert WORKER_THREADS == 16 and seats.caps == {"waits": 6, "streams": 6}
+
+
+def test_a_worker_whose_port_was_taken_is_started_again_once_it_is_free(caplog: pytest.LogCaptureFixture) -> None:
+    """A dead worker is restarted on its port. When another socket took that port meanwhile, the restart waited
+    60 s for a port the new worker never reported, then its queue.Empty ended the monitor thread: no worker was
+    ever restarted again. Now a worker that exits before serving is an OSError at once, and the monitor tries
+    again until the port is free."""
+    workers = SampleWorkers(1, f"{TEST_INSTANCE}taken", "127.0.0.1", 2**20, None)
+    workers.start()
+    taken = socket.socket()
+    try:
+        port = workers.ports[0]
+        started = time.monotonic()
+        with pytest.raises(OSError, match=f"could not serve on 127.0.0.1:{port}"):
+            workers._spawn(port)  # the running worker holds the port
+        assert time.monotonic() - started < 30
+        os.kill(workers._processes[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:  # the port is free once the worker is dead: take it before the monitor's restart binds it
+            try:
+                taken.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"port {port} of the killed worker was not freed"
+                time.sleep(0.01)
+        taken.listen()
+        deadline = time.monotonic() + 60
+        while not any("trying again" in record.getMessage() for record in caplog.records):
+            assert time.monotonic() < deadline, "the monitor did not report the failed restart"
+            time.sleep(0.05)
+        assert workers._monitor.is_alive() and workers.restarts == 0
+        taken.close()
+        deadline = time.monotonic() + 60
+        while workers.restarts == 0:
+            assert time.monotonic() < deadline, "the worker was not restarted once its port was free"
+            time.sleep(0.05)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+    finally:
+        taken.close()
+        workers.stop()
+    assert [p for p in multiprocessing.active_children() if p.name == "replayd-sample-worker"] == []

@@ -14,6 +14,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
 import weakref
@@ -182,7 +183,11 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
                          options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
                          interceptors=[TokenAuthInterceptor(token)] if token else None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("replayd.v1.Replay", handlers),))
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # the port is taken: the server reports it (SampleWorkers._spawn)
+        log.error("sample worker: could not serve on %s: %s", address, exc)
+        raise SystemExit(1) from None
     server.start()
     if ports is not None:
         ports.put(port)
@@ -213,14 +218,29 @@ class SampleWorkers:
         self._monitor = threading.Thread(target=self._watch, name="replayd-sample-workers", daemon=True)
 
     def _spawn(self, port: int, timeout: float = 60.0) -> tuple[mp.process.BaseProcess, int]:
+        """A worker serving on `port` (0: a free one) and the port it bound. OSError when it exits before it
+        serves (its port taken, say: it logged why), TimeoutError (and it is killed) when it never reports."""
         ports = self._context.Queue()
+        address = f"{self.host}:{port}"
         process = self._context.Process(
             target=serve_worker,
-            args=(self.instance, f"{self.host}:{port}", self.max_message_bytes, self.token, ports, os.getpid()),
+            args=(self.instance, address, self.max_message_bytes, self.token, ports, os.getpid()),
             daemon=True, name="replayd-sample-worker",
         )
         process.start()
-        return process, ports.get(timeout=timeout)
+        give_up = time.monotonic() + timeout
+        while True:
+            try:
+                return process, ports.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            if not process.is_alive():
+                raise OSError(f"a sample worker could not serve on {address} (port in use? see the log above): it "
+                              f"exited with code {process.exitcode}")
+            if time.monotonic() > give_up:
+                process.kill()
+                process.join()
+                raise TimeoutError(f"a sample worker did not start serving on {address} within {timeout:g} s")
 
     def start(self) -> None:
         for _ in range(self.count):
@@ -232,13 +252,24 @@ class SampleWorkers:
             self._monitor.start()
 
     def _watch(self) -> None:
+        retry_at = [0.0] * len(self._processes)  # a worker that could not be started again: when to try next
+        backoff = [0.5] * len(self._processes)
         while not self._stop.wait(0.5):
             for index, process in enumerate(self._processes):
-                if not process.is_alive() and not self._stop.is_set():
+                if process.is_alive() or self._stop.is_set() or time.monotonic() < retry_at[index]:
+                    continue
+                if not retry_at[index]:
                     log.warning("sample worker on port %d exited (%s); starting it again",
                                 self.ports[index], process.exitcode)
+                try:
                     self._processes[index], _ = self._spawn(self.ports[index])
-                    self.restarts += 1
+                except (OSError, TimeoutError) as exc:  # its port taken meanwhile: try again later, keep watching
+                    retry_at[index] = time.monotonic() + backoff[index]
+                    backoff[index] = min(backoff[index] * 2, 10.0)
+                    log.error("%s; trying again in %.1f s", exc, retry_at[index] - time.monotonic())
+                    continue
+                retry_at[index], backoff[index] = 0.0, 0.5
+                self.restarts += 1
 
     def stop(self) -> None:
         self._stop.set()
