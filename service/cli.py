@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     segments_parser.add_argument("--remove", action="store_true", help="unlink them (only for dead servers!)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "segments":
+        if rest:  # a mistyped --remove only listed them, and said nothing
+            segments_parser.error(f"unrecognized arguments: {' '.join(rest)}")
         list_segments(args)
         return
     if args.command == "actor":

@@ -135,3 +135,14 @@ def test_unreadable_tls_files_are_reported(tmp_path: Path) -> None:
     assert refused.returncode == 1
     assert "replayd: [Errno 2] No such file or directory" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("flags", [["--rmove"], ["--instance", f"{TEST_INSTANCE}cli", "--remove-stale"], ["extra"]])
+def test_segments_refuses_unknown_arguments(flags: list[str], capsys: pytest.CaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`replayd segments --rmove` listed the segments and exited 0: the operator took them for removed."""
+    monkeypatch.setattr(cli, "list_segments", lambda args: pytest.fail(f"{flags} were accepted"))
+    with pytest.raises(SystemExit) as info:
+        cli_main(["segments", *flags])
+    assert info.value.code == 2
+    assert f"replayd segments: error: unrecognized arguments: {flags[-1]}" in capsys.readouterr().err
