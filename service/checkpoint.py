@@ -259,6 +259,19 @@ def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, kee
 
 
 # ---------------------------------------------------------------------------------------------- restore
+def check_writable(directory: str | os.PathLike) -> None:
+    """Creates `directory` if need be and writes a file in it, so that a server refuses a checkpoint directory it
+    cannot write before it serves (not at each periodic checkpoint, for its whole life). OSError naming it."""
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".tmp-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OSError(f"checkpoint directory {str(directory)!r} cannot be written: {exc}") from None
+
+
 def has_checkpoint(directory: str | os.PathLike) -> bool:
     """Whether `directory` names a complete checkpoint (see latest_checkpoint)."""
     try:

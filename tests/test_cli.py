@@ -146,3 +146,14 @@ def test_segments_refuses_unknown_arguments(flags: list[str], capsys: pytest.Cap
         cli_main(["segments", *flags])
     assert info.value.code == 2
     assert f"replayd segments: error: unrecognized arguments: {flags[-1]}" in capsys.readouterr().err
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused(tmp_path: Path) -> None:
+    """The server served on, and every periodic checkpoint failed with a traceback in the log."""
+    (tmp_path / "file").write_text("")
+    for directory in (tmp_path / "file" / "ckpt", tmp_path / "file"):
+        refused = _serve("--instance", f"{TEST_INSTANCE}cli5", "--port", "0", "--checkpoint-dir", str(directory),
+                         "--checkpoint-every", "1")
+        assert refused.returncode == 1
+        assert f"replayd: checkpoint directory '{directory}' cannot be written" in refused.stderr
+        assert "Traceback" not in refused.stderr

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 from prometheus_client import CollectorRegistry
 
-from service.checkpoint import has_checkpoint, restore_checkpoint, write_checkpoint
+from service.checkpoint import check_writable, has_checkpoint, restore_checkpoint, write_checkpoint
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.grpc_server.sample_workers import SampleWorkers
@@ -97,6 +97,8 @@ class ReplayServer:
                                              or not 0 < checkpoint_every <= threading.TIMEOUT_MAX):
             raise ValueError(f"checkpoint_every: expected seconds > 0 (at most {threading.TIMEOUT_MAX:.0f}) and a "
                              f"checkpoint_dir, got {checkpoint_every!r} and checkpoint_dir={checkpoint_dir!r}")
+        if checkpoint_dir is not None:
+            check_writable(checkpoint_dir)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.checkpoint_keep = checkpoint_keep
         self.restore_from = restore_from
