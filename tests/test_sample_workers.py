@@ -432,3 +432,35 @@ def test_a_worker_whose_port_was_taken_is_started_again_once_it_is_free(caplog: 
         taken.close()
         workers.stop()
     assert [p for p in multiprocessing.active_children() if p.name == "replayd-sample-worker"] == []
+
+
+def test_ctrl_c_stops_the_server_and_its_workers_quietly() -> None:
+    """A terminal's Ctrl-C sends SIGINT to the whole process group: each worker died with a KeyboardInterrupt
+    traceback, and the monitor started one again while the server was stopping."""
+    port = free_port()
+    instance = f"{TEST_INSTANCE}ctrlc"
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
+               "--http-port", "-1", "--sample-workers", "2"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # its own process group, as a terminal's job
+    try:
+        while "listening" not in server.stdout.readline():  # printed once the workers serve
+            assert server.poll() is None, server.stderr.read()
+        with ReplayClient(f"127.0.0.1:{port}") as client:
+            fill(client, "b")
+            stream = client.sample_stream("b", 16)  # open calls: the server's stop waits its grace for them
+            next(iter(stream))
+            workers = _children(server.pid)
+            os.killpg(server.pid, signal.SIGINT)
+            out, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+    assert server.returncode == 0, err
+    assert "KeyboardInterrupt" not in err and "starting it again" not in err, err
+    assert "shared memory unlinked" in out
+    deadline = time.monotonic() + 30
+    while any(_state(pid) not in ("Z", "gone") for pid in workers):
+        assert time.monotonic() < deadline, f"workers still running: {workers}"
+        time.sleep(0.05)

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -171,6 +172,9 @@ def serve_worker(instance: str, address: str, max_message_bytes: int, token: str
                  ports: mp.Queue | None, server_pid: int) -> None:
     """A worker process's main: serve until terminated or until `server_pid` (its parent) is gone; report the
     bound port on `ports`."""
+    # Ctrl-C reaches the whole process group: the server stops its workers (SIGTERM) once its calls are done.
+    # A worker ended by the SIGINT printed a KeyboardInterrupt traceback, and the monitor started it again.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     servicer = SampleWorkerServicer(instance, max_message_bytes)
     handlers = {
         # Both return serialized SampleResponse messages (servicer.sample_message).
