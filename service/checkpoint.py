@@ -43,6 +43,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -265,9 +266,8 @@ def check_writable(directory: str | os.PathLike) -> None:
     root = Path(directory)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".tmp-probe-{os.getpid()}-{secrets.token_hex(4)}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=root):
+            pass
     except OSError as exc:
         raise OSError(f"checkpoint directory {str(directory)!r} cannot be written: {exc}") from None
 
