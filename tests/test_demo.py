@@ -30,6 +30,7 @@ from client.learners.common import evaluate_greedy
 from client.local_reader import LocalReader
 from client.polling import wait_until
 from client.trainers.dqn import DQNTrainer
+from service.checkpoint import has_checkpoint
 from service.cli import main as cli_main
 from tests.conftest import free_port
 
@@ -180,6 +181,7 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
         "REPLAYD_INSTANCE": f"test{os.getpid()}compose",
         "REPLAYD_SECONDS": "10",
         "REPLAYD_RUN_DIR": str(tmp_path / "run"),
+        "REPLAYD_CHECKPOINT_DIR": str(tmp_path / "server"),
         "REPLAYD_EVAL_EVERY": "50",
     }
     process_env = {**os.environ, **{k: _interpolate(str(v), env) for k, v in
@@ -203,7 +205,9 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
         version = int(re.search(r"weights version (\d+)", actor_out).group(1))
         with ReplayClient(env["REPLAYD_ADDRESS"]) as client:
             stored = client.fetch_weights("q")
+            manifest = client.checkpoint()  # into the server's --checkpoint-dir (compose: the checkpoints volume)
         assert stored.final and version == stored.version  # the actor fetched the learner's final weights
+        assert Path(manifest).is_relative_to(tmp_path / "server") and has_checkpoint(tmp_path / "server")
         assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "learning_curve.png").exists()
     finally:
         for process in processes:
