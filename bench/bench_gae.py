@@ -12,7 +12,6 @@ process (RSS is per process): 8 actors x 128 steps x 64 envs, obs float32[64], 1
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 
 from bench.baselines.seed002_rollout_list import ListRolloutStore
 from bench.baselines.seed004_gae import compute_advantages_loop, compute_advantages_vectorized
+from bench.subprocesses import peak_rss_bytes
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.gae import GaeWorkspace, compute_gae
 
@@ -190,7 +190,7 @@ def memory_child(store: str, rollouts: int) -> dict:
             buffer.unlink()
     return {
         "rss_after_1": rss[0], "rss_after_last": rss[-1],
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss_bytes(),
         "shm_bytes": shm_bytes, "update_ms": float(np.median(update_times)) * 1e3,
     }
 

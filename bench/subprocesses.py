@@ -1,4 +1,4 @@
-"""The server processes a benchmark starts: stopping them, and the CPU they spend."""
+"""The server processes a benchmark starts: stopping them, and the CPU they spend; a process's peak RSS."""
 
 from __future__ import annotations
 
@@ -41,3 +41,15 @@ class CpuMeter:
     def read(self) -> np.ndarray:
         """[server, client] CPU seconds."""
         return np.array([cpu_seconds(self.server_process), time.process_time()])
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM of /proc/self/status, Linux).
+
+    Not getrusage's ru_maxrss: Linux keeps that across execve, so a child started by a larger process
+    (bench.run has GBs of rings behind it by then) reports its parent's peak, not its own."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("/proc/self/status has no VmHWM line")
