@@ -49,6 +49,7 @@ from bench import subprocesses
 from bench.baselines.grpc_sink import GrpcSink
 from bench.baselines.loopback_tcp import loopback_tcp_gbps
 from bench.baselines.seed000_sampler import SeedEpisodicReplayBuffer
+from bench.timing import time_calls
 from client.replay_client import ReplayClient, Span, spans_requests
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.samplers.geometric import GeometricMode
@@ -85,24 +86,6 @@ def record(case: str, metric: str, value: float, unit: str, baseline: str = "", 
            speedup: float = 0.0) -> dict:
     return {"bench": "replay", "case": case, "metric": metric, "value": float(value), "unit": unit,
             "baseline": baseline, "baseline_value": float(baseline_value), "speedup": float(speedup)}
-
-
-def time_calls(fns: dict[str, Callable[[], object]], calls: int, warmup: int = 20, rounds: int = 10
-               ) -> dict[str, tuple[float, float]]:
-    """(median, p90) µs per call of each function over `calls` individually timed calls, taken round-robin
-    in `rounds` blocks so that background load on the shared machine hits every function alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: np.empty(calls) for name in fns}
-    clock = time.perf_counter
-    for block in np.array_split(np.arange(calls), rounds):
-        for name, fn in fns.items():
-            for i in block:
-                start = clock()
-                fn()
-                times[name][i] = clock() - start
-    return {name: (float(np.median(t)) * 1e6, float(np.percentile(t, 90)) * 1e6) for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------- episodes
