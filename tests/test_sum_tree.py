@@ -126,3 +126,17 @@ def test_a_search_under_a_parent_larger_than_its_children_stays_on_the_tree() ->
     leaves = tree.find_prefix(np.array([2999.5, 10.0]))
     assert leaves[1] == 10
     assert leaves[0] == -1 or (0 <= leaves[0] < 2990 and tree.get(leaves[:1])[0] > 0)
+
+
+@pytest.mark.parametrize("size", [3, 5000])  # the compiled per-leaf update and the whole-level one
+@pytest.mark.parametrize("leaf", [-1, 1000])
+def test_an_update_naming_a_leaf_off_the_tree_raises_and_writes_nothing(size: int, leaf: int) -> None:
+    tree = new_tree(1000)
+    tree.update(np.arange(1000), np.linspace(0.1, 1.0, 1000))
+    sums, mins = tree.sums.copy(), tree.mins.copy()
+    leaves = np.arange(size) % 1000
+    leaves[-1] = leaf
+    with pytest.raises(IndexError, match="off the tree"):
+        tree.update(leaves, 5.0)
+    np.testing.assert_array_equal(tree.sums, sums)
+    np.testing.assert_array_equal(tree.mins, mins)

@@ -680,6 +680,149 @@ static PyObject *drawn_live(PyObject *module, PyObject *const *args, Py_ssize_t 
     return PyBool_FromLong(live);
 }
 
+/* ------------------------------------------------------------------ K-ary sum tree (sum_tree.py) */
+
+#define TREE_K 8
+
+/* The levels of a tree (sum_tree.level_sizes): level d is [starts[d], starts[d + 1]) of the arrays. */
+typedef struct {
+    Py_ssize_t depth; /* levels, root included */
+    const int64_t *starts;
+} TreeLevels;
+
+static int tree_levels_arg(PyObject *obj, npy_intp size, TreeLevels *levels) {
+    PyArrayObject *starts = array_arg(obj, "level_starts", NPY_INT64, 0, 3);
+    if (!starts) return -1;
+    const int64_t *at = PyArray_DATA(starts);
+    Py_ssize_t depth = items(starts) - 1;
+    int ok = at[0] == 0 && at[1] == 1 && at[depth] == size;
+    for (Py_ssize_t d = 2; ok && d <= depth; d++) ok = at[d] > at[d - 1] && (at[d] - at[d - 1]) % TREE_K == 0;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "kernel argument level_starts: not the levels of a tree of this size");
+        return -1;
+    }
+    levels->depth = depth;
+    levels->starts = at;
+    return 0;
+}
+
+/* tree_find(sums, level_starts, targets, out nodes int64): SumTree.find_prefix's descent. The top level is
+ * searched by its running sums (targets clipped to [0, total)), each level below by the running sums of the
+ * chosen node's K children, added in order as a cumulative sum adds them: the first sum past the target ends
+ * at the chosen child (the last child when none is: a rounding error, or a reader mid-update). A node past
+ * its level's rows (only under a parent larger than its children) reads the level's last row. Returns False
+ * when every top-level node is zero. */
+static PyObject *tree_find(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *sums_view, *targets_view, *out_view;
+    TreeLevels levels;
+    if (check_nargs("tree_find", nargs, 4) || !(sums_view = array_arg(args[0], "sums", NPY_FLOAT64, 0, 1))
+        || tree_levels_arg(args[1], items(sums_view), &levels)
+        || !(targets_view = array_arg(args[2], "targets", NPY_FLOAT64, 0, 0))
+        || !(out_view = array_arg(args[3], "out", NPY_INT64, 1, items(targets_view))))
+        return NULL;
+    const double *sums = PyArray_DATA(sums_view), *targets = PyArray_DATA(targets_view);
+    int64_t *out = PyArray_DATA(out_view);
+    Py_ssize_t count = items(targets_view), top = levels.starts[2] - levels.starts[1];
+    double *running = PyMem_Malloc(sizeof(double) * (top + 1));
+    if (!running) return PyErr_NoMemory();
+    const double *top_level = sums + levels.starts[1];
+    running[0] = 0.0;
+    for (Py_ssize_t i = 0; i < top; i++) running[i + 1] = running[i] + top_level[i];
+    if (!(running[top] > 0.0)) {
+        PyMem_Free(running);
+        Py_RETURN_FALSE;
+    }
+    double highest = nextafter(running[top], 0.0);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        double target = targets[i];
+        target = target >= 0.0 ? (target <= highest ? target : highest) : 0.0; /* NaN: 0 */
+        Py_ssize_t low = 0, high = top; /* the first running sum past the target: running[low + 1] */
+        while (low < high) {
+            Py_ssize_t middle = (low + high) / 2;
+            if (running[middle + 1] > target) high = middle;
+            else low = middle + 1;
+        }
+        int64_t node = low;
+        target -= running[node];
+        for (Py_ssize_t d = 2; d < levels.depth; d++) {
+            int64_t rows = (levels.starts[d + 1] - levels.starts[d]) / TREE_K;
+            const double *children = sums + levels.starts[d] + TREE_K * (node < rows ? node : rows - 1);
+            double before = 0.0; /* the running sum before the chosen child */
+            int child = TREE_K - 1;  /* none past the target: the last child, after the sum of the others */
+            for (int j = 0; j < TREE_K; j++) {
+                double after = before + children[j];
+                if (after > target) {
+                    child = j;
+                    break;
+                }
+                if (j < TREE_K - 1) before = after;
+            }
+            target -= before;
+            node = node * TREE_K + child;
+        }
+        out[i] = node;
+    }
+    PyMem_Free(running);
+    Py_RETURN_TRUE;
+}
+
+/* tree_update(sums, mins, level_starts, leaves int64, values float64): SumTree.update. Each leaf in turn
+ * (a leaf named twice keeps its last value) is set, then every ancestor below the root is recomputed from its
+ * K children (sum, and min where an empty leaf counts as +inf), so no rounding drift builds up; the root
+ * last. Leaves off the leaf level raise IndexError before anything is written. */
+static PyObject *tree_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *sums_view, *mins_view, *leaves_view, *values_view;
+    TreeLevels levels;
+    if (check_nargs("tree_update", nargs, 5) || !(sums_view = array_arg(args[0], "sums", NPY_FLOAT64, 1, 1))
+        || !(mins_view = array_arg(args[1], "mins", NPY_FLOAT64, 1, items(sums_view)))
+        || tree_levels_arg(args[2], items(sums_view), &levels)
+        || !(leaves_view = array_arg(args[3], "leaves", NPY_INT64, 0, 0))
+        || !(values_view = array_arg(args[4], "values", NPY_FLOAT64, 0, items(leaves_view))))
+        return NULL;
+    if (items(mins_view) != items(sums_view)) {
+        PyErr_SetString(PyExc_ValueError, "kernel arguments sums and mins: expected one size");
+        return NULL;
+    }
+    double *sums = PyArray_DATA(sums_view), *mins = PyArray_DATA(mins_view);
+    const int64_t *leaves = PyArray_DATA(leaves_view), *starts = levels.starts;
+    const double *values = PyArray_DATA(values_view);
+    Py_ssize_t count = items(leaves_view), last = levels.depth - 1;
+    int64_t leaf_count = starts[last + 1] - starts[last];
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (leaves[i] < 0 || leaves[i] >= leaf_count) {
+            PyErr_Format(PyExc_IndexError, "tree_update: leaf %lld is off the tree's %lld leaves",
+                         (long long)leaves[i], (long long)leaf_count);
+            return NULL;
+        }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t node = leaves[i];
+        sums[starts[last] + node] = values[i];
+        mins[starts[last] + node] = values[i] > 0.0 ? values[i] : INFINITY;
+        for (Py_ssize_t d = last; d > 1; d--) {
+            const double *child_sums = sums + starts[d] + (node & ~(int64_t)(TREE_K - 1));
+            const double *child_mins = mins + starts[d] + (node & ~(int64_t)(TREE_K - 1));
+            double sum = 0.0, least = INFINITY;
+            for (int j = 0; j < TREE_K; j++) {
+                sum += child_sums[j];
+                least = child_mins[j] < least ? child_mins[j] : least;
+            }
+            node /= TREE_K;
+            sums[starts[d - 1] + node] = sum;
+            mins[starts[d - 1] + node] = least;
+        }
+    }
+    if (count) {
+        double sum = 0.0, least = INFINITY;
+        for (int64_t j = starts[1]; j < starts[2]; j++) {
+            sum += sums[j];
+            least = mins[j] < least ? mins[j] : least;
+        }
+        sums[0] = sum;
+        mins[0] = least;
+    }
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------ random draws */
 
 /* fill_exponential(bit_generator, out float64): the draws of Generator.standard_exponential(out.size). */
@@ -706,6 +849,8 @@ static PyMethodDef kernel_methods[] = {
     KERNEL(drawn_live),
     KERNEL(take_rows),
     KERNEL(fill_exponential),
+    KERNEL(tree_find),
+    KERNEL(tree_update),
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,18 +9,18 @@ that level as rows of K, row j is node j's children and one row gather fetches t
 nodes stay 0 in the sum tree and +inf in the min tree, like empty leaves. 1,000,000 leaves give
 levels of 1, 248, 1960, 15632, 125000 and 1000000 nodes.
 
-Why K-ary, and why 8: at a million leaves each level below the top is a random gather that misses
-the cache once per item of a batch, and each level costs a handful of numpy calls besides. A binary
-heap walks 20 levels; K = 8 walks 4 below a top level of 248 nodes, and eight float64 children are
-exactly one 64-byte cache line, so a row gather costs one miss, like a binary heap's pair. K = 16
-(two lines per row, one level fewer) measured the same within noise, so the one-line rows stay.
+Why K-ary, and why 8: at a million leaves each level below the top is a random read that misses the
+cache once per item of a batch. A binary heap walks 20 levels; K = 8 walks 4 below a top level of 248
+nodes, and eight float64 children are exactly one 64-byte cache line, so a row read costs one miss, like
+a binary heap's pair.
 
-Batches move level by level, so the Python loops run over the depth only. A descent searches the
-top level in one cumulative sum; below it each level is one (B, K) row gather whose running sums
-come from one matrix product with a triangular matrix of ones (numpy's cumsum along a short axis is
-several times slower). The min tree exists only for the root's min_positive; the descent reads the
-sum tree alone. Parents are recomputed from their children rather than patched with deltas, so no
-rounding drift accumulates however many updates a leaf sees.
+A batch's descent and update are compiled loops (_kernels.tree_find, tree_update): as numpy calls, a few
+per level, they cost ~140 µs each for 256 items at a million leaves, most of it call overhead. A descent
+searches the top level's running sums, then each level's K children by running sums added in order, as a
+cumulative sum adds them. An update sets each leaf and recomputes its ancestors from their children (an
+update of most leaves recomputes whole levels instead), so no rounding drift accumulates however many
+updates a leaf sees. The min tree exists only for the root's min_positive; the descent reads the sum tree
+alone.
 """
 
 from __future__ import annotations
@@ -29,25 +29,17 @@ import itertools
 
 import numpy as np
 
+from service.samplers import _kernels
 from service.storage.shared_arrays import ArraySpec
 
 K = 8  # children per node; one row of K float64 children is one 64-byte cache line
-_SHIFT = K.bit_length() - 1  # K is a power of two: node // K is node >> _SHIFT
 # The levels stop growing upward at the first level of at most this many nodes (the top level), which
-# the root sums whole: a descent searches the top level in one cumulative sum, and an update reduces
-# it in one call, cheaper for such a level than the gathers of one or two more K-ary levels.
+# the root sums whole: a descent searches the top level's running sums, computed once per batch.
 _TOP_LEVEL = 256
-# An update recomputes whole levels (and all above) once they have at most this many nodes per
-# touched leaf: a dense pass over a small level is cheaper than a gather and a scatter.
+# An update of more than this many leaves per node of the level above the leaves recomputes whole levels.
 _DENSE_PER_ITEM = 2
 
-# Running sums of a row of K children with a leading zero: (B, K) @ _PREFIX = [0, c0, c0 + c1, ...].
-# The column for child i adds children 0..i in order, so each running sum is the same sequence of
-# additions a cumulative sum makes, and a zero child repeats its left neighbour's value exactly.
-_PREFIX = np.triu(np.ones((K, K + 1)), k=1)
-_ONES = np.ones(K)
-# Child chosen when the first running sum past the target is column j of the (B, K + 1) running sums.
-_CHILD_OF = np.array([K - 1, *range(K)], dtype=np.int64)
+_ONES = np.ones(K)  # a row of K children @ _ONES: their sum
 
 
 def level_sizes(capacity: int) -> list[int]:
@@ -84,6 +76,7 @@ class SumTree:
         self.sums, self.mins = sums, mins
         self.leaves = sizes[-1]
         starts = np.cumsum([0, *sizes]).tolist()
+        self._level_starts = np.array(starts, dtype=np.int64)  # level d: [starts[d], starts[d + 1])
         # Level 0 is the root, level 1 the top level (the root's children, all of them).
         self._sum_levels = [sums[a:b] for a, b in itertools.pairwise(starts)]
         self._min_levels = [mins[a:b] for a, b in itertools.pairwise(starts)]
@@ -114,34 +107,26 @@ class SumTree:
         return self._leaf_sums.take(np.asarray(leaves, dtype=np.int64))
 
     def update(self, leaves: np.ndarray, values: np.ndarray) -> None:
-        """Sets leaf values (>= 0); a leaf named more than once takes its last value."""
-        leaves = np.asarray(leaves, dtype=np.int64).ravel()
-        values = np.broadcast_to(np.asarray(values, dtype=np.float64), leaves.shape)
-        if leaves.size == 0:
+        """Sets leaf values (>= 0); a leaf named more than once takes its last value. IndexError for a leaf off
+        the tree (nothing is written then)."""
+        leaves = np.ascontiguousarray(leaves, dtype=np.int64).ravel()
+        values = np.ascontiguousarray(np.broadcast_to(np.asarray(values, dtype=np.float64), leaves.shape))
+        if leaves.size > _DENSE_PER_ITEM * self._sum_levels[-2].size:  # most leaves: whole levels are cheaper
+            if leaves.size and (leaves.min() < 0 or leaves.max() >= self._leaf_sums.size):
+                raise IndexError(f"a leaf is off the tree's {self._leaf_sums.size} leaves")
+            # Fancy assignment does not promise which of repeated indices wins; a stable sort keeps repeats in
+            # request order, and the last of each run is the write that wins.
+            order = np.argsort(leaves, kind="stable")
+            nodes = leaves.take(order)
+            last = np.empty(nodes.size, dtype=bool)
+            last[-1] = True
+            np.not_equal(nodes[1:], nodes[:-1], out=last[:-1])
+            nodes, values = nodes[last], values.take(order[last])
+            self._leaf_sums[nodes] = values
+            self._leaf_mins[nodes] = np.where(values > 0, values, np.inf)
+            self._recompute_levels(len(self._sum_levels) - 2)
             return
-        # Fancy assignment does not promise which of repeated indices wins; a stable sort keeps
-        # repeats in request order, and the last of each run is the write that wins.
-        order = np.argsort(leaves, kind="stable")
-        nodes = leaves.take(order)
-        last = np.empty(nodes.size, dtype=bool)
-        last[-1] = True
-        np.not_equal(nodes[1:], nodes[:-1], out=last[:-1])
-        nodes, values = nodes[last], values.take(order[last])
-        self._leaf_sums[nodes] = values
-        self._leaf_mins[nodes] = np.where(values > 0, values, np.inf)
-        for depth in range(len(self._sum_levels) - 2, 0, -1):
-            if self._sum_levels[depth].size <= _DENSE_PER_ITEM * nodes.size:
-                self._recompute_levels(depth)
-                return
-            # Parents shared by several nodes are recomputed more than once, each time from the same
-            # children: harmless, and cheaper than deduplicating them level by level.
-            nodes = nodes >> _SHIFT
-            children = self._sum_rows[depth + 1].take(nodes, axis=0)
-            self._sum_levels[depth][nodes] = children @ _ONES
-            # A min over a short row axis is slow in numpy; over the long axis of the transpose it is not.
-            children = np.ascontiguousarray(self._min_rows[depth + 1].take(nodes, axis=0).T)
-            self._min_levels[depth][nodes] = np.minimum.reduce(children, axis=0)
-        self._recompute_levels(0)
+        _kernels.tree_update(self.sums, self.mins, self._level_starts, leaves, values)
 
     def _recompute_levels(self, depth: int) -> None:
         """Recomputes every node of level `depth` and of all levels above it from their children."""
@@ -160,37 +145,22 @@ class SumTree:
         the last positive leaf. Raises ValueError when every leaf is zero. A lock-free reader, whose tree
         changes under the search, may get -1: the search found no positive leaf.
         """
-        top = self._sum_levels[1]
-        running = np.empty(top.size + 1)
-        running[0] = 0.0
-        np.cumsum(top, out=running[1:])
-        if not running[-1] > 0:
+        targets = np.ascontiguousarray(targets, dtype=np.float64).ravel()
+        nodes = np.empty(targets.size, dtype=np.int64)
+        # Below the top level's total (the same additions as its running sums), a search can only stop at a
+        # node whose running sum rises past the target, i.e. at a positive node. A node past its level's rows
+        # is chosen only under a parent read larger than its children (a reader mid-update, or rounding at
+        # the very end of the tree); the search then goes on in the last real node, whose last positive leaf
+        # is what such a target takes. None past the target (it exceeds the node's children by a rounding
+        # error): the last child, which may be empty.
+        if not _kernels.tree_find(self.sums, self._level_starts, targets, nodes):
             raise ValueError("find_prefix on a tree whose leaves are all zero")
-        # Below the top level's total (the same additions as its running sums), a search can only stop
-        # at a node whose running sum rises past the target, i.e. at a positive node.
-        clipped = np.clip(np.asarray(targets, dtype=np.float64).ravel(), 0.0, np.nextafter(running[-1], 0.0))
-        nodes = np.searchsorted(running[1:], clipped, side="right")
-        targets = clipped - running.take(nodes)
-        if len(self._sum_levels) == 2:
-            return nodes
-        row_starts = np.arange(0, targets.size * (K + 1), K + 1)
-        for rows in self._sum_rows[2:]:
-            # "clip": a padding node (no children below) is chosen only under a parent read larger than its
-            # children (a reader mid-update, or rounding at the very end of the tree); the search then goes
-            # on in the last real node, whose last positive leaf is what such a target takes.
-            running = rows.take(nodes, axis=0, mode="clip") @ _PREFIX  # (B, K + 1), leading zero
-            # The first running sum past the target ends at the chosen child; it rose there, so that
-            # child is positive. None past it (the target exceeds the node's children by a rounding
-            # error): argmax says 0, and _CHILD_OF takes the last child, which may be empty.
-            child = _CHILD_OF.take(np.argmax(running > targets[:, None], axis=1))
-            targets -= running.take(row_starts + child)
-            nodes <<= _SHIFT
-            nodes += child
-        np.minimum(nodes, self._leaf_sums.size - 1, out=nodes)  # past the last leaf: only after a "clip"
+        np.minimum(nodes, self._leaf_sums.size - 1, out=nodes)  # past the last leaf: only after such a read
         values = self._leaf_sums.take(nodes)
         if not values.all():
+            total = float(np.cumsum(self._sum_levels[1])[-1])
             for i in np.flatnonzero(values == 0).tolist():
-                nodes[i] = self._descend_exact(float(clipped[i]))
+                nodes[i] = self._descend_exact(min(max(float(targets[i]), 0.0), float(np.nextafter(total, 0.0))))
         return nodes
 
     def _descend_exact(self, target: float) -> int:
