@@ -102,6 +102,18 @@ def test_collect_and_sample():
         sample("bogus", 1)
 
 
+def test_numpy_sampler_draws_states_like_the_server_never_an_episodes_final_observation():
+    """The server's "states" mode draws steps (service/samplers/states.py): an episode's final observation, where
+    no step starts, is never drawn. The numpy sampler, a cross-check of the server's sampling, does the same."""
+    eps = [{"obs": start + np.arange(length + 1, dtype=np.float32)[:, None], "action": np.zeros(length, np.int64),
+            "reward": np.zeros(length, np.float32)} for start, length in ((0, 4), (10, 7))]
+    drawn = make_numpy_sampler(eps, 0.9, seed=0)("states", 20000)["obs"][:, 0].astype(np.int64)
+    assert not np.isin(drawn, [4, 17]).any()  # the final observations
+    # Uniform over the 11 steps (0..3 and 10..16).
+    counts = np.bincount(drawn, minlength=18) / len(drawn)
+    np.testing.assert_allclose(counts[[0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 16]], 1 / 11, atol=0.01)
+
+
 def test_state_indices_invert_observations():
     env = GridWorld("four_rooms")
     obs = env.all_observations()
@@ -122,7 +134,9 @@ def test_sampled_laplacian_is_the_samplers_operator():
     few = collect_episodes(GridWorld("four_rooms", max_episode_steps=50), 300, seed=0)
     env4 = GridWorld("four_rooms", max_episode_steps=50)
     _, v4 = sampled_laplacian_eigenvectors(env4, few, 0.9, 10)
-    visits = np.bincount(np.concatenate([env4.state_indices(ep["obs"]) for ep in few]), minlength=env4.n_states)
+    # Orthonormal under the law of the server's "states" mode: observations of steps, each episode's final one
+    # (no step starts there) left out.
+    visits = np.bincount(np.concatenate([env4.state_indices(ep["obs"][:-1]) for ep in few]), minlength=env4.n_states)
     np.testing.assert_allclose(v4.T @ (v4 * (visits / visits.sum())[:, None]), np.eye(10), atol=1e-8)
     with pytest.raises(ValueError, match="never visited"):
         sampled_laplacian_eigenvectors(env4, few[:1], 0.9, 10)
