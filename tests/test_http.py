@@ -1,3 +1,4 @@
+import sys
 import threading
 import time
 
@@ -5,11 +6,13 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save
 
 from client import ReplayClient
 from client.replay_client import episode_span, spans_requests
+from service.grpc_server.metrics import RpcMetrics
 from service.grpc_server.server import ReplayServer
 from service.http.app import loopback_hosts
 from service.wire import codec
@@ -266,3 +269,31 @@ def test_a_loopback_server_answers_only_loopback_host_headers(http_server: Repla
         assert httpx.get(f"{base}/api/buffers", headers={"host": host}).status_code == 200
     assert loopback_hosts("0.0.0.0") is None and loopback_hosts("server") is None  # compose: any name
     assert loopback_hosts("::1") == ["127.0.0.1", "[::1]", "localhost"]
+
+
+def test_forgetting_a_deleted_buffer_while_other_calls_add_series() -> None:
+    """DeleteBuffer's forget() walked the series cache while calls on other threads added to it: the walk
+    raised 'dictionary changed size during iteration' (the delete failed INTERNAL, its series stayed)."""
+    metrics = RpcMetrics(CollectorRegistry(), lambda name: True)
+    for index in range(200):
+        metrics.observe_latency("Sample", f"old{index}", 0.001)
+    stop = threading.Event()
+
+    def add_series() -> None:
+        index = 0
+        while not stop.is_set():
+            metrics.observe_latency("Sample", f"new{index}", 0.001)
+            index += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the race shows within a few forgets
+    adder = threading.Thread(target=add_series)
+    adder.start()
+    try:
+        for index in range(200):
+            metrics.forget(f"old{index}")
+    finally:
+        stop.set()
+        adder.join()
+        sys.setswitchinterval(interval)
+    assert not any(buffer.startswith("old") for _, _, buffer in metrics._children)

@@ -8,6 +8,7 @@ able to create series at will, and a deleted buffer's series are dropped).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -68,6 +69,9 @@ class RpcMetrics:
         self.sent = Counter("replayd_rpc_sent_bytes", "Payload bytes sent (sampled batches, minibatches, fetched "
                             "weights)", LABELS, registry=registry)
         self._children: dict[tuple[Histogram | Counter, str, str], Histogram | Counter] = {}
+        # Calls on many threads add children while a DeleteBuffer's forget() walks them: a walk that a new
+        # child interrupts raises RuntimeError (the delete then fails INTERNAL and its series stay).
+        self._children_lock = threading.Lock()
 
     def label(self, buffer: str) -> str:
         """The `buffer` label of a call: the name of a buffer that exists when the call is observed, else ''
@@ -79,15 +83,17 @@ class RpcMetrics:
         key = (metric, method, buffer)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(method, buffer)
+            with self._children_lock:
+                child = self._children[key] = metric.labels(method, buffer)
         return child
 
     def forget(self, buffer: str) -> None:
         """Drops a deleted buffer's series: creating and deleting buffers must not grow /metrics without end."""
-        for key in [key for key in self._children if key[2] == buffer]:
-            metric, method, _ = key
-            metric.remove(method, buffer)
-            del self._children[key]
+        with self._children_lock:
+            for key in [key for key in self._children if key[2] == buffer]:
+                metric, method, _ = key
+                metric.remove(method, buffer)
+                del self._children[key]
 
     def observe_latency(self, method: str, buffer: str, seconds: float) -> None:
         self._child(self.latency, method, buffer).observe(seconds)
