@@ -297,3 +297,35 @@ def test_forgetting_a_deleted_buffer_while_other_calls_add_series() -> None:
         adder.join()
         sys.setswitchinterval(interval)
     assert not any(buffer.startswith("old") for _, _, buffer in metrics._children)
+
+
+def test_readyz_says_not_ready_once_grpc_stops_serving() -> None:
+    """/readyz answered 200 "ready" after stop() had stopped gRPC, for as long as the rest of stop() ran
+    (the grace period, a checkpoint in progress, the sample workers): only the HTTP side was still up."""
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}ready", http_address="127.0.0.1:0").start()
+    base = f"http://127.0.0.1:{server.http.port}"
+    stopping, release = threading.Event(), threading.Event()
+    stop_workers = server.sample_workers.stop
+
+    def held_stop() -> None:  # stop() calls it after gRPC has stopped, before the HTTP side stops
+        stopping.set()
+        release.wait(timeout=30)
+        stop_workers()
+
+    server.sample_workers.stop = held_stop
+    stopper = threading.Thread(target=server.stop, kwargs={"grace": 0})
+    try:
+        assert httpx.get(f"{base}/readyz").status_code == 200
+        stopper.start()
+        assert stopping.wait(timeout=30)
+        with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError):
+            pb_grpc.ReplayStub(channel).ListBuffers(pb.ListBuffersRequest(), timeout=1)
+        response = httpx.get(f"{base}/readyz")
+        assert response.status_code == 503 and response.json() == {"status": "not serving"}
+        assert httpx.get(f"{base}/healthz").status_code == 200  # alive: stopping is not a failure
+    finally:
+        release.set()
+        if stopper.ident is None:  # failed before stopping it
+            server.stop(grace=0)
+        else:
+            stopper.join(timeout=30)

@@ -106,6 +106,7 @@ class ReplayServer:
         self._recovered: list[str] = []  # buffers reattached by recover_instance
         self.max_buffer_bytes = max_buffer_bytes
         self._stop_checkpoints = threading.Event()
+        self._serving = threading.Event()  # the gRPC side takes calls (/readyz)
         self._checkpoint_thread: threading.Thread | None = None
         self.instance = check_instance_name(instance or secrets.token_hex(4))
         self._instance_lock = InstanceLock(self.instance)  # segments named after it are this server's
@@ -143,7 +144,7 @@ class ReplayServer:
                 http_host, http_port = http_address.rsplit(":", 1)
                 http_host = http_host.strip("[]")  # uvicorn takes an IPv6 host without the brackets gRPC needs
                 app = create_app(self.registry, self.servicer.rejected, self.metrics, token,
-                                 allowed_hosts=loopback_hosts(http_host))
+                                 allowed_hosts=loopback_hosts(http_host), serving=self._serving.is_set)
                 self.http = HttpServer(app, http_host, int(http_port))
         except BaseException:
             self._instance_lock.release()
@@ -187,6 +188,7 @@ class ReplayServer:
         elif self.restore_from is not None:  # all or nothing (restore_checkpoint)
             restore_checkpoint(self.restore_from, self.registry, max_bytes=self.max_buffer_bytes)
         self._server.start()
+        self._serving.set()
         log.info("replayd instance %s serving on %s", self.instance, self.address)
         self.sample_workers.start()
         if self.sample_workers.count:
@@ -219,6 +221,7 @@ class ReplayServer:
 
     def stop(self, grace: float = 1.0) -> None:
         """Stops serving, then unlinks every buffer's shared memory."""
+        self._serving.clear()  # gRPC takes no new call from here on: /readyz says so until HTTP stops
         self._server.stop(grace).wait()
         self._stop_checkpoints.set()
         if self._checkpoint_thread is not None:

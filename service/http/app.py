@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -199,11 +199,13 @@ def loopback_hosts(host: str) -> list[str] | None:
 
 
 def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: CollectorRegistry,
-               token: str | None = None, allowed_hosts: list[str] | None = None) -> FastAPI:
+               token: str | None = None, allowed_hosts: list[str] | None = None,
+               serving: Callable[[], bool] = lambda: True) -> FastAPI:
     """With `token`, every route that reveals server state needs `Authorization: Bearer <token>`. Open:
     /healthz (container health checks carry no credentials) and the status page's static HTML, whose
     script reads the token from the URL fragment (`/#token=...`, never sent to the server) for its calls.
-    With `allowed_hosts` (loopback_hosts), a request whose Host header names another host gets 400."""
+    With `allowed_hosts` (loopback_hosts), a request whose Host header names another host gets 400.
+    `serving()`: whether the gRPC side takes calls; /readyz answers 503 while it does not (stopping)."""
     app = FastAPI(title="replayd", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
@@ -221,8 +223,10 @@ def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: Coll
         return {"status": "ok"}
 
     @app.get("/readyz", dependencies=guarded)
-    def readyz() -> dict:
-        return {"status": "ready", "buffers": len(registry.all())}
+    def readyz() -> JSONResponse:
+        if not serving():
+            return JSONResponse({"status": "not serving"}, status_code=503)
+        return JSONResponse({"status": "ready", "buffers": len(registry.all())})
 
     @app.get("/metrics", dependencies=guarded)
     def prometheus() -> Response:
