@@ -74,3 +74,26 @@ def test_status_page_shows_buffers_and_updates(page_server: ReplayServer, tmp_pa
 def test_status_page_without_token_says_unauthorized(page_server: ReplayServer, tmp_path: Path) -> None:
     dom = _chromium(f"http://127.0.0.1:{page_server.http.port}/", tmp_path / "profile", "--dump-dom")
     assert "unauthorized" in dom and "data-buffer" not in dom
+
+
+def test_status_page_shows_no_negative_rate_when_counters_restart(page_server: ReplayServer, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer deleted and created again under its name starts its counters at 0: the page showed the
+    drop as a negative inserts/s and samples/s (e.g. "-990") until its next refresh."""
+    with ReplayClient(page_server.address, timeout=10, token=TOKEN) as client:
+        client.create_rollout_buffer("ppo", 4, 2, {"obs": ("float32", (3,))})
+    buffer = page_server.registry.rollout("ppo")
+    info, calls = buffer.info, iter(range(1000))
+
+    def restarting_info() -> dict:  # each read of the counters sees them lower, as after a re-creation
+        result = info()
+        lower = 1000 - 100 * next(calls)
+        result["counters"] = {**result["counters"], "pushed_steps": lower, "served_samples": lower}
+        return result
+
+    monkeypatch.setattr(buffer, "info", restarting_info)
+    cells = _row(_chromium(f"http://127.0.0.1:{page_server.http.port}/#token={TOKEN}", tmp_path / "profile",
+                           "--dump-dom"), "ppo")
+    assert cells[:2] == ["ppo", "rollout"]
+    assert next(calls) >= 2  # the page refreshed at least once after its first read
+    assert cells[6:8] == ["-", "-"]

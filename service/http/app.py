@@ -61,8 +61,11 @@ function cell(text, className) {
 function row(b, now) {
   const prev = last[b.name];
   const dt = prev ? now - prev.t : 0;
-  const ins = prev && dt > 0 ? number(Math.round((b.inserted_steps - prev.ins) / dt)) : "-";
-  const smp = prev && dt > 0 ? number(Math.round((b.sampled_items - prev.smp) / dt)) : "-";
+  // A counter lower than before restarted (the buffer was deleted and created again): no rate this time.
+  const rate = (value, before) => prev && dt > 0 && value >= before ? number(Math.round((value - before) / dt))
+                                                                    : "-";
+  const ins = rate(b.inserted_steps, prev?.ins);
+  const smp = rate(b.sampled_items, prev?.smp);
   last[b.name] = {t: now, ins: b.inserted_steps, smp: b.sampled_items};
   const fill = (100 * b.fill).toFixed(1);
   const tr = document.createElement("tr");
