@@ -6,7 +6,7 @@ import threading
 
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.rollout import RolloutBuffer
-from service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from service.limiters import WorkerSeats
 
 Buffer = EpisodicBuffer | RolloutBuffer
@@ -43,6 +43,8 @@ class BufferRegistry:
             self._check_room(name)
 
     def _check_room(self, name: str) -> None:
+        if self.closed:  # a create still running when the server stopped: its buffer must not outlive close()
+            raise Unavailable(f"buffer {name!r}: the server is stopping")
         if name in self._buffers:
             raise FailedPrecondition(f"buffer {name!r} already exists")
         if len(self._buffers) >= self.max_buffers:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import FailedPrecondition, ResourceExhausted
+from service.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from service.registry import BufferRegistry
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -55,3 +55,17 @@ def test_a_buffer_past_the_servers_most_is_refused_and_freed() -> None:
         registry.add("c", EpisodicBuffer("c", instance, FIELDS, 8))  # room again
     finally:
         registry.close()
+
+
+def test_a_buffer_added_after_the_registry_closed_is_refused_and_freed() -> None:
+    """A CreateBuffer still running when the server stops (gRPC does not wait for its handler) hands its
+    buffer over after close(): it was kept in the closed registry, its segments left in /dev/shm."""
+    instance = f"{TEST_INSTANCE}late"
+    registry = BufferRegistry(instance)
+    late = EpisodicBuffer("late", instance, FIELDS, 8)  # allocated before the stop, handed over after it
+    registry.close()
+    with pytest.raises(Unavailable, match="stopping"):
+        registry.add("late", late)
+    assert segments(f"rpd_{instance}_") == []
+    with pytest.raises(Unavailable, match="stopping"):
+        registry.reserve_check("other")
