@@ -378,6 +378,23 @@ def test_a_buffer_deleted_between_the_workers_look_and_its_attach_is_not_found(
         in_process_worker.ring("racing")
 
 
+def test_a_buffer_whose_header_is_not_written_yet_is_not_found() -> None:
+    """CreateBuffer creates the header segment (zero-filled), then writes its JSON: a worker asked for the buffer
+    in between (a client routed there before a delete and create again) answered INTERNAL (a JSONDecodeError)."""
+    from multiprocessing import shared_memory
+
+    from service.storage.shared_arrays import _untracked, remove_segment
+
+    instance = f"{TEST_INSTANCE}hdr"
+    header = _untracked(shared_memory.SharedMemory(name=f"rpd_{instance}_creating", create=True, size=256))
+    try:
+        with pytest.raises(NotFound, match="buffer 'creating' does not exist"):
+            SampleWorkerServicer(instance, 2**20).ring("creating")
+    finally:
+        header.close()
+        remove_segment(header.name)
+
+
 @pytest.mark.parametrize("name", ["racing.data", "a/b", ""])
 def test_a_worker_checks_buffer_names_as_the_server_does(
         client: ReplayClient, in_process_worker: SampleWorkerServicer, name: str) -> None:

@@ -86,6 +86,8 @@ class SampleWorkerServicer:
                 ring = EpisodicRing.attach(header)
             except FileNotFoundError:  # deleted between the stat above and the attach
                 raise errors.NotFound(f"buffer {buffer!r} does not exist") from None
+            except ValueError as exc:  # being created: its header segment is there, its JSON not written yet
+                raise errors.NotFound(f"buffer {buffer!r} does not exist (yet): {exc}") from None
             except errors.FailedPrecondition as exc:
                 # Created again as a buffer only its server samples (a remover, a rate limiter): a client that
                 # an older description routed here asks the server where to sample on UNAVAILABLE, at once.
