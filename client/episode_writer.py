@@ -87,7 +87,8 @@ class EpisodeWriter:
         A value is converted within its kind (Python scalars, float64 arrays from environments into float32
         fields, ints into smaller ints) or from a narrower kind (ints into floats), never across to a
         narrower kind: a float for an int field, say, is refused rather than truncated. Ints must fit their
-        field (300 into uint8 is refused, not wrapped)."""
+        field (300 into uint8 is refused, not wrapped), and finite floats theirs (1e300 into float32 is
+        refused, not made inf)."""
         if set(values) != expected:
             raise ValueError(f"{call}: buffer {self.buffer!r} expects fields {sorted(expected)}, got {sorted(values)}")
         row = {}
@@ -98,8 +99,12 @@ class EpisodeWriter:
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: got {given.dtype} values")
             # A copy: the row is sent later, and a caller may reuse its array (an env writing each
             # observation into one buffer); a view would store whatever that array holds by then.
-            array = given.astype(dtype, copy=True)
+            with np.errstate(over="ignore"):  # an overflow is refused below, not only warned about
+                array = given.astype(dtype, copy=True)
             if dtype.kind in "iu" and not np.array_equal(array, given):
+                raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
+            # A float too large for a narrower float field (1e300 into float32) would become inf.
+            if dtype.kind == "f" and given.dtype.kind in "fiu" and (np.isfinite(given) & ~np.isfinite(array)).any():
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
             if array.shape != shape:
                 raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")

@@ -166,13 +166,18 @@ def test_episode_writer_refuses_a_wrong_value_where_it_is_given_and_goes_on(clie
         writer.append(**{**step, "action": 1.7})  # refused, not truncated to 1
     with pytest.raises(ValueError, match="append: field 'action' cannot be int64: values out of its range"):
         writer.append(**{**step, "action": 2**63})  # refused, not wrapped
+    with pytest.raises(ValueError, match="append: field 'reward' cannot be float32: values out of its range"):
+        writer.append(**{**step, "reward": 1e300})  # refused, not made inf (which the flush would then fail on)
+    with pytest.raises(ValueError, match="append: field 'obs' cannot be float32: values out of its range"):
+        writer.append(**{**step, "obs": np.full(4, -1e39)})
+    writer.append(**{**step, "obs": np.array([np.inf, -np.inf, np.nan, 0.0])})  # non-finite as given: kept
     writer.append(**{**step, "obs": np.zeros(4), "reward": 1})  # float64 into float32, an int into float32
     with pytest.raises(ValueError, match=r"end_episode: field 'obs' expected shape \(4,\), got \(5,\)"):
         writer.end_episode(terminated=True, obs=np.ones(5, np.float32))
     writer.end_episode(terminated=True, obs=np.ones(4, np.float32))
     writer.close()
     info = client.describe("v")
-    assert info["episodes"] == 1 and info["stored_steps"] == 3  # two steps and the final observation
+    assert info["episodes"] == 1 and info["stored_steps"] == 4  # three steps and the final observation
 
 
 def test_episode_writer_keeps_what_the_server_accepts_after_a_refused_flush(client: ReplayClient) -> None:
