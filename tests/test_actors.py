@@ -110,6 +110,31 @@ def test_a_learner_publishes_above_an_earlier_runs_final_weights(client: ReplayC
     assert report.env_steps >= 200 and report.weights_version == summary["weights_version"]
 
 
+def test_an_actor_started_before_a_learner_restarted_on_an_earlier_runs_buffer_waits_for_it(
+        client: ReplayClient, tmp_path) -> None:
+    """An earlier run left its buffer (which a learner started again reuses) and its final weights: an actor
+    started before the new learner took those for its own learner's final weights and stopped at once, with
+    no env step, and the new learner trained on the old data alone."""
+    from client.learners.dqn import DQNLearnerConfig, learn_dqn
+
+    learner_config = DQNLearnerConfig(address=client.address, run_dir=str(tmp_path), seconds=2, hidden=(16,),
+                                      learning_starts=200, eval_every=10_000, eval_episodes=1)
+    client.create_buffer("cartpole", learner_config.capacity_steps, CARTPOLE_SCHEMA)
+    client.publish_weights("q", 50, module_to_bytes(QNetwork(4, 2, (16,))), final=True)
+    actor_config = DQNActorConfig(address=client.address, seconds=BUDGET, fetch_every=10, hidden=(16,))
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            actor = pool.submit(run_dqn_actor, actor_config, stop)
+            time.sleep(1.0)  # the actor finds the buffer and the old final weights before the learner starts
+            assert not actor.done()
+            summary = learn_dqn(learner_config)
+            report = actor.result(timeout=60)
+        finally:
+            stop.set()
+    assert report.env_steps >= 200 and report.weights_version == summary["weights_version"] > 51
+
+
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 
 

@@ -50,13 +50,33 @@ def wait_for_buffer(client: ReplayClient, buffer: str, timeout: float, stopped: 
                       stopped)
 
 
-def connect(address: str, buffer: str, stopped: Callable[[], bool], timeout: float = 120) -> ReplayClient | None:
-    """A client once the learner has created `buffer`; None if the actor is stopped first."""
+def connect(address: str, buffer: str, stopped: Callable[[], bool], timeout: float = 120,
+            weights: str | None = None) -> ReplayClient | None:
+    """A client once the learner has created `buffer` and, with `weights`, is running; None if the actor is
+    stopped first (TimeoutError if neither happens within `timeout`).
+
+    An earlier run leaves its buffer and its final weights on the server, and a learner started again reuses
+    that buffer: an actor started before it would find both, take the old final weights for its own
+    learner's and stop at once. So final weights found at the start are waited past (the new learner
+    publishes above them)."""
+    deadline = time.monotonic() + timeout
     client = ReplayClient(address, timeout=10)
-    if wait_for_buffer(client, buffer, timeout, stopped) is None:
+    if wait_for_buffer(client, buffer, timeout, stopped) is None or (
+            weights is not None and wait_for_running_learner(client, weights, deadline, stopped) is None):
         client.close()
         return None
     return client
+
+
+def wait_for_running_learner(client: ReplayClient, name: str, deadline: float,
+                             stopped: Callable[[], bool] = never) -> bool | None:
+    """True once the weights under `name` are not an earlier run's last (final) version; None once stopped."""
+    left = client.fetch_weights(name)  # version 0 and not final while nothing is published
+    if not left.final:
+        return True
+    return wait_until(lambda: client.fetch_weights(name, newer_than=left.version).version > 0 or None, deadline,
+                      f"a learner publishing weights {name!r} above the final version {left.version} an earlier "
+                      "run left", stopped, delay=0.05)
 
 
 def newer_or_final(client: ReplayClient, name: str, version: int) -> FetchedWeights | None:

@@ -57,7 +57,7 @@ def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> Acto
     network = QNetwork(int(np.prod(env.observation_space.shape)), int(env.action_space.n), config.hidden)
     report = ActorReport()
     stopped = stop_condition(config.seconds, stop)
-    client = connect(config.address, config.buffer, stopped)
+    client = connect(config.address, config.buffer, stopped, weights=config.weights)
     if client is None:
         return report
     recorder = EpisodeRecorder(client, config.buffer, retry_deadline=time.monotonic() + config.seconds)

@@ -99,7 +99,7 @@ def run_ppo_actor(config: PPOActorConfig, stop: StopEvent | None = None) -> Acto
     report = ActorReport()
     stopped = stop_condition(config.seconds, stop)
     deadline = time.monotonic() + config.seconds
-    client = connect(config.address, config.buffer, stopped)
+    client = connect(config.address, config.buffer, stopped, weights=config.weights)
     if client is None:
         return report
     pushed_before = 0  # the policy version of this actor's last push
