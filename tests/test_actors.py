@@ -111,7 +111,7 @@ def test_a_learner_publishes_above_an_earlier_runs_final_weights(client: ReplayC
 
 
 def test_an_actor_started_before_a_learner_restarted_on_an_earlier_runs_buffer_waits_for_it(
-        client: ReplayClient, tmp_path) -> None:
+        client: ReplayClient, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An earlier run left its buffer (which a learner started again reuses) and its final weights: an actor
     started before the new learner took those for its own learner's final weights and stopped at once, with
     no env step, and the new learner trained on the old data alone."""
@@ -122,12 +122,21 @@ def test_an_actor_started_before_a_learner_restarted_on_an_earlier_runs_buffer_w
     client.create_buffer("cartpole", learner_config.capacity_steps, CARTPOLE_SCHEMA)
     client.publish_weights("q", 50, module_to_bytes(QNetwork(4, 2, (16,))), final=True)
     actor_config = DQNActorConfig(address=client.address, seconds=BUDGET, fetch_every=10, hidden=(16,))
+    fetched = threading.Event()  # the actor has read the old final weights: only then does the learner start
+    fetch_weights = ReplayClient.fetch_weights
+
+    def fetch_and_tell(self: ReplayClient, *args, **kwargs) -> object:
+        weights = fetch_weights(self, *args, **kwargs)
+        fetched.set()
+        return weights
+
+    monkeypatch.setattr(ReplayClient, "fetch_weights", fetch_and_tell)
     stop = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         try:
             actor = pool.submit(run_dqn_actor, actor_config, stop)
-            time.sleep(1.0)  # the actor finds the buffer and the old final weights before the learner starts
-            assert not actor.done()
+            assert fetched.wait(timeout=60), "the actor never fetched weights"
+            monkeypatch.setattr(ReplayClient, "fetch_weights", fetch_weights)
             summary = learn_dqn(learner_config)
             report = actor.result(timeout=60)
         finally:
