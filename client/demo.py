@@ -135,7 +135,7 @@ class ProgressBar:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     add_common_options(parser)
     parser.add_argument("--actors", type=at_least(1), default=2)
     parser.add_argument("--run-dir", help="default runs/demo (dqn) or runs/demo-<algo>")
