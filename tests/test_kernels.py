@@ -329,3 +329,17 @@ def test_bounds_kept_tells_which_bound_changes_a_lock_free_batch_survives(closed
     rows, bounds = np.array([1, 3], np.int64), np.array([bound, bound], np.int64)
     flags = np.array([False, closed])  # row 1: an open row that kept its bound, beside the row under test
     assert kernels.bounds_kept(rows, bounds, flags, row_end) is kept
+
+
+def test_tree_find_keeps_a_node_past_its_level_bounded_over_many_short_levels() -> None:
+    """tree_find accepts any levels of whole rows; under a parent larger than its children (here the top
+    level's last node over levels of one zero row each) the node it carries past a level's rows must not
+    grow K-fold per level until it wraps negative and indexes off the array (it read 8 items before a level
+    here; other targets read gigabytes away)."""
+    levels = 24  # the root, a top level of 8 nodes, then 22 levels of one row of 8 nodes each
+    starts = np.array([0, *range(1, 8 * levels, 8)], np.int64)
+    sums = np.zeros(int(starts[-1]))
+    sums[8] = 1.0  # the top level's last node: 7, 63, ..., 8**21 - 1, then 8**22 - 1 wraps to -1
+    nodes = np.empty(1, np.int64)
+    assert _kernels.tree_find(sums, starts, np.array([0.5]), nodes)
+    assert 0 <= nodes[0] <= sums.size + 8

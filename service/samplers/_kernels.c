@@ -746,6 +746,9 @@ static PyObject *tree_find(PyObject *module, PyObject *const *args, Py_ssize_t n
         target -= running[node];
         for (Py_ssize_t d = 2; d < levels.depth; d++) {
             int64_t rows = (levels.starts[d + 1] - levels.starts[d]) / TREE_K;
+            /* A node past the rows stays past (its children too, in a tree's layout) but no further: a layout
+               of many short levels would otherwise grow it K-fold per level until it wraps negative. */
+            if (node > rows) node = rows;
             const double *children = sums + levels.starts[d] + TREE_K * (node < rows ? node : rows - 1);
             double before = 0.0; /* the running sum before the chosen child */
             int child = TREE_K - 1;  /* none past the target: the last child, after the sum of the others */
