@@ -519,12 +519,23 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
     }
 #undef REWARD
     restore_gil(released);
-    int failed = take_columns(batch, next_names, sources, observations, next_rows, count)
-                 || put(batch, TERMINATED_KEY, terminated_array) || put(batch, TRUNCATED_KEY, truncated_array);
-    terminated_array = truncated_array = NULL; /* put gave them up */
+    /* put gives up its array; one not put (a failure before it) is released below */
+    int failed = take_columns(batch, next_names, sources, observations, next_rows, count);
+    if (!failed) {
+        failed = put(batch, TERMINATED_KEY, terminated_array);
+        terminated_array = NULL;
+    }
+    if (!failed) {
+        failed = put(batch, TRUNCATED_KEY, truncated_array);
+        truncated_array = NULL;
+    }
     if (!failed && has_reward) {
-        failed = put(batch, N_STEP_RETURN_KEY, return_array) || put(batch, BOOTSTRAP_DISCOUNT_KEY, discount_array);
-        return_array = discount_array = NULL;
+        failed = put(batch, N_STEP_RETURN_KEY, return_array);
+        return_array = NULL;
+        if (!failed) {
+            failed = put(batch, BOOTSTRAP_DISCOUNT_KEY, discount_array);
+            discount_array = NULL;
+        }
         for (Py_ssize_t j = 0; !failed && n_step == 1 && j < observations; j++) { /* t + n_eff is t + 1 */
             PyObject *next = PyDict_GetItemWithError(batch, PyTuple_GET_ITEM(next_names, j));
             failed = !next || PyDict_SetItem(batch, PyTuple_GET_ITEM(bootstrap_names, j), next);
