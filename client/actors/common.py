@@ -61,10 +61,14 @@ def connect(address: str, buffer: str, stopped: Callable[[], bool], timeout: flo
     publishes above them)."""
     deadline = time.monotonic() + timeout
     client = ReplayClient(address, timeout=10)
-    if wait_for_buffer(client, buffer, timeout, stopped) is None or (
-            weights is not None and wait_for_running_learner(client, weights, deadline, stopped) is None):
+    try:
+        if wait_for_buffer(client, buffer, timeout, stopped) is None or (
+                weights is not None and wait_for_running_learner(client, weights, deadline, stopped) is None):
+            client.close()
+            return None
+    except BaseException:  # TimeoutError, or the server's refusal: the channel goes with the actor's attempt
         client.close()
-        return None
+        raise
     return client
 
 
