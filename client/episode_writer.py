@@ -101,10 +101,10 @@ class EpisodeWriter:
             # observation into one buffer); a view would store whatever that array holds by then.
             with np.errstate(over="ignore"):  # an overflow is refused below, not only warned about
                 array = given.astype(dtype, copy=True)
-            if dtype.kind in "iu" and not np.array_equal(array, given):
-                raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
-            # A float too large for a narrower float field (1e300 into float32) would become inf.
-            if dtype.kind == "f" and given.dtype.kind in "fiu" and (np.isfinite(given) & ~np.isfinite(array)).any():
+            # An int that wrapped, or a float too large for a narrower float field (1e300 into float32: inf).
+            wrapped = dtype.kind in "iu" and not np.array_equal(array, given)
+            overflowed = dtype.kind == "f" and (np.isfinite(given) & ~np.isfinite(array)).any()
+            if wrapped or overflowed:
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
             if array.shape != shape:
                 raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")

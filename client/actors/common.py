@@ -61,15 +61,14 @@ def connect(address: str, buffer: str, stopped: Callable[[], bool], timeout: flo
     publishes above them)."""
     deadline = time.monotonic() + timeout
     client = ReplayClient(address, timeout=10)
+    ready = False
     try:
-        if wait_for_buffer(client, buffer, timeout, stopped) is None or (
-                weights is not None and wait_for_running_learner(client, weights, deadline, stopped) is None):
+        ready = wait_for_buffer(client, buffer, timeout, stopped) is not None and (
+            weights is None or wait_for_running_learner(client, weights, deadline, stopped) is not None)
+        return client if ready else None
+    finally:
+        if not ready:  # stopped, timed out or refused: the channel goes with the attempt
             client.close()
-            return None
-    except BaseException:  # TimeoutError, or the server's refusal: the channel goes with the actor's attempt
-        client.close()
-        raise
-    return client
 
 
 def wait_for_running_learner(client: ReplayClient, name: str, deadline: float,
