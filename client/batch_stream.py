@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from client.retries import server_retry_after
+from client.retries import cut_short_by_deadline, server_retry_after
 from service.wire import codec
 
 log = logging.getLogger("replayd.client")
@@ -29,7 +29,8 @@ class BatchStream:
     `close()` cancels the call, from any thread; iterating after it ends the iteration. A stream dropped
     without close() is cancelled when gRPC collects the call. A stream the server refused as busy before
     its first message (nothing was sampled) is opened again after the server's retry-after hint, within
-    the stream's `timeout` (None: no deadline, so it keeps trying, with a warning in the log).
+    the stream's `timeout` (None: no deadline, so it keeps trying, with a warning in the log). One the
+    server refuses until its deadline fails with the refusal (UNAVAILABLE, "the server is busy").
     """
 
     def __init__(self, open_call: Callable[[float | None], Any], timeout: float | None,
@@ -47,7 +48,7 @@ class BatchStream:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        delay, warned = 0.05, False
+        delay, refusal = 0.05, None
         while True:
             try:
                 payload = next(self._call)
@@ -55,13 +56,15 @@ class BatchStream:
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     raise StopIteration from None
+                if cut_short_by_deadline(exc, refusal, self._deadline):
+                    raise refusal from exc
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and self._on_unavailable is not None:
                     self._on_unavailable()  # before a reopen too: it may have to go elsewhere
                 retry_after = None if self._received else server_retry_after(exc)
                 if retry_after is not None:
-                    if not warned:
+                    if refusal is None:
                         log.warning("stream refused: %s; opening it again", exc.details())
-                        warned = True
+                    refusal = exc
                     delay = max(delay, retry_after)
                     if self._reopen(delay):
                         delay = min(delay * 2, 2.0)

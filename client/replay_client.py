@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from client.batch_stream import BatchStream
-from client.retries import server_retry_after
+from client.retries import cut_short_by_deadline, server_retry_after
 from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.wire import codec
 from service.wire import replay_pb2 as pb
@@ -453,8 +453,9 @@ class ReplayClient:
         limiter held past its deadline is sent again).
 
         A call the server refused before doing anything (busy: see WorkerSeats) is retried whatever
-        `codes` says, within the same deadline: waiting for a seat is part of waiting for the call."""
-        delay, tried = 0.05, 0
+        `codes` says, within the same deadline: waiting for a seat is part of waiting for the call, and
+        one refused until its deadline fails with the refusal."""
+        delay, tried, refusal = 0.05, 0, None
         give_up = math.inf if timeout is None else time.monotonic() + timeout
         seconds = timeout  # this attempt's deadline
         while True:
@@ -464,6 +465,8 @@ class ReplayClient:
                 retry_after = server_retry_after(exc)  # None unless the server refused it untouched (busy)
                 if retry_after is None:
                     if exc.code() not in codes or tried == self.retries:
+                        if cut_short_by_deadline(exc, refusal, give_up):
+                            raise refusal from exc
                         raise
                     tried += 1
                 else:
@@ -475,7 +478,10 @@ class ReplayClient:
                 else:
                     time.sleep(min(pause, max(give_up - time.monotonic(), 0.0)))
                     if time.monotonic() >= give_up:
+                        if cut_short_by_deadline(exc, refusal, give_up):
+                            raise refusal from exc
                         raise
+                refusal = exc if retry_after is not None else None
                 seconds = None if timeout is None else give_up - time.monotonic()
                 delay = min(delay * 2, 2.0)
 

@@ -4,6 +4,7 @@ caches about a buffer, BatchStream's reopening, wait_until and the safetensors h
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import grpc
@@ -232,6 +233,53 @@ def test_a_stream_refused_again_and_again_backs_off_exponentially(monkeypatch: p
     gaps = np.diff([at for at, _ in opened])
     assert len(gaps) == 3
     assert gaps[2] >= 0.19  # 0.05, 0.1, 0.2
+
+
+class DeadlineCall(FakeCall):
+    """A call the server does not answer within its `seconds`: it ends as gRPC's own deadline ends it."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__([], FakeError(grpc.StatusCode.DEADLINE_EXCEEDED))
+        self._deadline = time.monotonic() + seconds
+
+    def __next__(self) -> bytes:
+        threading.Event().wait(max(self._deadline - time.monotonic(), 0.0))  # the deadline passing
+        return super().__next__()
+
+
+def refused_then_cut_short(server_deadline_first: bool):
+    """attempt(seconds): refused as busy, then not answered within its deadline (or, with
+    `server_deadline_first`, answered with the server's own DEADLINE_EXCEEDED just before it)."""
+    opened: list[float | None] = []
+
+    def attempt(seconds: float | None) -> FakeCall:
+        opened.append(seconds)
+        if len(opened) == 1:
+            return FakeCall([], FakeError(BUSY, 1))
+        return DeadlineCall(seconds - 0.05 if server_deadline_first else seconds)
+
+    return attempt, opened
+
+
+@pytest.mark.parametrize("server_deadline_first", [False, True])
+def test_a_stream_refused_until_its_deadline_fails_with_the_refusal(server_deadline_first: bool) -> None:
+    """The reopen the deadline cut short before the server answered fails with the refusal, which says why;
+    a DEADLINE_EXCEEDED the server sent before the deadline reaches the caller as it is."""
+    attempt, opened = refused_then_cut_short(server_deadline_first)
+    stream = BatchStream(attempt, 0.3)
+    with pytest.raises(grpc.RpcError) as info:
+        next(stream)
+    assert len(opened) == 2
+    assert info.value.code() == (grpc.StatusCode.DEADLINE_EXCEEDED if server_deadline_first else BUSY)
+
+
+@pytest.mark.parametrize("server_deadline_first", [False, True])
+def test_a_unary_call_refused_until_its_deadline_fails_with_the_refusal(server_deadline_first: bool) -> None:
+    attempt, opened = refused_then_cut_short(server_deadline_first)
+    with ReplayClient("127.0.0.1:1", timeout=1) as replay_client, pytest.raises(grpc.RpcError) as info:
+        replay_client._with_retries(lambda seconds: next(attempt(seconds)), ReplayClient.RETRYABLE, 0.3)
+    assert len(opened) == 2
+    assert info.value.code() == (grpc.StatusCode.DEADLINE_EXCEEDED if server_deadline_first else BUSY)
 
 
 # ---------------------------------------------------------------- wait_until
