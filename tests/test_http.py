@@ -137,11 +137,16 @@ def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
     with ReplayClient(http_server.address) as client:
         client.create_buffer("rl", 1000, SCHEMA, rate_limiter={"min_size_to_sample": 5})
         client.create_buffer("free", 1000, SCHEMA)
-        # Below min_size_to_sample: a sample waits out its short deadline.
+        # Below min_size_to_sample: a sample waits out its short deadline. The server waits the time left when
+        # the call reaches it (after the first sample's describe) less a 50 ms reply margin: 0.5 s keeps the 0.1 s
+        # floor clear of a stall there (0.2 s left it 50 ms).
         with pytest.raises(grpc.RpcError) as failed:
-            client.sample("rl", 4, wait=True, timeout=0.2)
+            client.sample("rl", 4, wait=True, timeout=0.5)
         assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        first = _value(_metrics(base)[0], "replayd_rate_limiter_wait_seconds_total", buffer="rl", side="sample")
+        # A stalled server can answer after the client's own deadline, so the wait may end after the call did.
+        scraped, _ = _poll_metrics(base, lambda m: _value(m, "replayd_rate_limiter_waits_total", buffer="rl",
+                                                          side="sample") == 1, "the first sample wait")
+        first = _value(scraped, "replayd_rate_limiter_wait_seconds_total", buffer="rl", side="sample")
         assert first >= 0.1
         # The seconds series carries the limiter's seconds, not its count of waits.
         assert first == pytest.approx(client.describe("rl")["counters"]["rate_limiter.sample_wait_seconds"])
