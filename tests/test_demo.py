@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import re
 import shlex
@@ -222,9 +223,13 @@ def _crashing_actor(config: object, stop: object) -> None:
 
 
 def test_actor_processes_return_soon_when_actors_die_without_reporting() -> None:
-    started = time.monotonic()
+    before = set(multiprocessing.active_children())
     with actor_processes(_crashing_actor, [None, None]) as reports:
-        pass
+        # Each child imports this module (torch included) before it crashes, which took the whole 20 s on a
+        # loaded machine: the clock starts once both died, so it times the wait for their reports alone.
+        wait_until(lambda: not set(multiprocessing.active_children()) - before, time.monotonic() + 120,
+                   "the actors crashing")
+        started = time.monotonic()
     assert reports == [None, None]
     assert time.monotonic() - started < 20  # not the 30 s wait for reports that never come
 
