@@ -138,10 +138,10 @@ def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
         client.create_buffer("rl", 1000, SCHEMA, rate_limiter={"min_size_to_sample": 5})
         client.create_buffer("free", 1000, SCHEMA)
         # Below min_size_to_sample: a sample waits out its short deadline. The server waits the time left when
-        # the call reaches it (after the first sample's describe) less a 50 ms reply margin: 0.5 s keeps the 0.1 s
-        # floor clear of a stall there (0.2 s left it 50 ms).
+        # the call reaches it (after the first sample's describe) less a 0.2 s reply margin: 0.8 s keeps the
+        # 0.1 s floor clear of a stall there.
         with pytest.raises(grpc.RpcError) as failed:
-            client.sample("rl", 4, wait=True, timeout=0.5)
+            client.sample("rl", 4, wait=True, timeout=0.8)
         assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # A stalled server can answer after the client's own deadline, so the wait may end after the call did.
         scraped, _ = _poll_metrics(base, lambda m: _value(m, "replayd_rate_limiter_waits_total", buffer="rl",
