@@ -7,7 +7,14 @@ from hypothesis import strategies as st
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire.codec import CodecError
-from service.wire.frames import InsertFrame, sample_response_batch, sample_response_bytes, split_bytes_field
+from service.wire.frames import (
+    SAMPLE_RESPONSE_HEAD_BYTES,
+    InsertFrame,
+    sample_response_batch,
+    sample_response_bytes,
+    sample_response_head,
+    split_bytes_field,
+)
 
 
 @given(steps=st.binary(max_size=3000), ids=st.lists(st.integers(0, 2**64 - 1), max_size=5),
@@ -97,10 +104,31 @@ def test_the_last_steps_field_wins_as_in_protobuf() -> None:
 @given(parts=st.lists(st.binary(max_size=300), max_size=6))
 def test_sample_response_from_parts_is_protobuf(parts: list[bytes]) -> None:
     raw = sample_response_bytes(tuple(parts))
-    assert pb.SampleResponse.FromString(raw).batch == b"".join(parts)
-    assert bytes(sample_response_batch(raw)) == b"".join(parts)
-    if any(parts):  # protobuf itself leaves an empty field out; the hand framing writes it, empty
-        assert raw == pb.SampleResponse(batch=b"".join(parts)).SerializeToString()
+    payload = b"".join(parts)
+    parsed = pb.SampleResponse.FromString(raw)
+    assert parsed.batch == payload and bytes(sample_response_batch(raw)) == payload
+    # The alignment field's zero bytes, then the batch, 8 bytes in: what protobuf writes for each field.
+    assert raw[SAMPLE_RESPONSE_HEAD_BYTES:] == payload and not parsed.alignment.strip(b"\0")
+    if payload:  # protobuf itself leaves an empty field out; the hand framing writes it, empty
+        assert raw == (pb.SampleResponse(alignment=parsed.alignment).SerializeToString()
+                       + pb.SampleResponse(batch=payload).SerializeToString())
+
+
+@pytest.mark.parametrize("payload_size", [1, 127, 128, 2**14 - 1, 2**14, 2**21 - 1, 2**21])
+def test_sample_response_head_is_8_bytes_of_canonical_protobuf(payload_size: int) -> None:
+    head = sample_response_head(payload_size)
+    payload = b"x" * payload_size
+    zeros = pb.SampleResponse.FromString(head + payload).alignment
+    assert len(head) == SAMPLE_RESPONSE_HEAD_BYTES and zeros and not zeros.strip(b"\0")
+    assert head + payload == (pb.SampleResponse(alignment=zeros).SerializeToString()
+                              + pb.SampleResponse(batch=payload).SerializeToString())
+
+
+def test_sample_response_head_fits_payloads_up_to_32_gib() -> None:
+    for payload_size in (2**28, 2**35 - 1):
+        assert len(sample_response_head(payload_size)) == SAMPLE_RESPONSE_HEAD_BYTES
+    with pytest.raises(ValueError, match="does not fit"):
+        sample_response_head(2**35)
 
 
 def test_sample_response_joins_numpy_parts_once() -> None:

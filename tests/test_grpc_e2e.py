@@ -17,6 +17,7 @@ from client.replay_client import episode_span as client_episode_span
 from service import errors
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.grpc_server import convert
+from service.grpc_server.in_place import IN_PLACE_MIN_BYTES
 from service.grpc_server.server import ReplayServer
 from service.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode, wait_seconds
 from service.limiters import WorkerSeats
@@ -424,6 +425,32 @@ def test_stream_is_plain_protobuf_reproducible_and_exact(server: ReplayServer, c
     sent = server.metrics.get_sample_value("replayd_rpc_sent_bytes_total",
                                            {"method": "SampleStream", "buffer": "p"})
     assert sent == sum(len(response.batch) for response in responses) * 2  # payload bytes, both streams
+
+
+def test_a_stream_of_large_batches_gathered_into_its_messages_holds_the_stored_steps(client: ReplayClient) -> None:
+    """Batches over IN_PLACE_MIN_BYTES are gathered straight into their messages from the stream's second or
+    third on: each one still holds the rows its keys name, exactly."""
+    rng = np.random.default_rng(4)
+    schema = {"frame": ("uint8", (32, 32, 4)), "action": ("int64", ()), "reward": ("float32", ())}
+    client.create_buffer("frames", 5_000, schema, observation_fields=("frame",))
+    episodes = []
+    for _ in range(20):
+        length = int(rng.integers(10, 50))
+        episodes.append({"frame": rng.integers(0, 256, (length + 1, 32, 32, 4), dtype=np.uint8),
+                         "action": rng.integers(0, 6, length), "reward": rng.normal(size=length).astype(np.float32)})
+    client.insert_episodes("frames", episodes, [True] * len(episodes))
+    frames = np.concatenate([e["frame"] for e in episodes])  # the ring has not wrapped: row = key
+    actions = np.concatenate([np.append(e["action"], 0) for e in episodes])
+    batches = list(client.sample_stream("frames", 80, num_batches=6, include_keys=True, seed=2))
+    assert 80 * 2 * frames[0].nbytes >= IN_PLACE_MIN_BYTES
+    for batch in batches:
+        np.testing.assert_array_equal(batch["frame"], frames[batch["key"]])
+        np.testing.assert_array_equal(batch["next_frame"], frames[batch["key"] + 1])
+        np.testing.assert_array_equal(batch["action"], actions[batch["key"]])
+        assert all(array.flags.aligned for array in batch.values())
+    first = client.sample("frames", 80, include_keys=True, seed=2)
+    for name in first:
+        np.testing.assert_array_equal(first[name], batches[0][name])
 
 
 def test_cancelled_stream_stops_its_producer(client: ReplayClient) -> None:

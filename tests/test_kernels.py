@@ -71,8 +71,8 @@ def transition_batch(positions: np.ndarray, bounds: np.ndarray, n_step: int, rew
                  "closed": np.ones(len(positions), bool),
                  "reward": np.ones(CAPACITY, np.float32) if reward is None else reward,
                  "sources": (np.arange(CAPACITY, dtype=np.float32),), "powers": 0.9 ** np.arange(n_step + 1)}
+    batch: dict[str, np.ndarray] = changes.pop("batch", {})
     arguments.update(changes)
-    batch: dict[str, np.ndarray] = {}
     kernels.transition_batch(batch, arguments["positions"], arguments["rows"], bounds, arguments["closed"], n_step,
                              arguments["powers"], CAPACITY, arguments["reward"], np.zeros(CAPACITY, np.int64),
                              np.zeros(7, np.uint8), 7, ("obs",), arguments["sources"], ("next_obs",),
@@ -203,6 +203,57 @@ def test_take_rows_is_numpy_take(dtype: str, shape: tuple[int, ...]) -> None:
     for name in ("next_obs", "next_again"):
         assert batch[name].dtype == column.dtype and batch[name].flags.c_contiguous
         np.testing.assert_array_equal(batch[name], column.take(rows, axis=0))
+
+
+def test_kernels_write_into_the_arrays_the_batch_already_holds() -> None:
+    """A column the caller put in the batch (a view of the message it is sent in) is written into, in place."""
+    rng = np.random.default_rng(0)
+    column = rng.integers(0, 200, (50, 6, 2)).astype(np.uint8)
+    rows = rng.integers(0, 50, 33)
+    message = np.zeros(33 * 12 + 8, np.uint8)
+    given = message[8:].reshape(33, 6, 2)
+    batch = {"obs": given}
+    kernels.take_rows(batch, ("obs", "next_obs"), rows, (column, column))
+    assert batch["obs"] is given and list(batch) == ["obs", "next_obs"]
+    np.testing.assert_array_equal(message[8:].reshape(33, 6, 2), column.take(rows, axis=0))
+
+    positions, bounds = np.array([3, 7], np.int64), np.array([4, 12], np.int64)
+    outputs = {"terminated": np.zeros(2, bool), "n_step_return": np.zeros(2, np.float32)}
+    fresh = transition_batch(positions, bounds, 2)
+    batch = dict(outputs)
+    kernels.transition_batch(batch, positions, positions % CAPACITY, bounds, np.ones(2, bool), 2, 0.9 ** np.arange(3),
+                             CAPACITY, np.ones(CAPACITY, np.float32), np.zeros(CAPACITY, np.int64),
+                             np.zeros(7, np.uint8), 7, ("obs",), (np.arange(CAPACITY, dtype=np.float32),),
+                             ("next_obs",), ("bootstrap_obs",))
+    assert all(batch[name] is outputs[name] for name in outputs) and list(batch)[:2] == list(outputs)
+    for name in fresh:
+        np.testing.assert_array_equal(batch[name], fresh[name])
+    offsets = np.zeros(2, np.int64)
+    batch = {"offset": offsets}
+    kernels.geometric_batch(batch, np.full(2, 0.5), 0.5, positions, positions % CAPACITY, bounds, CAPACITY,
+                            ("obs",), ("future_obs",), (np.arange(CAPACITY),))
+    assert batch["offset"] is offsets and np.all(offsets >= 1)
+
+
+@pytest.mark.parametrize("given", [np.zeros((4, 3), np.float64), np.zeros((5, 3), np.float32),
+                                   np.zeros((4, 3, 1), np.float32), np.zeros((3, 4), np.float32).T,
+                                   np.frombuffer(bytes(48), np.float32).reshape(4, 3), [[0.0] * 3] * 4],
+                         ids=["dtype", "rows", "rank", "not contiguous", "read-only", "not an array"])
+def test_kernels_refuse_a_given_output_they_cannot_write_and_name_it(given: object) -> None:
+    with pytest.raises(ValueError, match=r"kernel output batch\['obs'\]: expected a writable C-contiguous array "
+                                         r"of dtype dtype\('float32'\) and 2 dimensions \(4 rows\)"):
+        kernels.take_rows({"obs": given}, ("obs",), np.zeros(4, np.int64), (np.zeros((9, 3), np.float32),))
+    with pytest.raises(ValueError, match=r"kernel output batch\['terminated'\]"):
+        transition_batch(np.array([3], np.int64), np.array([9], np.int64), 1, batch={"terminated": np.zeros(1)})
+
+
+def test_new_bytes_are_written_through_their_buffer() -> None:
+    message, buffer = kernels.new_bytes(5)
+    buffer[:] = np.frombuffer(b"bytes", np.uint8)
+    assert type(message) is bytes and message == b"bytes" and buffer.base is message and buffer.flags.writeable
+    assert kernels.new_bytes(0)[0] == b""
+    with pytest.raises(ValueError, match="new_bytes: size must be in"):
+        kernels.new_bytes(-1)
 
 
 def test_take_rows_refuses_rows_off_a_column_and_leaves_the_batch_as_it_was() -> None:

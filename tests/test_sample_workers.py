@@ -68,6 +68,27 @@ def test_workers_serve_sampling_with_the_servers_results(worker_server: ReplaySe
         assert client.sample("retiring", 8)["obs"].shape == (8, 4)
 
 
+def test_worker_streams_of_large_batches_are_the_servers_batches(worker_server: ReplayServer) -> None:
+    """Batches over IN_PLACE_MIN_BYTES, which a worker gathers straight into its messages from the stream's
+    second or third on (while the lock-free reader may redraw a torn batch into the same message)."""
+    schema = {"frame": ("uint8", (32, 32, 4)), "action": ("int64", ()), "reward": ("float32", ())}
+    rng = np.random.default_rng(1)
+    with ReplayClient(worker_server.address) as client, \
+            ReplayClient(worker_server.address, use_sample_workers=False) as direct:
+        client.create_buffer("frames", 5_000, schema, observation_fields=("frame",))
+        lengths = rng.integers(10, 50, 20)
+        client.insert_episodes("frames", [{"frame": rng.integers(0, 256, (n + 1, 32, 32, 4), dtype=np.uint8),
+                                           "action": rng.integers(0, 6, n), "reward": np.ones(n, np.float32)}
+                                          for n in lengths], [True] * len(lengths))
+        assert client.describe("frames")["sample_endpoints"]
+        ours = list(client.sample_stream("frames", 80, num_batches=5, n_step=2, include_keys=True, seed=3))
+        reference = list(direct.sample_stream("frames", 80, num_batches=5, n_step=2, include_keys=True, seed=3))
+        for batch, expected in zip(ours, reference, strict=True):
+            assert list(batch) == list(expected)
+            for name in expected:
+                np.testing.assert_array_equal(batch[name], expected[name])
+
+
 def test_a_killed_worker_is_restarted_on_its_port(worker_server: ReplayServer) -> None:
     workers = worker_server.sample_workers
     with ReplayClient(worker_server.address) as client:

@@ -28,6 +28,7 @@ import numpy as np
 from service import errors
 from service.buffers.ring import EpisodicRing, shm_name
 from service.grpc_server.auth import TokenAuthInterceptor
+from service.grpc_server.in_place import InPlaceMessages
 from service.grpc_server.options import channel_options
 from service.grpc_server.servicer import (
     SAMPLE_AHEAD,
@@ -39,6 +40,7 @@ from service.grpc_server.servicer import (
     wait_seconds,
 )
 from service.limiters import WorkerSeats
+from service.samplers.modes import BatchMode
 from service.schema import check_buffer_name
 from service.wire import replay_pb2 as pb
 
@@ -125,7 +127,8 @@ class SampleWorkerServicer:
             raise errors.NotFound(f"buffer {buffer!r} was deleted or created again while this call sampled it")
 
     def _message(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
-                 deadline: float | None, context: grpc.ServicerContext) -> bytes:
+                 deadline: float | None, context: grpc.ServicerContext, stream: InPlaceMessages | None = None) -> bytes:
+        """A sampled batch's message; a stream's (`stream`) may be gathered straight into it."""
         self.current(request.buffer, ring)
         mode = sample_mode(request, ring, self.max_message_bytes)
         if deadline is not None and not ring.drawable():
@@ -141,8 +144,10 @@ class SampleWorkerServicer:
                             f"(sampleable_steps={ring.sampleable_steps})")
                     time.sleep(delay)
                     delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
-        batch, _ = ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta)
-        return sample_message(batch, self.max_message_bytes)
+        def sample(mode: BatchMode) -> dict[str, np.ndarray]:
+            return ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta)[0]
+
+        return sample_message(sample(mode), self.max_message_bytes) if stream is None else stream.next(sample)
 
     @staticmethod
     def _deadline(request: pb.SampleRequest, context: grpc.ServicerContext) -> float | None:
@@ -164,9 +169,11 @@ class SampleWorkerServicer:
             raise errors.InvalidArgument(f"sample_stream: num_batches expected >= 0, got {request.num_batches}")
         inner = request.request
         ring, rng = self.ring(inner.buffer), self._rng(inner)
+        stream = InPlaceMessages(sample_mode(inner, ring, self.max_message_bytes),
+                                 lambda batch: sample_message(batch, self.max_message_bytes))
         sent = 0
         while request.num_batches == 0 or sent < request.num_batches:  # see ReplayServicer.SampleStream
-            yield self._message(ring, inner, rng, self._deadline(inner, context), context)
+            yield self._message(ring, inner, rng, self._deadline(inner, context), context, stream)
             sent += 1
 
 

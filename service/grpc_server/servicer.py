@@ -24,6 +24,7 @@ from service.buffers.episodic import EpisodicBuffer
 from service.buffers.ring import EpisodicRing, check_importance_beta
 from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
+from service.grpc_server.in_place import InPlaceMessages
 from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
 from service.limiters import WorkerSeats
 from service.registry import BufferRegistry
@@ -565,8 +566,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         # No context.is_active() here: gRPC asks for a batch only while the call is active, a stream sampling
         # ahead is stopped by stream_rpc, and is_active() waits for the call's lock, which gRPC holds while it
         # hands the previous batch to the transport (it would serialize sampling ahead with sending).
+        messages = InPlaceMessages(mode, lambda batch: sample_message(batch, self.max_message_bytes))
         while request.num_batches == 0 or sent < request.num_batches:
-            yield self._sample_message(buffer, inner, mode, rng, wait_seconds(inner, context), ended)
+            yield messages.next(lambda mode: buffer.sample(
+                inner.batch_size, mode, rng, inner.include_keys, wait_seconds(inner, context),
+                importance_beta=inner.importance_beta, ended=ended))
             sent += 1
 
     # ---------------------------------------------------------------- rollout

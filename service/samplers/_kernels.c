@@ -312,15 +312,43 @@ static int check_columns(PyObject *names, PyObject *sources, npy_intp min_rows) 
     return 0;
 }
 
-/* batch[name] = source[rows] (rows already checked against the source's length). */
+/* The array already in batch[key] that a kernel writes its output into (a new reference), NULL with no error set
+ * when there is none, or NULL with ValueError when it is not a writable, C-contiguous, aligned array of exactly
+ * `ndim` dimensions `shape` and the dtype `descr`. A caller that gathers a batch straight into its destination
+ * (e.g. a gRPC message, service/grpc_server/in_place.py) puts views of it in the batch before the call. */
+static PyArrayObject *given_output(PyObject *batch, PyObject *key, int ndim, const npy_intp *shape,
+                                   PyArray_Descr *descr) {
+    PyObject *given = PyDict_GetItemWithError(batch, key);
+    if (!given) return NULL;
+    PyArrayObject *array = (PyArrayObject *)given;
+    int fits = PyArray_Check(given) && PyArray_NDIM(array) == ndim && PyArray_ISCARRAY(array)
+               && PyArray_EquivTypes(PyArray_DESCR(array), descr);
+    for (int d = 0; fits && d < ndim; d++) fits = PyArray_DIM(array, d) == shape[d];
+    if (!fits) {
+        PyErr_Format(PyExc_ValueError, "kernel output batch[%R]: expected a writable C-contiguous array of "
+                     "dtype %R and %d dimensions (%zd rows), the kernel's output", key, (PyObject *)descr, ndim,
+                     (Py_ssize_t)shape[0]);
+        return NULL;
+    }
+    Py_INCREF(given);
+    return array;
+}
+
+/* batch[name] = source[rows] (rows already checked against the source's length), written into the array
+ * batch[name] already holds if any (given_output). */
 static int take_into(PyObject *batch, PyObject *name, PyArrayObject *source, const int64_t *rows, Py_ssize_t count) {
     npy_intp shape[NPY_MAXDIMS];
     memcpy(shape, PyArray_DIMS(source), PyArray_NDIM(source) * sizeof(npy_intp));
     shape[0] = count;
     PyArray_Descr *descr = PyArray_DESCR(source);
-    Py_INCREF(descr); /* PyArray_Empty steals it */
-    PyArrayObject *taken = (PyArrayObject *)PyArray_Empty(PyArray_NDIM(source), shape, descr, 0);
-    if (!taken) return -1;
+    PyArrayObject *taken = given_output(batch, name, PyArray_NDIM(source), shape, descr);
+    int given = taken != NULL;
+    if (!taken && PyErr_Occurred()) return -1;
+    if (!taken) {
+        Py_INCREF(descr); /* PyArray_Empty steals it */
+        taken = (PyArrayObject *)PyArray_Empty(PyArray_NDIM(source), shape, descr, 0);
+        if (!taken) return -1;
+    }
     Py_ssize_t row_bytes = PyArray_NBYTES(source) / PyArray_DIM(source, 0);
     if (count * row_bytes > RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
@@ -329,7 +357,7 @@ static int take_into(PyObject *batch, PyObject *name, PyArrayObject *source, con
     } else {
         copy_rows(PyArray_DATA(taken), PyArray_DATA(source), rows, count, row_bytes);
     }
-    int failed = PyDict_SetItem(batch, name, (PyObject *)taken);
+    int failed = given ? 0 : PyDict_SetItem(batch, name, (PyObject *)taken);
     Py_DECREF(taken);
     return failed;
 }
@@ -365,7 +393,8 @@ static int take_columns(PyObject *batch, PyObject *names, PyObject *sources, Py_
 
 /* take_rows(batch, names, rows, sources): batch[names[j]] = sources[j][rows] for every column j, in one call.
  * `sources` are whole ring columns of any type and row shape (first axis: the ring's rows). Rows off a
- * column raise IndexError (and `batch` is left as it was). */
+ * column raise IndexError (and `batch` is left as it was). Here and in the batch modes, a column already in
+ * `batch` is the array to write into (given_output). */
 static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     PyArrayObject *rows_view;
     if (check_nargs("take_rows", nargs, 4) || !(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, 0))) return NULL;
@@ -390,9 +419,15 @@ static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
 
 static PyObject *TERMINATED_KEY, *TRUNCATED_KEY, *N_STEP_RETURN_KEY, *BOOTSTRAP_DISCOUNT_KEY, *OFFSET_KEY;
 
-/* A new 1-d array of `count` items of `type`, or NULL with the error set. */
-static PyArrayObject *new_vector(Py_ssize_t count, int type) {
+/* The 1-d output of `count` items of `type` for batch[key]: the array already there (given_output), or a new one;
+ * NULL with the error set. */
+static PyArrayObject *new_vector(PyObject *batch, PyObject *key, Py_ssize_t count, int type) {
     npy_intp shape[1] = {count};
+    PyArray_Descr *descr = PyArray_DescrFromType(type);
+    if (!descr) return NULL;
+    PyArrayObject *given = given_output(batch, key, 1, shape, descr);
+    Py_DECREF(descr);
+    if (given || PyErr_Occurred()) return given;
     return (PyArrayObject *)PyArray_SimpleNew(1, shape, type);
 }
 
@@ -472,9 +507,12 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
         PyMem_Free(rows);
         return NULL;
     }
-    PyArrayObject *terminated_array = new_vector(count, NPY_BOOL), *truncated_array = new_vector(count, NPY_BOOL),
-                  *return_array = has_reward ? new_vector(count, NPY_FLOAT32) : NULL,
-                  *discount_array = has_reward ? new_vector(count, NPY_FLOAT32) : NULL;
+    PyArrayObject *terminated_array = new_vector(batch, TERMINATED_KEY, count, NPY_BOOL),
+                  *truncated_array = terminated_array ? new_vector(batch, TRUNCATED_KEY, count, NPY_BOOL) : NULL,
+                  *return_array = has_reward && truncated_array
+                                      ? new_vector(batch, N_STEP_RETURN_KEY, count, NPY_FLOAT32) : NULL,
+                  *discount_array = return_array ? new_vector(batch, BOOTSTRAP_DISCOUNT_KEY, count, NPY_FLOAT32)
+                                                 : NULL;
     int64_t *scratch = PyMem_Malloc(sizeof(int64_t) * 2 * count + sizeof(double) * count + 1);
     if (!terminated_array || !truncated_array || (has_reward && (!return_array || !discount_array)) || !scratch) {
         Py_XDECREF(terminated_array);
@@ -590,7 +628,7 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
     const int64_t *positions = PyArray_DATA(positions_view), *bounds = PyArray_DATA(bounds_view);
     int64_t *rows = checked_rows(rows_view, capacity, "geometric_batch", "the ring");
     if (!rows) return NULL;
-    PyArrayObject *offset_array = new_vector(count, NPY_INT64);
+    PyArrayObject *offset_array = new_vector(batch, OFFSET_KEY, count, NPY_INT64);
     int64_t *future_rows = offset_array ? PyMem_Malloc(sizeof(int64_t) * count + 1) : NULL;
     if (!future_rows) {
         Py_XDECREF(offset_array);
@@ -851,6 +889,38 @@ static PyObject *fill_exponential(PyObject *module, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ messages */
+
+/* new_bytes(size) -> (message, buffer): a new bytes object of `size` bytes, not yet initialized, and a writable
+ * uint8 array over them (which keeps the bytes alive). gRPC sends only bytes, and Python can make them only
+ * by copying: this lets a batch be gathered straight into the message it is sent in. Bytes are immutable
+ * once shared, so the caller fills them through `buffer` before handing `message` to anyone else. */
+static PyObject *new_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t size;
+    if (check_nargs("new_bytes", nargs, 1) || int_arg(args[0], "size", &size)) return NULL;
+    if (size < 0 || size > PY_SSIZE_T_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "new_bytes: size must be in 0..%zd, got %lld", PY_SSIZE_T_MAX / 2,
+                     (long long)size);
+        return NULL;
+    }
+    PyObject *message = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+    if (!message) return NULL;
+    npy_intp shape[1] = {(npy_intp)size};
+    PyObject *buffer = PyArray_New(&PyArray_Type, 1, shape, NPY_UINT8, NULL, PyBytes_AS_STRING(message), 0,
+                                   NPY_ARRAY_CARRAY, NULL);
+    if (!buffer) {
+        Py_DECREF(message);
+        return NULL;
+    }
+    Py_INCREF(message); /* PyArray_SetBaseObject steals a reference, on failure too */
+    if (PyArray_SetBaseObject((PyArrayObject *)buffer, message) < 0) {
+        Py_DECREF(buffer);
+        Py_DECREF(message);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", message, buffer);
+}
+
 /* ------------------------------------------------------------------ module */
 
 #define KERNEL(name) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, NULL}
@@ -863,6 +933,7 @@ static PyMethodDef kernel_methods[] = {
     KERNEL(drawn_live),
     KERNEL(take_rows),
     KERNEL(fill_exponential),
+    KERNEL(new_bytes),
     KERNEL(tree_find),
     KERNEL(tree_update),
     {NULL, NULL, 0, NULL},

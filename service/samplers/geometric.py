@@ -29,8 +29,9 @@ class GeometricMode:
     def item_bytes(self, ring: EpisodicBuffer) -> int:
         return 2 * ring.observation_row_bytes + np.dtype(np.int64).itemsize  # offset
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        batch: dict[str, np.ndarray] = {}
+    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator,
+              batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        batch = {} if batch is None else batch
         columns = ring.observation_columns
         kernels.geometric_batch(batch, kernels.exponentials(rng, draw.rows.size), self.discount, draw.positions,
                                 draw.rows, draw.bounds, ring.capacity, columns.names,

@@ -25,6 +25,7 @@ from service.samplers._kernels import (
     drawn_live,
     fill_exponential,
     geometric_batch,
+    new_bytes,
     take_rows,
     transition_batch,
 )
@@ -37,7 +38,7 @@ TERMINATED = _kernels.TERMINATED  # extent flag
 REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_batch reads
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
-           "episode_bounds", "exponentials", "gather_columns", "geometric_batch", "prefixed", "take_rows",
+           "episode_bounds", "exponentials", "gather_columns", "geometric_batch", "new_bytes", "prefixed", "take_rows",
            "transition_batch"]
 
 

@@ -20,4 +20,7 @@ class BatchMode(Protocol):
         """Bytes per item of the columns `build` returns (an aliased column once), to size a batch before
         drawing it."""
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]: ...
+    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator,
+              batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The draw's columns, in `batch` if given: a column it already holds is the array its values are
+        written into (one of the right dtype and shape), e.g. a view of the message the batch is sent in."""

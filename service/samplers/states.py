@@ -21,7 +21,8 @@ class StatesMode:
     def item_bytes(self, ring: EpisodicBuffer) -> int:
         return ring.observation_row_bytes
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        batch: dict[str, np.ndarray] = {}
+    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator,
+              batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        batch = {} if batch is None else batch
         kernels.gather_columns(batch, draw.rows, ring.observation_columns)
         return batch

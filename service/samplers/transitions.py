@@ -47,8 +47,9 @@ class TransitionsMode:
         # bootstrap obs is next obs when n = 1 (sent once); n_step_return and bootstrap_discount are float32
         return (2 if self.n_step == 1 else 3) * observations + steps + flags + 2 * 4
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        batch: dict[str, np.ndarray] = {}
+    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator,
+              batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        batch = {} if batch is None else batch
         columns, observations = ring.observation_and_step_columns, ring.observation_columns.names
         kernels.transition_batch(batch, draw.positions, draw.rows, draw.bounds, draw.closed, self.n_step, self._powers,
                                  ring.capacity, ring.reward_column, ring.row_seq, ring.extent_flags, ring.extent_slots,

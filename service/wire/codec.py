@@ -208,10 +208,9 @@ def _arrow_parts(plan: _Plan, arrays: list[np.ndarray], bodies: list[np.ndarray]
     return tuple(sink.parts)
 
 
-def encode_parts(columns: Mapping[str, np.ndarray]) -> tuple:
-    """`encode` as a tuple of buffers whose concatenation is the payload; column bodies are views of the
-    (contiguous) input arrays, so the only copy is the caller's final join (e.g. into a gRPC message).
-    The arrays must not change until the parts are joined."""
+def _layout(columns: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], tuple, int | None]:
+    """(the arrays sent, in order, aliases left out; the layout key: each sent column's name, dtype and row
+    shape, and the aliases; the row count)."""
     arrays: list[np.ndarray] = []
     layout: list[tuple[str, str, tuple[int, ...]]] = []
     aliases: list[tuple[str, str]] = []
@@ -235,11 +234,18 @@ def encode_parts(columns: Mapping[str, np.ndarray]) -> tuple:
                              f"{_MAX_ROW_VALUES} values")
         arrays.append(array)
         layout.append((name, array.dtype.str, array.shape[1:]))
-    key = (tuple(layout), tuple(aliases))
+    return arrays, (tuple(layout), tuple(aliases)), num_rows
+
+
+def encode_parts(columns: Mapping[str, np.ndarray]) -> tuple:
+    """`encode` as a tuple of buffers whose concatenation is the payload; column bodies are views of the
+    (contiguous) input arrays, so the only copy is the caller's final join (e.g. into a gRPC message).
+    The arrays must not change until the parts are joined."""
+    arrays, key, num_rows = _layout(columns)
     plan = _encode_plans.get(key)
     if plan is None:
         plan = _encode_plan(key, tuple(_column(n, check_dtype(n, a.dtype), a.shape[1:])
-                                       for (n, _, _), a in zip(layout, arrays, strict=True)), tuple(aliases))
+                                       for (n, _, _), a in zip(key[0], arrays, strict=True)), key[1])
     bodies = [np.ascontiguousarray(array) for array in arrays]
     frame_key = (key, num_rows)
     frame = _frames.get(frame_key, _UNSEEN)
@@ -251,6 +257,60 @@ def encode_parts(columns: Mapping[str, np.ndarray]) -> tuple:
     elif frame is _ONCE:  # Arrow encoded this layout; the frame is learned from its bytes
         _remember(_frames, frame_key, _learn_frame(bodies, parts))
     return parts
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Where the columns of one layout lie in its payload, to write a batch of that layout in place: the
+    payload is allocated first, its columns are gathered straight into views of it, and the batch is never
+    copied into a message afterwards."""
+
+    names: tuple[str, ...]  # the batch's columns, in order
+    key: tuple  # the layout key (see _layout) that a batch written in place must still have
+    num_rows: int
+    frame: _Frame
+    bodies: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]  # each sent column: name, dtype, array shape
+    aliases: tuple[tuple[str, str], ...]
+    size: int  # payload bytes
+
+    def views(self, payload: np.ndarray) -> dict[str, np.ndarray]:
+        """Writes the frame's bytes into `payload` (uint8, `size` bytes) and returns the batch to gather into:
+        writable views of `payload` for every column, in order (an alias is its column's view)."""
+        head = len(self.frame.head)
+        payload[:head] = np.frombuffer(self.frame.head, np.uint8)
+        at, views = head, {}
+        for (name, dtype, shape), pad in zip(self.bodies, self.frame.pads, strict=True):
+            nbytes = math.prod(shape) * dtype.itemsize
+            views[name] = payload[at:at + nbytes].view(dtype).reshape(shape)
+            at += nbytes
+            payload[at:at + len(pad)] = 0
+            at += len(pad)
+        payload[at:] = np.frombuffer(_END_OF_STREAM, np.uint8)
+        for name, target in self.aliases:
+            views[name] = views[target]
+        return {name: views[name] for name in self.names}
+
+    def written(self, batch: Mapping[str, np.ndarray], views: Mapping[str, np.ndarray]) -> bool:
+        """Whether `payload` now holds `batch`: the batch has this layout, and every column that is not the
+        view it was given (a column a caller replaced instead of writing into) is copied into it."""
+        if tuple(batch) != self.names or _layout(batch)[1:] != (self.key, self.num_rows):
+            return False
+        for name, _, _ in self.bodies:
+            if batch[name] is not views[name]:
+                views[name][...] = batch[name]
+        return True
+
+
+def in_place(columns: Mapping[str, np.ndarray]) -> InPlace | None:
+    """How to write batches of the layout of `columns` in place, once encode_parts has learned its frame
+    (from its second batch of that layout on); None before, or for a layout Arrow frames otherwise."""
+    arrays, key, num_rows = _layout(columns)
+    frame = _frames.get((key, num_rows))
+    if not isinstance(frame, _Frame):
+        return None
+    bodies = tuple((name, np.dtype(dtype), array.shape) for (name, dtype, _), array in zip(key[0], arrays, strict=True))
+    size = len(frame.head) + sum(array.nbytes for array in arrays) + sum(map(len, frame.pads)) + len(_END_OF_STREAM)
+    return InPlace(tuple(columns), key, num_rows, frame, bodies, key[1], size)
 
 
 def encoded_size(parts: tuple) -> int:

@@ -141,11 +141,30 @@ def serialize_insert(message: InsertFrame | pb.InsertRequest) -> bytes:
     return message.serialize() if isinstance(message, InsertFrame) else message.SerializeToString()
 
 
+# A SampleResponse's batch starts this many bytes into the message (see `alignment` in replay.proto).
+SAMPLE_RESPONSE_HEAD_BYTES = 8
+
+
+def sample_response_head(payload_size: int) -> bytes:
+    """The SampleResponse bytes before a batch payload of `payload_size` bytes: the `alignment` field's zero
+    bytes, then the batch's key and length; SAMPLE_RESPONSE_HEAD_BYTES in all (every encoding is canonical)."""
+    batch_key = _varint(pb.SampleResponse.BATCH_FIELD_NUMBER << 3 | _LENGTH_DELIMITED) + _varint(payload_size)
+    alignment_key = _varint(pb.SampleResponse.ALIGNMENT_FIELD_NUMBER << 3 | _LENGTH_DELIMITED)
+    zeros = SAMPLE_RESPONSE_HEAD_BYTES - len(alignment_key) - 1 - len(batch_key)  # 1: the zeros' length, < 128
+    if zeros < 0:
+        raise ValueError(f"sample response: a {payload_size}-byte batch does not fit a "
+                         f"{SAMPLE_RESPONSE_HEAD_BYTES}-byte head")
+    return alignment_key + _varint(zeros) + bytes(zeros) + batch_key
+
+
 def sample_response_bytes(batch: bytes | memoryview | tuple) -> bytes:
     """A serialized SampleResponse around an Arrow payload. `batch` may be the payload's parts
     (codec.encode_parts): they are copied once, straight into the message, which is the only copy
-    of the columns between the sampler's gather and gRPC's own copy into its send buffer."""
-    return join_bytes_field(b"", pb.SampleResponse.BATCH_FIELD_NUMBER, batch)
+    of the columns between the sampler's gather and gRPC's own copy into its send buffer (a stream
+    whose layout the codec knows gathers straight into the message instead: service/grpc_server/in_place.py)."""
+    parts = batch if isinstance(batch, tuple) else (batch,)
+    size = sum(memoryview(part).nbytes for part in parts)
+    return b"".join([sample_response_head(size), *parts])
 
 
 def sample_response_batch(raw: bytes) -> memoryview:

@@ -246,10 +246,12 @@ class SampleRequest(_message.Message):
     def __init__(self, buffer: _Optional[str] = ..., batch_size: _Optional[int] = ..., transitions: _Optional[_Union[TransitionsMode, _Mapping]] = ..., geometric: _Optional[_Union[GeometricMode, _Mapping]] = ..., states: _Optional[_Union[StatesMode, _Mapping]] = ..., seed: _Optional[int] = ..., include_keys: _Optional[bool] = ..., importance_beta: _Optional[float] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "alignment")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
-    def __init__(self, batch: _Optional[bytes] = ...) -> None: ...
+    alignment: bytes
+    def __init__(self, batch: _Optional[bytes] = ..., alignment: _Optional[bytes] = ...) -> None: ...
 
 class SampleStreamRequest(_message.Message):
     __slots__ = ("request", "num_batches")

@@ -1,0 +1,71 @@
+"""A sample stream's messages, with its batches gathered straight into them.
+
+gRPC sends bytes, and a batch encoded the usual way is copied into its message once after the gather
+(frames.sample_response_bytes). A stream repeats one layout, so once the codec has learned it (from the
+stream's second batch on), each message is allocated whole first and the batch mode's kernels gather the
+columns into views of it: the gather is then the only copy between the ring and gRPC's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from service.samplers import kernels
+from service.samplers.draw import Draw
+from service.samplers.modes import BatchMode
+from service.wire import codec
+from service.wire.frames import SAMPLE_RESPONSE_HEAD_BYTES, sample_response_head
+
+# Below this payload size, copying the batch once costs less than laying out the views (~10 µs).
+IN_PLACE_MIN_BYTES = 256 * 2**10
+
+
+class _IntoViews:
+    """`mode`, building every batch into the given views (BatchMode.build's `batch`)."""
+
+    def __init__(self, mode: BatchMode, views: dict[str, np.ndarray]) -> None:
+        self.mode, self.views = mode, views
+
+    def check(self, ring) -> None:
+        self.mode.check(ring)
+
+    def item_bytes(self, ring) -> int:
+        return self.mode.item_bytes(ring)
+
+    def build(self, ring, draw: Draw, rng: np.random.Generator,
+              batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        return self.mode.build(ring, draw, rng, dict(self.views))
+
+
+class InPlaceMessages:
+    """The serialized SampleResponses of one stream of batches of `mode`."""
+
+    def __init__(self, mode: BatchMode, encode: Callable[[dict[str, np.ndarray]], bytes]) -> None:
+        self.mode = mode
+        self.encode = encode  # batch -> message, the usual way (it also checks the message's size)
+        self.layout: codec.InPlace | None = None
+        self.in_place = 0  # messages written in place so far
+
+    def next(self, sample: Callable[[BatchMode], dict[str, np.ndarray]]) -> bytes:
+        """The next message; `sample(mode)` draws its batch."""
+        layout = self.layout
+        if layout is None:
+            batch = sample(self.mode)
+            message = self.encode(batch)
+            learned = codec.in_place(batch)
+            if learned is not None and learned.size >= IN_PLACE_MIN_BYTES:
+                self.layout = learned
+            return message
+        message, buffer = kernels.new_bytes(SAMPLE_RESPONSE_HEAD_BYTES + layout.size)
+        if buffer.__array_interface__["data"][0] % 8:  # CPython aligns bytes data; views would not be aligned
+            return self.encode(sample(self.mode))
+        buffer[:SAMPLE_RESPONSE_HEAD_BYTES] = np.frombuffer(sample_response_head(layout.size), np.uint8)
+        views = layout.views(buffer[SAMPLE_RESPONSE_HEAD_BYTES:])
+        batch = sample(_IntoViews(self.mode, views))
+        if layout.written(batch, views):
+            self.in_place += 1
+            return message
+        self.layout = None  # the layout changed: learn the new one
+        return self.encode(batch)
