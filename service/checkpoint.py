@@ -13,7 +13,8 @@ Layout under a checkpoint root DIR:
 Atomicity. A checkpoint is written into DIR/.tmp-ckpt-..., every file and the directories are fsynced, the
 manifest is written last, then the directory is renamed to its final name and LATEST is replaced the same
 way (temporary name, fsync, rename, fsync of DIR). A crash leaves the previous LATEST in place; restore
-never reads a .tmp-* directory or one without manifest.json.
+never reads a .tmp-* directory or one without manifest.json, and the next checkpoint written to DIR removes
+the temporary files of writers that died.
 
 Consistency while serving. Each buffer is a consistent snapshot of itself (buffers are snapshotted one
 after the other, not at one instant together). Episodic buffers: under the buffer's lock, everything but
@@ -68,6 +69,10 @@ CHUNK_BYTES = 64 * 2**20
 SNAPSHOT_ATTEMPTS = 3
 _NAME = re.compile(r"ckpt-(\d+)")
 _write_lock = threading.Lock()  # one checkpoint at a time per process (RPC and periodic thread)
+# What a checkpoint writer leaves if it dies: its temporary checkpoint or LATEST (named after its pid), and a
+# checkpoint it renamed to remove.
+_WRITING = re.compile(r"\.tmp-(?:ckpt-\d+|LATEST)-(\d+)-[0-9a-f]+")
+_REMOVING = re.compile(r"\.tmp-removing-ckpt-\d+-[0-9a-f]+")
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -80,7 +85,7 @@ def _fsync(path: Path) -> None:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
     with open(tmp, "wb") as file:
         file.write(data)
         file.flush()
@@ -203,6 +208,33 @@ def _complete(root: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Removes what checkpoint writers that died left under `root` (a crash mid-write, a kill): temporary
+    checkpoints and LATEST files of processes no longer running, or of an earlier process with this one's pid
+    (a container's server is often pid 1; this process is not writing, it holds the write lock), and
+    checkpoints renamed for removal. A running process's temporary files are its own to finish or remove.
+    A checkpoint directory belongs to one server, on one host (its checkpoint numbers are chosen so too)."""
+    for path in root.iterdir():
+        writing = _WRITING.fullmatch(path.name)
+        pid = int(writing.group(1)) if writing else None
+        if (pid is not None and (pid == os.getpid() or not _running(pid))) or _REMOVING.fullmatch(path.name):
+            log.info("checkpoint: removing %s, left by a writer that died", path)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
 def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, keep: int | None = None,
                      chunk_bytes: int = CHUNK_BYTES, on_chunk: Callable[[], None] | None = None) -> Path:
     """Writes every buffer of `registry` as a new checkpoint under `directory`; returns its manifest's path.
@@ -213,6 +245,7 @@ def write_checkpoint(registry: BufferRegistry, directory: str | os.PathLike, kee
     root = Path(directory)
     with _write_lock:
         root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
         numbers = [int(m.group(1)) for p in root.iterdir() if (m := _NAME.fullmatch(p.name))]
         final = root / f"ckpt-{max(numbers, default=0) + 1:06d}"
         tmp = root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"

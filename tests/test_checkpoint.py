@@ -8,6 +8,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -166,6 +168,31 @@ def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:
         with pytest.raises(FailedPrecondition, match="no complete checkpoint"):
             restore_checkpoint(tmp_path / "empty", BufferRegistry(new_instance()))
     finally:
+        registry.close()
+
+
+def test_a_checkpoint_removes_what_writers_that_died_left(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names a process no longer running
+    alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    registry = BufferRegistry(new_instance())
+    try:
+        registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 100))
+        left = [f".tmp-ckpt-000004-{dead.pid}-0a1b2c3d", f".tmp-ckpt-000005-{os.getpid()}-0a1b2c3d",
+                ".tmp-removing-ckpt-000001-0a1b2c3d"]
+        for name in left:
+            (tmp_path / name / "b").mkdir(parents=True)
+            (tmp_path / name / "b" / "obs.arrow").write_bytes(b"partial")
+        (tmp_path / f".tmp-LATEST-{dead.pid}-0a1b2c3d").write_text("ckpt-000004\n")
+        kept = [f".tmp-ckpt-000006-{alive.pid}-0a1b2c3d", "notes.txt"]  # a running writer's; not ours at all
+        (tmp_path / kept[0]).mkdir()
+        (tmp_path / kept[1]).write_text("mine")
+        final = write_checkpoint(registry, tmp_path).parent
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, LATEST, *kept])
+        assert final.name == "ckpt-000001"
+    finally:
+        alive.stdin.close()
+        alive.wait()
         registry.close()
 
 
