@@ -124,6 +124,21 @@ def test_sample_response_head_is_8_bytes_of_canonical_protobuf(payload_size: int
                               + pb.SampleResponse(batch=payload).SerializeToString())
 
 
+def test_a_sample_response_that_goes_on_past_a_head_like_ours_is_parsed_whole() -> None:
+    """replayd's own messages are read without a scan (head + batch, nothing else); any other message that
+    starts the same way is parsed as protobuf does: the last batch wins."""
+    ours = sample_response_bytes(b"payload")
+    view = sample_response_batch(ours)
+    assert bytes(view) == b"payload" and view.obj is ours
+    longer = sample_response_head(3) + b"abc" + pb.SampleResponse(batch=b"new").SerializeToString()
+    assert bytes(sample_response_batch(longer)) == pb.SampleResponse.FromString(longer).batch == b"new"
+    shorter = sample_response_head(9) + b"abc"  # truncated: protobuf refuses it, so does the scan
+    with pytest.raises(DecodeError):
+        pb.SampleResponse.FromString(shorter)
+    with pytest.raises(CodecError):
+        sample_response_batch(shorter)
+
+
 def test_sample_response_head_fits_payloads_up_to_32_gib() -> None:
     for payload_size in (2**28, 2**35 - 1):
         assert len(sample_response_head(payload_size)) == SAMPLE_RESPONSE_HEAD_BYTES
