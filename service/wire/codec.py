@@ -291,8 +291,8 @@ class InPlace:
         return {name: views[name] for name in self.names}
 
     def written(self, batch: Mapping[str, np.ndarray], views: Mapping[str, np.ndarray]) -> bool:
-        """Whether `payload` now holds `batch`: the batch has this layout, and every column that is not the
-        view it was given (a column a caller replaced instead of writing into) is copied into it."""
+        """Whether the payload `views` lie in now holds `batch`: the batch has this layout, and every column
+        that is not the view it was given (a column a caller replaced instead of writing into) is copied in."""
         if tuple(batch) != self.names or _layout(batch)[1:] != (self.key, self.num_rows):
             return False
         for name, _, _ in self.bodies:
