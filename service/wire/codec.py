@@ -270,7 +270,6 @@ class InPlace:
     num_rows: int
     frame: _Frame
     bodies: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]  # each sent column: name, dtype, array shape
-    aliases: tuple[tuple[str, str], ...]
     size: int  # payload bytes
 
     def views(self, payload: np.ndarray) -> dict[str, np.ndarray]:
@@ -286,7 +285,7 @@ class InPlace:
             payload[at:at + len(pad)] = 0
             at += len(pad)
         payload[at:] = np.frombuffer(_END_OF_STREAM, np.uint8)
-        for name, target in self.aliases:
+        for name, target in self.key[1]:  # the layout's aliases
             views[name] = views[target]
         return {name: views[name] for name in self.names}
 
@@ -310,7 +309,7 @@ def in_place(columns: Mapping[str, np.ndarray]) -> InPlace | None:
         return None
     bodies = tuple((name, np.dtype(dtype), array.shape) for (name, dtype, _), array in zip(key[0], arrays, strict=True))
     size = len(frame.head) + sum(array.nbytes for array in arrays) + sum(map(len, frame.pads)) + len(_END_OF_STREAM)
-    return InPlace(tuple(columns), key, num_rows, frame, bodies, key[1], size)
+    return InPlace(tuple(columns), key, num_rows, frame, bodies, size)
 
 
 def encoded_size(parts: tuple) -> int:

@@ -108,11 +108,16 @@ def parse_with_payload(raw: bytes, message_type: type[Message], field: str) -> t
     return message_type.FromString(rest), payload
 
 
+def _parts(payload: bytes | memoryview | tuple) -> tuple[tuple, int]:
+    """(the buffers of a payload, its size): a tuple of buffers (codec.encode_parts) or one buffer."""
+    parts = payload if isinstance(payload, tuple) else (payload,)
+    return parts, sum(memoryview(part).nbytes for part in parts)
+
+
 def join_bytes_field(message: bytes, field_number: int, payload: bytes | memoryview | tuple) -> bytes:
     """`message` with a length-delimited field appended (protobuf: the last occurrence wins). `payload` may
     be a tuple of buffers (codec.encode_parts): they are joined straight into the message, one copy."""
-    parts = payload if isinstance(payload, tuple) else (payload,)
-    size = sum(memoryview(part).nbytes for part in parts)
+    parts, size = _parts(payload)
     header = _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(size)
     return b"".join([message, header, *parts])
 
@@ -164,8 +169,7 @@ def sample_response_bytes(batch: bytes | memoryview | tuple) -> bytes:
     (codec.encode_parts): they are copied once, straight into the message, which is the only copy
     of the columns between the sampler's gather and gRPC's own copy into its send buffer (a stream
     whose layout the codec knows gathers straight into the message instead: service/grpc_server/in_place.py)."""
-    parts = batch if isinstance(batch, tuple) else (batch,)
-    size = sum(memoryview(part).nbytes for part in parts)
+    parts, size = _parts(batch)
     return b"".join([sample_response_head(size), *parts])
 
 
