@@ -335,6 +335,10 @@ def test_rejected_inserts_leave_buffer_byte_identical() -> None:
             (make_rows(rng, 0, 2), Spans(np.array([2], np.uint64), np.array([2]), np.array([True]),
                                          np.array([False]), np.array([False])),
              InvalidArgument, "begins episode 2, which is already open"),
+            # open episode 2 ends in span 0, and span 1 would go on with it
+            (make_rows(rng, 0, 4), Spans(np.array([2, 2], np.uint64), np.array([2, 2]), np.array([False, False]),
+                                         np.array([True, False]), np.array([True, False])),
+             InvalidArgument, "span 1 continues episode 2, which span 0 of this request ended"),
             ({**good, "reward": np.where(np.arange(11) == 4, np.inf, good["reward"]).astype(np.float32)},
              Spans.whole_episodes(np.array([10]), [3], [True]), InvalidArgument, "'reward' row 4 is inf"),
             # the request's whole episode evicts open episode 2 before the request's chunk of it would land
@@ -351,6 +355,32 @@ def test_rejected_inserts_leave_buffer_byte_identical() -> None:
         buffer.close()
 
 
+def open_spans(episode_ids: list[int], rows: list[int], begins: list[bool], ends: list[bool]) -> Spans:
+    """Spans of open episodes (chunks; those that end are truncated)."""
+    return Spans(np.array(episode_ids, np.uint64), np.array(rows), np.array(begins), np.array(ends),
+                 np.zeros(len(episode_ids), bool))
+
+
+@pytest.mark.parametrize("y_rows", [1, 3])  # Y's chunk lands in its extent's room (1) or makes it move (3)
+def test_a_chunk_of_an_episode_an_earlier_span_evicted_is_refused_though_the_head_moved_back(y_rows: int) -> None:
+    """In one request, X grows its room at the head (which evicts open episode Y), then closes, giving the
+    room back (the head moves back), then Y goes on: Y is gone all the same, and nothing may land."""
+    rng = np.random.default_rng(3)
+    buffer = new_buffer(20)
+    try:
+        y, x = 1, 2
+        buffer.insert(make_rows(rng, 0, 2), open_spans([y], [2], [True], [False]))  # rows 0-1, room 0-3
+        buffer.insert(make_rows(rng, 0, 3), open_spans([x], [3], [True], [False]))  # rows 4-6, room 4-9
+        before, counters, open_ids = snapshot(buffer), buffer.counters.copy(), sorted(buffer._open)
+        with pytest.raises(ResourceExhausted, match=f"open episode {y} would be overwritten before span 2 lands"):
+            buffer.insert(make_rows(rng, 0, 8 + y_rows),
+                          open_spans([x, x, y], [7, 1, y_rows], [False] * 3, [False, True, False]))
+        assert snapshot(buffer) == before
+        assert buffer.counters == counters and sorted(buffer._open) == open_ids
+    finally:
+        buffer.close()
+
+
 def _each_span_alone(columns: dict[str, np.ndarray], spans: Spans) -> list[tuple[dict[str, np.ndarray], Spans]]:
     """The request as one request per span."""
     ends = np.cumsum(spans.rows)
@@ -360,16 +390,25 @@ def _each_span_alone(columns: dict[str, np.ndarray], spans: Spans) -> list[tuple
             for i, (end, rows) in enumerate(zip(ends, spans.rows, strict=True))]
 
 
-@pytest.mark.parametrize("case", ["whole episodes outgrow the ring", "an old open episode closes, then is evicted"])
+@pytest.mark.parametrize("case", ["whole episodes outgrow the ring", "an old open episode closes, then is evicted",
+                                  "an episode ends, then its id begins a new one"])
 def test_a_request_that_evicts_what_it_wrote_equals_its_spans_sent_one_by_one(case: str) -> None:
-    """Spans apply in order, each evicting what it needs: a request that outgrows the ring, or whose later
-    spans evict an episode its earlier ones closed, is stored as its spans sent as separate requests."""
+    """Spans apply in order, each evicting what it needs: a request that outgrows the ring, whose later
+    spans evict an episode its earlier ones closed, or that begins an episode under the id of one it ended, is
+    stored as its spans sent as separate requests."""
     rng = np.random.default_rng(0)
     before: list[tuple[dict[str, np.ndarray], Spans]] = []
     if case == "whole episodes outgrow the ring":  # 40 + 40 + 10 rows into 64
         columns = make_rows(rng, 0, 90)
         request = Spans.whole_episodes(np.array([39, 39, 9]), [7, 8, 9], [True, False, True])
         survivors = {8, 9}
+    elif case == "an episode ends, then its id begins a new one":
+        before = [(make_rows(rng, 0, 4), Spans(np.array([1], np.uint64), np.array([4]), np.array([True]),
+                                              np.array([False]), np.array([False])))]
+        columns = make_rows(rng, 0, 8)  # episode 1 ends (3 more rows), then 1 begins again (5 rows, open)
+        request = Spans(np.array([1, 1], np.uint64), np.array([3, 5]), np.array([False, True]),
+                        np.array([True, False]), np.array([True, False]))
+        survivors = {1}
     else:  # 64 rows: episode 1 opens at the tail (room 8), a whole episode fills the ring up to 50 rows
         before = [(make_rows(rng, 0, 4), Spans(np.array([1], np.uint64), np.array([4]), np.array([True]),
                                               np.array([False]), np.array([False]))),

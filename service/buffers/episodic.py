@@ -509,8 +509,13 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         """Simulates the insert on metadata only; raises before anything is written. `request_index`: each
         span's index in the request as sent (duplicates were dropped), for the messages."""
         head = self.head
+        # Extents starting below this are evicted once the ops so far apply (each evicts below its head_after
+        # less the capacity, see _apply). Not the head's own bound: the head moves back when the head
+        # episode closes and gives up unused room, and what an earlier op evicted stays evicted.
+        evicted_below = head - self.capacity
         next_seq = int(self.state[NEXT_SEQ])
-        touched: dict[int, _Extent] = {}
+        touched: dict[int, _Extent] = {}  # episodes this request opened or went on with, and left open
+        ended: dict[int, int] = {}  # episode id -> the span (as sent) of this request that ended it
         ops: list[_Op] = []
         whole = spans.begins & spans.ends
         row_offsets = np.concatenate([[0], np.cumsum(spans.rows)])
@@ -527,6 +532,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                 ops.append(_Op("block", i, j, int(row_offsets[i]), int(row_offsets[j]),
                                head_before=head, head_after=head + size))
                 head += size
+                evicted_below = max(evicted_below, head - self.capacity)
                 next_seq += j - i
                 i = j
                 continue
@@ -535,7 +541,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
             k = int(spans.rows[i])
             op = _Op("open", i, i + 1, int(row_offsets[i]), int(row_offsets[i + 1]),
                      closes=bool(spans.ends[i]), terminated=bool(spans.terminated[i]), head_before=head)
-            current = touched.get(episode_id) or self._open.get(episode_id)
+            current = None if episode_id in ended else touched.get(episode_id) or self._open.get(episode_id)
             if spans.begins[i]:
                 if current is not None:
                     raise InvalidArgument(f"insert: span {sent} begins episode {episode_id}, which is already open")
@@ -544,12 +550,15 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                 next_seq += 1
                 head += reserve
             else:
+                if episode_id in ended:
+                    raise InvalidArgument(f"insert: span {sent} continues episode {episode_id}, which span "
+                                          f"{ended[episode_id]} of this request ended")
                 if current is None:
                     raise FailedPrecondition(
                         f"insert: span {sent} continues episode {episode_id}, which is not open (never begun, "
                         "already ended, or evicted)"
                     )
-                if current.start < op.head_before - self.capacity:
+                if current.start < evicted_below:
                     raise ResourceExhausted(
                         f"insert: open episode {episode_id} would be overwritten before span {sent} lands; "
                         f"capacity_steps={self.capacity} is too small for this many concurrently open episodes"
@@ -586,7 +595,13 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                 extent.reserved_end = extent.last + 1
             op.extent = extent
             op.head_after = head
-            touched[episode_id] = extent
+            evicted_below = max(evicted_below, head - self.capacity)
+            if op.closes:  # as for two requests: a later span may begin the id anew, not go on with it
+                touched.pop(episode_id, None)
+                ended[episode_id] = sent
+            else:
+                touched[episode_id] = extent
+                ended.pop(episode_id, None)
             ops.append(op)
             i += 1
         return ops
