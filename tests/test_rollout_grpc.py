@@ -241,6 +241,9 @@ def test_a_part_larger_than_the_rollout_names_its_size(server: ReplayServer, cli
     wide.num_envs = 2 * N  # the same rows as T / 2 steps of 2 N envs
     long = _push_request(rng, {"value": np.zeros(1, np.float32)})
     long.num_envs = 1  # T N steps of one env
+    empty = _push_request(rng, {"value": np.zeros(1, np.float32)})
+    empty.steps = codec.encode({name: array[:0] for name, array in codec.decode(empty.steps).items()})
+    empty.num_envs = 2**62  # divides the 0 rows; as (0, 2**62) cells the rows would not even be shaped
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.ReplayStub(channel)
         code, details = rpc_status(stub.PushRollout, wide, timeout=20)
@@ -249,6 +252,9 @@ def test_a_part_larger_than_the_rollout_names_its_size(server: ReplayServer, cli
         code, details = rpc_status(stub.PushRollout, long, timeout=20)
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert details.startswith(f"push: expected <= {T} steps (the buffer's num_steps), got {T * N}"), details
+        code, details = rpc_status(stub.PushRollout, empty, timeout=20)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith(f"num_envs: expected <= {N} (the buffer's env slots), got {2**62}"), details
     assert client.describe("ppo")["missing_steps"] == T * N
 
 def test_a_minibatch_request_without_epochs_streams_one_epoch(server: ReplayServer, client: ReplayClient) -> None:

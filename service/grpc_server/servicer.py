@@ -579,9 +579,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         buffer = self.registry.rollout(request.buffer)
         columns = _decode(request.steps, "push_rollout.steps")
         rows = len(next(iter(columns.values()))) if columns else 0
-        envs = request.num_envs
+        envs, slots = request.num_envs, buffer.config.num_envs
         if envs < 1 or rows % envs:
             raise errors.InvalidArgument(f"push_rollout: num_envs={envs} must be >= 1 and divide the {rows} rows")
+        if envs > slots:  # checked before the reshape, which a huge num_envs over 0 rows would make fail
+            raise errors.InvalidArgument(f"num_envs: expected <= {slots} (the buffer's env slots), got {envs}")
         steps = rows // envs
         cells = {name: array.reshape(steps, envs, *array.shape[1:]) for name, array in columns.items()}
         bootstrap = None
