@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from client.polling import RECONNECT
-from client.replay_client import ReplayClient, Span, new_episode_id, spans_requests
+from client.replay_client import ReplayClient, Span, is_int, new_episode_id, spans_requests
 
 
 class EpisodeWriter:
@@ -34,8 +34,9 @@ class EpisodeWriter:
 
     def __init__(self, client: ReplayClient, buffer: str, chunk_rows: int = 1000, batch_rows: int = 4096,
                  auto_flush: bool = True) -> None:
-        if chunk_rows < 2:
-            raise ValueError(f"chunk_rows must be >= 2, got {chunk_rows}")
+        for name, value, least in (("chunk_rows", chunk_rows, 2), ("batch_rows", batch_rows, 1)):
+            if not is_int(value) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.client = client
         self.buffer = buffer
         self.chunk_rows = chunk_rows

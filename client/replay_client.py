@@ -60,7 +60,7 @@ DEFAULT_GAMMA = 0.99
 DEFAULT_ALPHA = 0.6  # what create_buffer sends for a prioritized sampler's alpha not passed
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     """An integer (Python or numpy) that is not a bool: True would pass as 1."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
@@ -73,12 +73,18 @@ def _refuse_none(**options: Any) -> None:
             raise ValueError(f"{name}: expected a value, got None")
 
 
+def _names_its_spans(frame: InsertFrame | pb.InsertRequest) -> bool:
+    """Whether an insert request names every span by its offset, so that a retry of it is stored once."""
+    request = frame.request if isinstance(frame, InsertFrame) else frame
+    return len(request.span_offsets) == len(request.span_rows)
+
+
 def _int64_keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:
     """`keys` as int64, refusing what a cast would change: a float key would update a truncated step and a
     uint64 above 2**63 - 1 would wrap to a negative one."""
     if isinstance(keys, list | tuple):  # element by element: np.asarray would make True 1 among ints
         for index, key in enumerate(keys):
-            if not _is_int(key):
+            if not is_int(key):
                 raise ValueError(f"keys: expected integers, got {key!r} at index {index}")
     array = np.asarray(keys)
     if array.ndim != 1:
@@ -88,7 +94,7 @@ def _int64_keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:
     int64_max = np.iinfo(np.int64).max
     if array.dtype == object:  # Python ints beyond 64 bits, or a mix of types
         for index, key in enumerate(array):
-            if not _is_int(key):
+            if not is_int(key):
                 raise ValueError(f"keys: expected integers, got {key!r} at index {index}")
         outside = [not 0 <= key <= int64_max for key in array]
     elif array.dtype.kind in "iu":
@@ -211,6 +217,12 @@ def _piece(span: Span, lo: int, hi: int, rows: int) -> Span:
                 span.ends and hi == rows, span.terminated and hi == rows, span.offset + lo)
 
 
+def request_rows(spans: Sequence[Span], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
+    """Rows of `spans` (all of one buffer's layout) that one request of `max_request_bytes` holds (>= 2)."""
+    row_bytes = sum(c.itemsize * math.prod(c.shape[1:]) for c in spans[0].columns.values())
+    return max(2, max_request_bytes // max(row_bytes, 1))
+
+
 def split_spans(spans: Sequence[Span], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[list[Span]]:
     """Groups spans, in order, into requests of at most `max_request_bytes` of rows. A span larger than that
     is sent as chunks of its episode (offsets name them, so retries stay exactly-once). A span that begins
@@ -220,8 +232,7 @@ def split_spans(spans: Sequence[Span], max_request_bytes: int = DEFAULT_MAX_REQU
     room at the head, or moves once)."""
     if not spans:
         return []
-    row_bytes = sum(c.itemsize * math.prod(c.shape[1:]) for c in spans[0].columns.values())
-    max_rows = max(2, max_request_bytes // max(row_bytes, 1))
+    max_rows = request_rows(spans, max_request_bytes)
     requests: list[list[Span]] = []
     current: list[Span] = []
     current_rows = 0
@@ -338,9 +349,9 @@ class ReplayClient:
                  retries: int = 5, token: str | None = None, root_certificates: bytes | None = None,
                  use_sample_workers: bool = True, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         # A negative or fractional count would never equal the retries done: retried until the deadline.
-        if not _is_int(retries) or retries < 0:
+        if not is_int(retries) or retries < 0:
             raise ValueError(f"retries: expected an integer >= 0, got {retries!r}")
-        if not _is_int(max_request_bytes) or max_request_bytes < 1:
+        if not is_int(max_request_bytes) or max_request_bytes < 1:
             raise ValueError(f"max_request_bytes: expected an integer >= 1, got {max_request_bytes!r}")
         self.address = address
         # Inserts of more are split into several requests. A long episode's first chunk may reach twice the
@@ -589,6 +600,7 @@ class ReplayClient:
         """Writes an actor's (steps, envs) part of the rollout in place. Every column is shaped
         (steps, envs, *cell); `bootstrap_value` (envs,) = V(s_T) is required when the part reaches the
         rollout's last step. A push for an older policy version fails with FAILED_PRECONDITION."""
+        _refuse_none(policy_version=policy_version, env_start=env_start, step_start=step_start)
         shapes = {array.shape[:2] for array in columns.values()}
         if len(shapes) != 1:
             raise ValueError(f"push_rollout: every column needs the same (steps, envs), got {sorted(shapes)}")
@@ -611,7 +623,7 @@ class ReplayClient:
         # protobuf takes None as "not set": False for normalize_advantages (True by default here), 0 for sizes.
         _refuse_none(minibatch_size=minibatch_size, normalize_advantages=normalize_advantages, drop_last=drop_last)
         # The wire's 0 means "not set", which the server runs as 1 epoch.
-        if not _is_int(epochs) or epochs < 1:
+        if not is_int(epochs) or epochs < 1:
             raise ValueError(f"epochs: expected an integer >= 1, got {epochs!r}")
         request = pb.RolloutMinibatchesRequest(buffer=buffer, minibatch_size=minibatch_size, epochs=epochs,
                                                normalize_advantages=normalize_advantages, drop_last=drop_last)
@@ -621,6 +633,7 @@ class ReplayClient:
 
     def finish_rollout(self, buffer: str, next_version: int) -> dict[str, Any]:
         """Starts the next rollout under `next_version`; pushes for older versions are rejected from now on."""
+        _refuse_none(next_version=next_version)
         request = pb.FinishRolloutRequest(buffer=buffer, next_version=next_version)
         return _info_to_dict(self._stub.FinishRollout(request, timeout=self.timeout))
 
@@ -628,12 +641,14 @@ class ReplayClient:
     def publish_weights(self, name: str, version: int, safetensors: bytes, final: bool = False) -> bool:
         """Publishes a safetensors blob; False when the server already has this or a newer version.
         `final`: this is the last version (the learner finished); actors that fetch it stop."""
+        _refuse_none(version=version, final=final)
         request = pb.PublishWeightsRequest(name=name, version=version, safetensors=safetensors, final=final)
         return self._stub.PublishWeights(request, timeout=self.timeout).accepted
 
     def fetch_weights(self, name: str, newer_than: int = 0) -> FetchedWeights:
         """The stored weights if their version is newer than `newer_than` (else version 0), and whether
         they are final."""
+        _refuse_none(newer_than=newer_than)
         request = pb.FetchWeightsRequest(name=name, newer_than=newer_than)
         response = self._idempotent(self._stub.FetchWeights, request, None)
         return FetchedWeights(response.version, response.safetensors, response.final)
@@ -655,10 +670,13 @@ class ReplayClient:
         `retries` times, exponential backoff with jitter; `timeout` applies to each attempt): the server
         names spans by (episode_id, offset) and acknowledges those it already stored without storing them
         twice (`duplicate_spans` in the response). The requests are held in a list until the call returns.
+        A stream holding a request without `span_offsets` (the server stores such spans as sent) is sent once.
         """
         if not retry:
             return self._insert(iter(requests), timeout=self._deadline(timeout))
         frames = requests if isinstance(requests, list | tuple) else list(requests)
+        if not all(_names_its_spans(frame) for frame in frames):  # a retry would store its spans twice
+            return self._insert(iter(frames), timeout=self._deadline(timeout))
         return self._with_retries(lambda remaining: self._insert(iter(frames), timeout=remaining),
                                   self.INSERT_RETRYABLE, self._deadline(timeout), deadline_per_attempt=True)
 
@@ -666,7 +684,7 @@ class ReplayClient:
                        **columns: np.ndarray) -> int:
         """Inserts one whole episode: observation fields have L + 1 rows, step fields L rows."""
         span = episode_span(columns, terminated, self.observation_fields(buffer), episode_id)
-        self.insert(spans_requests(buffer, [span], self.max_request_bytes))
+        self._insert_spans(buffer, [span])
         return span.episode_id
 
     def insert_episodes(self, buffer: str, episodes: Sequence[Mapping[str, np.ndarray]],
@@ -680,6 +698,18 @@ class ReplayClient:
             raise ValueError(f"{len(episodes)} episodes but {len(ids)} episode_ids")
         fields = self.observation_fields(buffer)
         spans = [episode_span(e, t, fields, i) for e, t, i in zip(episodes, terminated, ids, strict=True)]
+        self._insert_spans(buffer, spans)
+
+    def _insert_spans(self, buffer: str, spans: Sequence[Span]) -> None:
+        """Whole episodes in requests of at most `max_request_bytes`. The server refuses an episode longer than
+        the ring request by request, so one sent as chunks is checked here first: its earlier chunks would
+        otherwise land, and evict older episodes, before a later one is refused."""
+        longest = max(spans, key=lambda span: span.rows, default=None)
+        if longest is not None and longest.rows > request_rows(spans, self.max_request_bytes):
+            capacity = self.describe(buffer)["capacity_steps"]
+            if longest.rows > capacity:
+                raise ValueError(f"insert: episode {longest.episode_id} has {longest.rows} rows, more than "
+                                 f"capacity_steps={capacity} of buffer {buffer!r}; nothing was sent")
         self.insert(spans_requests(buffer, spans, self.max_request_bytes))
 
     # ---------------------------------------------------------------- sampling

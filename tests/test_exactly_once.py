@@ -242,6 +242,21 @@ def test_lost_response_is_retried_and_stored_exactly_once(client: ReplayClient) 
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_stream_holding_a_request_that_does_not_name_its_spans_is_sent_once(client: ReplayClient) -> None:
+    """The server stores a request without span_offsets as sent: a retry of its stream would store it twice."""
+    rng = np.random.default_rng(8)
+    client.create_buffer("b", 1000, SCHEMA)
+    faults = _LoseFirstResponses(1)
+    _with_interceptor(client, faults)
+    named = spans_request("b", [whole(rng, 5, 70)])
+    unnamed = spans_request("b", [whole(rng, 5, 71)])
+    del unnamed.request.span_offsets[:]
+    with pytest.raises(grpc.RpcError) as caught:
+        client.insert([named, unnamed])
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and faults.calls == 1
+    assert client.describe("b")["episodes"] == 2  # each stored once
+
+
 def test_episode_writer_flush_retried_after_lost_response(client: ReplayClient) -> None:
     rng = np.random.default_rng(8)
     client.create_buffer("b", 10_000, SCHEMA)

@@ -12,17 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from client import ReplayClient
+from client import EpisodeWriter, ReplayClient
 from client.batch_stream import BatchStream
 from client.params import load_module_bytes, module_to_bytes
 from client.polling import wait_until
 from client.replay_client import Span, _SamplingCalls, episode_span, split_spans
 from service.errors import RETRY_AFTER_METADATA
+from service.grpc_server.server import ReplayServer
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from tests.conftest import rpc_status
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
+
+
+def steps(length: int) -> dict[str, np.ndarray]:
+    """An episode of `length` steps of SCHEMA's fields (16 bytes a row)."""
+    return {"obs": np.zeros((length + 1, 2), np.float32), "action": np.zeros(length, np.int64)}
 ROW_BYTES = 8 + 8  # obs float32[2] + action int64
 
 
@@ -372,6 +378,12 @@ def test_integer_keys_of_any_integer_type_are_sent(client: ReplayClient) -> None
     ("create_rollout_buffer", ("b", 4, 2, SCHEMA), "gamma"),
     ("create_rollout_buffer", ("b", 4, 2, SCHEMA), "gae_lambda"),
     ("create_rollout_buffer", ("b", None, 2, SCHEMA), "num_steps"),
+    ("push_rollout", ("b", None, 0, 0), "policy_version"),  # 0: a push into the first rollout
+    ("push_rollout", ("b", 0, None, 0), "env_start"),
+    ("push_rollout", ("b", 0, 0, None), "step_start"),
+    ("finish_rollout", ("b", None), "next_version"),
+    ("publish_weights", ("w", None, b""), "version"),
+    ("fetch_weights", ("w",), "newer_than"),  # 0: the newest weights, however old
 ])
 def test_numeric_options_given_as_none_are_refused_naming_them(client: ReplayClient, call: str, args: tuple,
                                                                 option: str) -> None:
@@ -382,6 +394,30 @@ def test_numeric_options_given_as_none_are_refused_naming_them(client: ReplayCli
     with pytest.raises(ValueError, match=rf"{re.escape(option)}: expected a value, got None"):
         getattr(client, call)(*args, **options)
     assert client.list_buffers() == []
+
+
+@pytest.mark.parametrize(("option", "value"), [("chunk_rows", None), ("chunk_rows", 1), ("batch_rows", None),
+                                             ("batch_rows", 0), ("batch_rows", 2.5)])
+def test_an_episode_writer_size_that_is_not_an_integer_in_range_is_refused(client: ReplayClient, option: str,
+                                                                           value: object) -> None:
+    with pytest.raises(ValueError, match=rf"{option} must be an integer >= [12], got {value!r}"):
+        EpisodeWriter(client, "b", **{option: value})
+
+
+def test_an_episode_longer_than_the_ring_is_refused_before_any_chunk_of_it_is_sent(server: ReplayServer) -> None:
+    """An episode sent as chunks (larger than max_request_bytes) would land chunk by chunk, evicting the
+    episodes stored before it, until the server refused the chunk that outgrew the ring."""
+    with ReplayClient(server.address, timeout=20, max_request_bytes=16 * 20) as client:  # 20 rows a request
+        client.create_buffer("b", 100, SCHEMA)
+        client.insert_episodes("b", [steps(10), steps(10)], [True, True])
+        before = client.describe("b")
+        for call in (lambda: client.insert_episode("b", True, **steps(150)),
+                     lambda: client.insert_episodes("b", [steps(5), steps(150)], [True, False])):
+            with pytest.raises(ValueError, match=r"has 151 rows, more than capacity_steps=100 of buffer 'b'"):
+                call()
+            assert client.describe("b") == before
+        client.insert_episode("b", True, **steps(98))  # 99 rows, in 5 requests: fits
+        assert client.describe("b")["episodes"] == 1
 
 
 @pytest.mark.parametrize(("mode", "options", "message"), [
