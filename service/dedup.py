@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 DEFAULT_WINDOW = 65_536
 UNKNOWN = -1  # offset of a span inserted without offsets: never deduplicated
 _CLOSED = -2  # local marker in `screen`: the episode was closed by an earlier span of the request
+# The offset under which a recovered buffer remembers a closed episode whole (remember_closed): how its spans
+# were chunked is not known, so any span within its rows is a duplicate, one at offset 0 included.
+RECOVERED_WHOLE = -3
 
 
 def span_offsets(spans: Spans) -> np.ndarray:
@@ -85,10 +88,10 @@ class SpanDedup:
                 local.pop(episode_id, None)
                 continue
             remembered = self._recent.get((episode_id, offset))
-            if remembered is None and offset > 0 and episode_id not in local and landed(episode_id) is None:
+            if remembered is None and episode_id not in local and landed(episode_id) is None:
                 # A recovered buffer remembers its closed episodes whole (remember_closed): a retried chunk
                 # of one lies within them.
-                whole = self._recent.get((episode_id, 0))
+                whole = self._recent.get((episode_id, RECOVERED_WHOLE))
                 if whole is not None and offset + rows <= whole:
                     new[i] = False
                     continue
@@ -129,7 +132,7 @@ class SpanDedup:
         not say how their episodes were chunked: a span of a remembered whole episode that lies within its rows
         is stored)."""
         for episode_id, count in zip(episode_ids.tolist(), rows.tolist(), strict=True):
-            self._recent[(int(episode_id), 0)] = int(count)
+            self._recent[(int(episode_id), RECOVERED_WHOLE)] = int(count)
         while len(self._recent) > self.window:
             self._recent.popitem(last=False)
 

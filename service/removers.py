@@ -115,7 +115,13 @@ class MaxTimesSampledRemover(FifoRemover):
         # The ring recounted every step of its live extents as sampleable; retired ones are not items.
         from service.buffers.episodic import SAMPLEABLE
 
-        retired = self.times_sampled.take(positions % ring.capacity) >= self.max_times_sampled
+        rows = positions % ring.capacity
+        # Rows outside them hold no step: counts left there by the interrupted op (a moved episode's old
+        # rows, rows a move carried counts to) would be given back to the sampleable count on eviction.
+        live = np.zeros(ring.capacity, dtype=bool)
+        live[rows] = True
+        self.times_sampled[~live] = 0
+        retired = self.times_sampled.take(rows) >= self.max_times_sampled
         ring.state[SAMPLEABLE] -= int(np.count_nonzero(retired))
 
     def count_draws(self, ring: EpisodicBuffer, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, DrawCounts]:

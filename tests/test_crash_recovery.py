@@ -18,7 +18,9 @@ import pytest
 from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
+from service.dedup import RECOVERED_WHOLE
 from service.errors import FailedPrecondition
+from service.removers import MaxTimesSampledRemover
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.transitions import TransitionsMode
 from service.schema import Field
@@ -374,6 +376,52 @@ def test_a_retried_closing_chunk_is_acknowledged_after_recovery() -> None:
             assert recovered.episodes == 1 and recovered.stored_steps == 8
 
 
+def test_a_retried_request_of_a_whole_episode_in_chunks_is_acknowledged_after_recovery() -> None:
+    """A request holding an episode's first chunk and its closing chunk (a large episode the client split),
+    stored, then the server died before acknowledging it: the retry's first chunk (offset 0, fewer rows than
+    the episode) was refused as overlapping the episode that recovery remembers whole."""
+    with segments_removed(f"rpd_{TEST_INSTANCE}_first"):
+        buffer = EpisodicBuffer("first", TEST_INSTANCE, FIELDS, 200)
+        header = buffer.storage.header_name
+
+        def request() -> tuple[dict, Spans]:
+            first, _ = span_at(100, 5, True, False, 0)
+            closing_rows, _ = span_at(100, 3, False, True, 5)
+            columns = {name: np.concatenate([first[name], closing_rows[name]]) for name in first}
+            return columns, Spans(np.array([100, 100], np.uint64), np.array([5, 3]), np.array([True, False]),
+                                  np.array([False, True]), np.array([False, True]), np.array([0, 5]))
+
+        buffer.insert(*request())
+        buffer.storage.close()
+        with closing(EpisodicBuffer.recover(header)) as recovered:
+            result = recovered.insert_result(*request())
+            assert (result.completed, result.duplicate_spans) == (1, 2)
+            assert recovered.episodes == 1 and recovered.stored_steps == 8
+
+
+def test_recovery_clears_the_draw_counts_of_rows_that_hold_no_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_times_sampled: a writer killed after an open episode's move committed, before its old rows were
+    retired, left their draw counts; evicting those rows later gave their retired steps back to
+    sampleable_steps, which stayed too high for good."""
+    with segments_removed(f"rpd_{TEST_INSTANCE}_counts"):
+        buffer = EpisodicBuffer("counts", TEST_INSTANCE, FIELDS, 40, remover=MaxTimesSampledRemover(1))
+        header = buffer.storage.header_name
+        buffer.insert(*chunk(100, 4, True, False))  # open episode 100: rows 0..3, room 0..7
+        buffer.insert(*whole(1, 5))  # rows 8..13: episode 100 cannot grow in place
+        buffer.sample(3, TransitionsMode(1, 0.9), np.random.default_rng(0))  # retires 3 steps
+        crash_inside(buffer, "_kill_extent", monkeypatch)
+        with pytest.raises(Crash):
+            buffer.insert(*chunk(100, 6, False, False, 4))  # 100 moves to the head; killed before rows 0..3 go
+        buffer.storage.close()
+        with closing(EpisodicBuffer.recover(header)) as recovered:
+            for episode_id in range(2, 6):  # the ring turns over: rows 0..3 are evicted
+                recovered.insert(*whole(episode_id, 6))
+                counts = recovered.remover.times_sampled
+                steps = sum(int(np.count_nonzero(counts[np.arange(start, last) % 40] < 1))
+                            for start, last, _ in live_episodes(recovered).values())
+                assert recovered.sampleable_steps == steps
+
+
 def test_a_chunk_running_past_a_recovered_closed_episode_is_refused() -> None:
     """Recovery remembers closed episodes whole: a chunk within their rows is a retry, one that runs past
     their last row is not, and must not be acknowledged with its rows dropped."""
@@ -401,7 +449,7 @@ def test_recovery_remembers_no_more_closed_episodes_than_the_dedup_window() -> N
         with closing(EpisodicBuffer.recover(header)) as recovered:
             assert recovered.episodes == 5
             assert len(recovered.dedup) == 2  # the newest two: 3 and 4
-            assert recovered.dedup.snapshot() == [[3, 0, 5], [4, 0, 5]]
+            assert recovered.dedup.snapshot() == [[3, RECOVERED_WHOLE, 5], [4, RECOVERED_WHOLE, 5]]
 
 
 def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -> None:
