@@ -4,7 +4,8 @@ Layout under a checkpoint root DIR:
 
     DIR/LATEST                           name of the newest complete checkpoint
     DIR/ckpt-000007/manifest.json        format and layout version; per buffer: kind, the configuration that
-                                         recreates it, its arrays (dtype, shape, file), its Python-side state
+                                         recreates it, its arrays (dtype, shape, file, CRC-32 of the array's
+                                         bytes), its Python-side state
     DIR/ckpt-000007/<buffer>/<array>.arrow
                                          one Arrow IPC file per shared array: one column named after the
                                          array, the array flattened in its own dtype (the shape is in the
@@ -33,7 +34,9 @@ memory copy; minibatches and pushes wait for it) and written afterwards.
 
 Restore recreates each buffer with its configuration, checks that the arrays this code builds for it match
 the checkpoint's (name, dtype, shape) and refuses the checkpoint naming the buffer and array otherwise,
-copies every array back and sets the Python-side state, so that a seeded sample draws the same batch.
+copies every array back, checks its CRC-32 (a file damaged on disk would otherwise come back as a buffer
+that breaks later, e.g. a flipped bit in its extent table), and sets the Python-side state, so that a
+seeded sample draws the same batch.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,7 +99,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 class _ArrayFile:
-    """One array as an Arrow IPC file, appended to chunk by chunk (flattened in its own dtype)."""
+    """One array as an Arrow IPC file, appended to chunk by chunk (flattened in its own dtype); `crc32` is
+    that of the bytes written so far."""
 
     def __init__(self, path: Path, name: str, dtype: np.dtype) -> None:
         self.path = path
@@ -103,10 +108,12 @@ class _ArrayFile:
         self.schema = pa.schema([pa.field(name, self.type)])
         self._sink = pa.OSFile(str(path), "wb")
         self._writer = pa.ipc.new_file(self._sink, self.schema)
+        self.crc32 = 0
 
     def write(self, values: np.ndarray) -> None:
-        array = pa.array(values.reshape(-1), type=self.type)
-        self._writer.write_batch(pa.record_batch([array], schema=self.schema))
+        flat = np.ascontiguousarray(values).reshape(-1)
+        self.crc32 = zlib.crc32(flat.view(np.uint8), self.crc32)
+        self._writer.write_batch(pa.record_batch([pa.array(flat, type=self.type)], schema=self.schema))
 
     def close(self) -> None:
         self._writer.close()
@@ -115,15 +122,20 @@ class _ArrayFile:
 
 
 def _array_entries(arrays: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """The manifest's entry of each array, but its CRC-32 (known once it is written)."""
     return [{"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "file": f"{name}.arrow"}
             for name, array in arrays.items()]
 
 
-def _write_whole(directory: Path, arrays: dict[str, np.ndarray]) -> None:
+def _write_whole(directory: Path, arrays: dict[str, np.ndarray]) -> dict[str, int]:
+    """Writes each array to its file; returns their CRC-32s."""
+    crc32 = {}
     for name, values in arrays.items():
         out = _ArrayFile(directory / f"{name}.arrow", name, values.dtype)
         out.write(values)
         out.close()
+        crc32[name] = out.crc32
+    return crc32
 
 
 # ---------------------------------------------------------------------------------------------- write
@@ -155,9 +167,9 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
             state = buffer.python_state()
             tail, head = int(arrays["state"][TAIL_POS]), int(arrays["state"][HEAD])
             columns = {name: arrays[name].copy() for name in field_names} if whole else None
-        _write_whole(directory, small)
+        crc32 = _write_whole(directory, small)
         if columns is not None:  # last attempt: everything was copied under one hold of the lock
-            _write_whole(directory, columns)
+            crc32.update(_write_whole(directory, columns))
             break
         outputs = {name: _ArrayFile(directory / f"{name}.arrow", name, dtypes[name]) for name in field_names}
         torn = False
@@ -178,10 +190,13 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
         finally:
             for out in outputs.values():
                 out.close()
+        crc32.update({name: out.crc32 for name, out in outputs.items()})
         if not torn:
             break
         log.info("checkpoint of buffer %r raced with evictions (attempt %d); taking the snapshot again",
                  buffer.name, attempt)
+    for entry in entries:
+        entry["crc32"] = crc32[entry["name"]]
     return {"kind": "episodic", "config": config, "arrays": entries, "state": state, "snapshot_attempts": attempt}
 
 
@@ -193,9 +208,10 @@ def _rollout_config(buffer: RolloutBuffer) -> dict[str, Any]:
 
 def _write_rollout(buffer: RolloutBuffer, directory: Path) -> dict[str, Any]:
     copies, state = buffer.snapshot()
-    _write_whole(directory, copies)
+    crc32 = _write_whole(directory, copies)
     # The copies' layout, not the shared arrays': a delete after the snapshot empties those.
-    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": _array_entries(copies), "state": state}
+    entries = [{**entry, "crc32": crc32[entry["name"]]} for entry in _array_entries(copies)]
+    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": entries, "state": state}
 
 
 def _complete(root: Path) -> list[Path]:
@@ -347,6 +363,8 @@ def _check_arrays(name: str, entry: dict[str, Any], arrays: dict[str, np.ndarray
             raise FailedPrecondition(f"buffer {name!r}: array {array_name!r} ({built.dtype} {list(built.shape)}) "
                                      "is missing from the checkpoint (incompatible schema)")
         got = saved[array_name]
+        if not isinstance(got.get("crc32"), int):
+            raise FailedPrecondition(f"buffer {name!r}: array {array_name!r} has no CRC-32 in the manifest")
         if got["file"] != f"{array_name}.arrow":  # the manifest names a file of the buffer's own directory
             raise FailedPrecondition(f"buffer {name!r}: array {array_name!r} points to file {got['file']!r}, "
                                      f"expected {array_name + '.arrow'!r}")
@@ -357,7 +375,7 @@ def _check_arrays(name: str, entry: dict[str, Any], arrays: dict[str, np.ndarray
             )
 
 
-def _load_array(path: Path, name: str, target: np.ndarray) -> None:
+def _load_array(path: Path, name: str, target: np.ndarray, expected_crc32: int) -> None:
     flat = target.reshape(-1)
     expected = pa.from_numpy_dtype(target.dtype)
     offset = 0
@@ -374,6 +392,10 @@ def _load_array(path: Path, name: str, target: np.ndarray) -> None:
             offset += len(values)
     if offset != flat.size:
         raise FailedPrecondition(f"array {name!r}: {path} holds {offset} values, expected {flat.size}")
+    crc32 = zlib.crc32(flat.view(np.uint8))
+    if crc32 != expected_crc32:
+        raise FailedPrecondition(f"array {name!r}: {path} holds values whose CRC-32 is {crc32:#010x}, the "
+                                 f"manifest's is {expected_crc32:#010x} (the file was damaged)")
 
 
 def _build_rollout(name: str, entry: dict[str, Any], instance: str, max_bytes: int | None) -> RolloutBuffer:
@@ -429,7 +451,8 @@ def restore_checkpoint(directory: str | os.PathLike, registry: BufferRegistry,
                 try:
                     _check_arrays(name, entry, arrays)
                     for array in entry["arrays"]:
-                        _load_array(path / name / array["file"], array["name"], arrays[array["name"]])
+                        _load_array(path / name / array["file"], array["name"], arrays[array["name"]],
+                                    array["crc32"])
                     if isinstance(buffer, EpisodicBuffer):
                         buffer.restore_python_state(entry["state"])
                     else:

@@ -252,7 +252,7 @@ def write_arrow(path: Path, name: str, values: np.ndarray) -> None:
         out.write_batch(pa.record_batch([array], names=[name]))
 
 
-def test_an_array_file_of_the_wrong_length_or_type_is_refused_naming_it(tmp_path: Path) -> None:
+def test_an_array_file_of_the_wrong_length_type_or_content_is_refused_naming_it(tmp_path: Path) -> None:
     registry = BufferRegistry(new_instance())
     try:
         registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 100))
@@ -277,6 +277,23 @@ def test_an_array_file_of_the_wrong_length_or_type_is_refused_naming_it(tmp_path
         assert other.all() == []
         write_arrow(file, "field.reward", rewards)
         assert restored_episodes(tmp_path) == {"b": 2}
+        starts_file = directory / "b" / "extent.start.arrow"
+        with pa.memory_map(str(starts_file)) as source:
+            starts = pa.ipc.open_file(source).read_all().column(0).to_numpy().copy()
+        flipped = starts.copy()
+        flipped[1] ^= 64  # one bit: the file is still valid Arrow of the right length and type
+        write_arrow(starts_file, "extent.start", flipped)
+        with pytest.raises(FailedPrecondition, match=r"buffer 'b': array 'extent\.start': .* CRC-32 is 0x[0-9a-f]{8}, "
+                                                     r"the manifest's is 0x[0-9a-f]{8} \(the file was damaged\)"):
+            restore_checkpoint(tmp_path, other)
+        assert other.all() == [] and not segments(f"rpd_{other.instance}_")
+        write_arrow(starts_file, "extent.start", starts)
+        manifest_file = directory / MANIFEST
+        manifest = json.loads(manifest_file.read_text())
+        del manifest["buffers"][0]["arrays"][0]["crc32"]
+        manifest_file.write_text(json.dumps(manifest))
+        with pytest.raises(FailedPrecondition, match=r"buffer 'b': array '.*' has no CRC-32 in the manifest"):
+            restore_checkpoint(tmp_path, other)
     finally:
         other.close()
 
