@@ -16,7 +16,9 @@ items one by one. The rest of a multi-step insert may overshoot max_diff: insert
 and cannot be split, and running ahead on inserts only leaves data less reused.
 
 No deadlock: both sides block only if max_diff - min_diff < B + samples_per_insert, so a sample with
-a batch too large for error_buffer is rejected up front instead of waiting forever.
+a batch too large for error_buffer is rejected up front instead of waiting forever. With a remover that
+retires steps (max_times_sampled), a sample the ratio lets through can still find fewer draws left than its
+batch needs and wait for inserts: while one does, inserts may run ahead of the ratio (only they bring draws).
 
 Blocked calls wait on the buffer's Condition (`ring.inserted`, over `ring.lock`), which releases the
 buffer's lock while waiting, so the other side can proceed; the buffer notifies it after every insert
@@ -183,7 +185,7 @@ class RateLimiter:
 
     def can_insert(self, ring: EpisodicBuffer) -> bool:
         return (ring.sampleable_steps < self.min_size_to_sample or self.samples_per_insert == 0
-                or self.diff + self.samples_per_insert <= self.max_diff)
+                or ring.samples_short_of_draws > 0 or self.diff + self.samples_per_insert <= self.max_diff)
 
     def can_sample(self, ring: EpisodicBuffer, batch_size: int) -> bool:
         if ring.sampleable_steps < self.min_size_to_sample or not ring.sampler.drawable(ring):

@@ -17,6 +17,7 @@ from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from service.grpc_server.server import ReplayServer
 from service.limiters import RateLimiter, WorkerSeats
+from service.removers import MaxTimesSampledRemover
 from service.samplers.states import StatesMode
 from tests.conftest import TEST_INSTANCE
 from tests.test_episodic_buffer import FIELDS, make_rows
@@ -79,6 +80,29 @@ def test_inserts_evicting_below_min_size_never_block() -> None:
             insert_episode(buffer, 5, episode_id, timeout=1.0)
         assert limiter.inserts == 30 and limiter.insert_waits == 0
         assert buffer.sampleable_steps < limiter.min_size_to_sample
+    finally:
+        buffer.close()
+
+
+def test_a_sample_short_of_draws_left_lets_the_inserts_it_needs_past_the_ratio() -> None:
+    """max_times_sampled=1: 6 steps with draws left, diff at max_diff. A sample of 8 passes the ratio but finds
+    too few draws and waits for inserts; the insert it needs was held back by the ratio, waiting for a sample:
+    both waited to their deadlines."""
+    limiter = RateLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=5.0)
+    buffer = EpisodicBuffer("rl", f"test{os.getpid()}", FIELDS, 1000, limiter=limiter,
+                            remover=MaxTimesSampledRemover(1))
+    try:
+        insert_episode(buffer, 5, 0)
+        insert_episode(buffer, 1, 1)
+        assert buffer.sampleable_steps == 6 and limiter.diff == limiter.max_diff == 6
+        sampled: list[int] = []
+        sampler = threading.Thread(target=lambda: sampled.append(len(buffer.sample(8, StatesMode(),
+                                                                                    wait_seconds=20)["obs"])))
+        sampler.start()
+        insert_episode(buffer, 20, 2, timeout=20)
+        sampler.join(timeout=30)
+        assert not sampler.is_alive() and sampled == [8]
+        assert buffer.samples_short_of_draws == 0
     finally:
         buffer.close()
 

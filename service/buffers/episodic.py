@@ -216,6 +216,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         self.worker_seats = WorkerSeats()  # a server's registry shares its capped seats with every buffer it holds
         self.rng = np.random.default_rng()  # used under `lock` when a request brings no seed
         self.counters: Counter[str] = Counter()
+        self.samples_short_of_draws = 0  # samples waiting for steps with draws left (only inserts bring them)
         self._open: dict[int, _Extent] = {}
         self.dedup = SpanDedup(dedup_window)  # recently stored span names, used under `lock`
 
@@ -836,7 +837,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                 inserts = self.counters["insert_requests"]
                 if not wait_on(self, lambda inserts=inserts: self.counters["insert_requests"] != inserts,
                                max(deadline - time.monotonic(), 0.0), ended,
-                               f"sample of buffer {self.name!r} (waiting for draws left)"):
+                               f"sample of buffer {self.name!r} (waiting for draws left)", self._short_of_draws):
                     raise DeadlineExceeded(
                         f"buffer {self.name!r}: its steps had fewer draws left than batch_size={batch_size} for "
                         f"{wait_seconds:.3g}s (sampleable_steps={self.sampleable_steps})")
@@ -847,6 +848,14 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
                 self.limiter.record_sample(batch_size)
                 self.inserted.notify_all()  # `inserted` also wakes inserts the limiter holds back
         return batch
+
+    def _short_of_draws(self, change: int) -> None:
+        """A sample starts (+1) or stops (-1) waiting for draws left (with the lock held). While one waits, a
+        rate limiter lets inserts run ahead of its ratio: no sample can be taken until they land, so an insert
+        it held back would wait for that sample, and the sample for it."""
+        self.samples_short_of_draws += change
+        if change > 0:
+            self.inserted.notify_all()
 
     def _gather_within_draws_left(self, batch_size: int, mode: BatchMode, rng: np.random.Generator,
                                   include_keys: bool, importance_beta: float) -> dict[str, np.ndarray]:
