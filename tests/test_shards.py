@@ -69,3 +69,20 @@ def test_two_servers_in_one_process_keep_their_own_buffers_weights_and_memory() 
         for server in running:
             server.stop(grace=0)
     assert not any(segments_of(name) for name in instances)
+
+
+def test_a_stopped_server_leaves_no_worker_thread_behind() -> None:
+    """gRPC does not shut down the executor it was given: its idle workers lived as long as the server object."""
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}stop").start()
+    try:
+        with ReplayClient(server.address, timeout=20) as client:
+            client.create_buffer("shared_name", capacity_steps=100, schema=SCHEMA)
+            for episode_id in range(4):
+                insert(client, episode_id, length=3)
+        workers = list(server._workers._threads)
+        assert workers
+    finally:
+        server.stop(grace=0)
+    for worker in workers:
+        worker.join(timeout=10)
+    assert not any(worker.is_alive() for worker in workers)

@@ -117,8 +117,9 @@ class ReplayServer:
             self.metrics = CollectorRegistry()  # this server's Prometheus metrics, served by the HTTP side
             self.servicer = ReplayServicer(self.registry, max_message_bytes, max_buffer_bytes, checkpoint_dir,
                                            metrics=self.metrics)
+            self._workers = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd")
             self._server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="replayd"),
+                self._workers,
                 # gRPC sets SO_REUSEPORT on Linux: a second server would share a port in use, and its calls.
                 options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
                 interceptors=[TokenAuthInterceptor(token)] if token else None,
@@ -223,6 +224,7 @@ class ReplayServer:
         """Stops serving, then unlinks every buffer's shared memory."""
         self._serving.clear()  # gRPC takes no new call from here on: /readyz says so until HTTP stops
         self._server.stop(grace).wait()
+        self._workers.shutdown(wait=False)  # gRPC leaves its executor's idle threads running otherwise
         self._stop_checkpoints.set()
         if self._checkpoint_thread is not None:
             self._checkpoint_thread.join()  # a checkpoint in progress finishes before the buffers go
