@@ -308,6 +308,29 @@ def test_trainer_manual_and_autograd_paths_agree(double):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
+def test_a_frozen_layer_stays_frozen_on_both_paths():
+    """requires_grad=False: autograd gives the layer no gradient, so Adam leaves it and the clipping norm
+    leaves it out; the manual path used to write its gradient all the same."""
+    batch = make_batch(weighted=True)
+    trainers = []
+    for manual in (True, False):
+        torch.manual_seed(0)
+        network = QNetwork(OBS_DIM, N_ACTIONS, (8, 8))
+        network.layers[0].requires_grad_(False)
+        trainers.append(DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, max_grad_norm=0.05,
+                                   network=network, manual_grad=manual))
+    frozen = copy.deepcopy(trainers[0].online.layers[0])
+    for _ in range(3):
+        for trainer in trainers:
+            trainer.step(batch)
+    for trainer in trainers:
+        assert trainer.online.layers[0].weight.grad is None
+        torch.testing.assert_close(trainer.online.layers[0].weight, frozen.weight, atol=0, rtol=0)
+        torch.testing.assert_close(trainer.online.layers[0].bias, frozen.bias, atol=0, rtol=0)
+    for p, q in zip(trainers[0].online.parameters(), trainers[1].online.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
 def test_qnetwork_param_cache_follows_conversions_and_copies():
     net = QNetwork(OBS_DIM, N_ACTIONS)
     ref = torch.nn.Sequential(net.layers[0], torch.nn.ReLU(), net.layers[1], torch.nn.ReLU(), net.layers[2])

@@ -320,6 +320,9 @@ def _flat(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _accumulate_grad(p: Tensor, grad: Tensor) -> None:
+    """p.grad += grad, as autograd does: not for a parameter frozen with requires_grad=False."""
+    if not p.requires_grad:
+        return
     if p.grad is None:
         p.grad = grad
     else:
