@@ -340,7 +340,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path:
         return path
     pointer = path / LATEST
     if pointer.is_file():
-        name = pointer.read_text().strip()
+        name = pointer.read_text(errors="replace").strip()  # damaged bytes only make it no checkpoint's name
         if _NAME.fullmatch(name) and (path / name / MANIFEST).is_file():
             return path / name
         log.warning("restore: %s names %r, which is not a complete checkpoint; using the newest complete one",

@@ -242,6 +242,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     if args.max_message_mb * 2**20 > 2**31 - 1:
         parser.error(f"--max-message-mb: gRPC messages are smaller than 2048 MB, got {args.max_message_mb:g}")
+    for flag, value, unit in (("--max-message-mb", args.max_message_mb, 2**20),
+                              ("--max-buffer-gb", args.max_buffer_gb, 2**30)):
+        if value is not None and int(value * unit) < 1:  # the server counts whole bytes
+            parser.error(f"{flag}: {value:g} is less than one byte")
+    if ":" in args.host and not args.host.startswith("["):  # an IPv6 address: host:port needs it bracketed
+        args.host = f"[{args.host}]"
     if args.sample_workers and not lock_free_host():
         parser.error(f"--sample-workers sample shared memory lock-free, which needs an x86-64 host; this one is "
                      f"{platform.machine()!r}")

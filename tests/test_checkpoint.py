@@ -161,6 +161,8 @@ def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:
         assert latest_checkpoint(tmp_path) == good
         (tmp_path / LATEST).write_text("ckpt-000003\n")  # a pointer to an incomplete one falls back
         assert latest_checkpoint(tmp_path) == good
+        (tmp_path / LATEST).write_bytes(b"\xff\xfe")  # so does one damaged past decoding (was a traceback)
+        assert latest_checkpoint(tmp_path) == good
         (tmp_path / LATEST).unlink()
         assert latest_checkpoint(tmp_path) == good
         assert (tmp_path / good.name / MANIFEST).is_file()

@@ -21,6 +21,8 @@ from tests.conftest import TEST_INSTANCE
     (["--max-buffer-gb", "0"], "expected a number > 0, got 0"),  # every create_buffer failed
     (["--max-message-mb", "-1"], "expected a number > 0, got -1"),  # was no limit at all
     (["--max-message-mb", "4096"], "gRPC messages are smaller than 2048 MB"),  # an OverflowError traceback
+    (["--max-buffer-gb", "1e-12"], "--max-buffer-gb: 1e-12 is less than one byte"),  # a limit of 0 bytes
+    (["--max-message-mb", "1e-9"], "--max-message-mb: 1e-09 is less than one byte"),
     (["--sample-workers", "-1"], "expected an integer >= 0, got -1"),  # tracebacks, from here on
     (["--checkpoint-keep", "-2"], "expected an integer >= 0, got -2"),
     (["--log-level", "BOGUS"], "invalid choice: 'BOGUS'"),
@@ -101,6 +103,8 @@ def test_serve_flags_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kwargs["instance"] == f"{TEST_INSTANCE}cli"
     _, kwargs = _server_arguments(monkeypatch, "--http-port", "-1", "--checkpoint-keep", "0")
     assert kwargs["http_address"] is None and kwargs["checkpoint_keep"] is None  # off; keep every checkpoint
+    args, kwargs = _server_arguments(monkeypatch, "--host", "::1", "--port", "0", "--http-port", "0")
+    assert args == ("[::1]:0",) and kwargs["http_address"] == "[::1]:0"  # "::1:0" bound somewhere else
 
 
 def _serve(*flags: str) -> subprocess.CompletedProcess:
