@@ -89,6 +89,19 @@ def test_unknown_fixed_width_fields_are_skipped_whole() -> None:
     assert pb.InsertRequest.FromString(frame.serialize()) == parsed
 
 
+def test_a_message_with_a_group_is_read_as_protobuf_reads_it() -> None:
+    """Groups (wire types 3 and 4) are valid protobuf, kept as unknown fields; the scan refused them
+    (CodecError) and leaves them to protobuf's parser now, a group left open included."""
+    group = _field(5, 3, _field(1, 0, b"\x01")) + _field(5, 4, b"")  # unknown field 5: a group {1: 1}
+    raw = pb.InsertRequest(buffer="b", steps=b"arrow", span_rows=[3]).SerializeToString() + group
+    assert bytes(InsertFrame.parse(raw).steps) == pb.InsertRequest.FromString(raw).steps == b"arrow"
+    assert list(InsertFrame.parse(raw).request.span_rows) == [3]
+    response = pb.SampleResponse(batch=b"arrow bytes").SerializeToString() + group
+    assert bytes(sample_response_batch(response)) == pb.SampleResponse.FromString(response).batch
+    with pytest.raises(DecodeError):
+        InsertFrame.parse(raw[:-1])  # the group's end cut off
+
+
 def test_the_last_steps_field_wins_as_in_protobuf() -> None:
     """Protobuf merges a repeated occurrence of a bytes field by keeping the last: so does the hand parse."""
     raw = (pb.InsertRequest(buffer="b", steps=b"first", span_rows=[1]).SerializeToString()
@@ -184,7 +197,7 @@ def test_a_message_of_many_fields_is_parsed_by_protobuf_itself() -> None:
 
     raw = (pb.InsertRequest(buffer="b").SerializeToString() + b"\x18\x07" * (4 * frames.MANY_FIELDS)
            + _field(2, 2, b"\x05arrow") + b"\x20\x01")  # episode_ids unpacked, the steps, a span_rows
-    with pytest.raises(frames.ManyFields):
+    with pytest.raises(frames.ParseWhole):
         split_bytes_field(raw, pb.InsertRequest.STEPS_FIELD_NUMBER, frames.MANY_FIELDS)
     frame = InsertFrame.parse(raw)
     assert bytes(frame.steps) == b"arrow"

@@ -49,13 +49,14 @@ def _read_varint(data: memoryview, at: int, max_bytes: int = 10) -> tuple[int, i
 MANY_FIELDS = 256
 
 
-class ManyFields(Exception):
-    """The message has more fields than split_bytes_field was allowed to scan."""
+class ParseWhole(Exception):
+    """split_bytes_field leaves this message to protobuf's own parser: it has more fields than it was allowed
+    to scan, or a group (wire types 3 and 4: valid protobuf, kept as unknown fields, never sent by us)."""
 
 
 def split_bytes_field(raw: bytes, field_number: int, max_fields: int | None = None) -> tuple[bytes, memoryview]:
-    """(the message without field `field_number`, a view of that field's last value). ManyFields after
-    `max_fields` fields (None: no limit)."""
+    """(the message without field `field_number`, a view of that field's last value). ParseWhole after
+    `max_fields` fields (None: no limit), or at a group."""
     data = memoryview(raw)
     budget = -1 if max_fields is None else max_fields
     # The message's other fields are copied out between the occurrences of `field_number` (a view per field
@@ -67,7 +68,7 @@ def split_bytes_field(raw: bytes, field_number: int, max_fields: int | None = No
     size = len(data)
     while at < size:
         if budget == 0:
-            raise ManyFields(f"more than {max_fields} fields")
+            raise ParseWhole(f"more than {max_fields} fields")
         budget -= 1
         start = at
         key, at = _read_varint(data, at, max_bytes=5)
@@ -87,6 +88,8 @@ def split_bytes_field(raw: bytes, field_number: int, max_fields: int | None = No
                 payload = data[at - length:at]
                 rest += data[kept_from:start]
                 kept_from = at
+        elif wire_type in (3, 4):
+            raise ParseWhole(f"field {number} is a group")
         else:
             raise CodecError(f"malformed protobuf: unsupported wire type {wire_type}")
         if at > size:
@@ -97,10 +100,10 @@ def split_bytes_field(raw: bytes, field_number: int, max_fields: int | None = No
 
 def parse_with_payload(raw: bytes, message_type: type[Message], field: str) -> tuple[Message, memoryview]:
     """(the message without `field`, parsed; a view of that bytes field's value in `raw`, or of a copy when
-    the message has more than MANY_FIELDS fields)."""
+    the message has more than MANY_FIELDS fields or a group)."""
     try:
         rest, payload = split_bytes_field(raw, message_type.DESCRIPTOR.fields_by_name[field].number, MANY_FIELDS)
-    except ManyFields:
+    except ParseWhole:
         message = message_type.FromString(raw)
         payload = memoryview(getattr(message, field))
         message.ClearField(field)
