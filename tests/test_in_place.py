@@ -12,6 +12,7 @@ import pytest
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.grpc_server.in_place import IN_PLACE_MIN_BYTES, InPlaceMessages
 from service.grpc_server.servicer import sample_message
+from service.samplers import kernels
 from service.samplers.geometric import GeometricMode
 from service.samplers.modes import BatchMode
 from service.samplers.prioritized import PrioritizedSampler
@@ -87,25 +88,38 @@ def test_messages_written_in_place_are_the_usual_encoding_byte_for_byte(buffer: 
     assert all(array.flags.aligned for array in batch.values())  # the alignment field puts the batch 8 bytes in
 
 
-def test_a_stream_whose_layout_changes_learns_the_new_one(buffer: EpisodicBuffer) -> None:
-    def growing(sample: Callable[[BatchMode], dict[str, np.ndarray]]) -> Callable[[BatchMode], dict[str, np.ndarray]]:
+@pytest.mark.parametrize("change", ["gains", "loses"])
+def test_a_stream_whose_layout_changes_learns_the_new_one(buffer: EpisodicBuffer, change: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A column a batch gains, or one it no longer has (which went out as the new message's uninitialized
+    memory: a message is allocated before its batch is drawn, here filled with 0xAB to show it)."""
+    new_bytes = kernels.new_bytes
+
+    def dirty_bytes(size: int) -> tuple[bytes, np.ndarray]:
+        message, buffer = new_bytes(size)
+        buffer[...] = 0xAB
+        return message, buffer
+
+    monkeypatch.setattr(kernels, "new_bytes", dirty_bytes)
+
+    def changing(sample: Callable[[BatchMode], dict[str, np.ndarray]]) -> Callable[[BatchMode], dict[str, np.ndarray]]:
         calls = [0]
 
-        def grown(mode: BatchMode) -> dict[str, np.ndarray]:
+        def changed(mode: BatchMode) -> dict[str, np.ndarray]:
             batch = sample(mode)
             calls[0] += 1
-            if calls[0] > 3:  # a column a later batch gains: its message cannot be the layout written in place
-                batch["extra"] = np.full(BATCH, calls[0], np.int32)
+            if (calls[0] > 3) == (change == "gains"):  # set on batches 4 on, or on the first 3 only
+                batch["extra"] = np.full(BATCH, 7, np.int32)
             return batch
-        return grown
+        return changed
 
     mode = TransitionsMode(1, 0.9)
-    sample = growing(sampler(buffer, 3))
+    sample = changing(sampler(buffer, 3))
     usual = [encode(sample(mode)) for _ in range(9)]
     stream = InPlaceMessages(mode, encode)
-    sample = growing(sampler(buffer, 3))
+    sample = changing(sampler(buffer, 3))
     assert [stream.next(sample) for _ in range(9)] == usual
-    assert stream.in_place >= 5  # at most 2 before the change, and in place again from the 6th batch on
+    assert stream.in_place >= 4  # at most 3 before the change, and in place again 2 batches after it
 
 
 def test_small_batches_are_encoded_the_usual_way(buffer: EpisodicBuffer) -> None:

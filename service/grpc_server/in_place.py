@@ -26,10 +26,12 @@ _TRIES = 3
 
 
 class _IntoViews:
-    """`mode`, building every batch into the given views (BatchMode.build's `batch`)."""
+    """`mode`, building every batch into the given views (BatchMode.build's `batch`); `built` names the
+    columns its last batch came back with."""
 
     def __init__(self, mode: BatchMode, views: dict[str, np.ndarray]) -> None:
         self.mode, self.views = mode, views
+        self.built: tuple[str, ...] = ()
 
     def check(self, ring) -> None:
         self.mode.check(ring)
@@ -39,7 +41,9 @@ class _IntoViews:
 
     def build(self, ring, draw: Draw, rng: np.random.Generator,
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        return self.mode.build(ring, draw, rng, dict(self.views))
+        built = self.mode.build(ring, draw, rng, dict(self.views))
+        self.built = tuple(built)
+        return built
 
 
 class InPlaceMessages:
@@ -49,6 +53,10 @@ class InPlaceMessages:
         self.mode = mode
         self.encode = encode  # batch -> message, the usual way (it also checks the message's size)
         self.layout: codec.InPlace | None = None
+        # The columns the mode builds: only these get views to write into. Any other column of the layout
+        # (keys, weights: set after the mode) must be set again each batch, so that one no longer set
+        # changes the layout instead of going out as whatever the new message's memory held.
+        self.mode_columns: tuple[str, ...] = ()
         self.tries = _TRIES  # batches left to learn the stream's layout from
         self.in_place = 0  # messages written in place so far
 
@@ -56,7 +64,8 @@ class InPlaceMessages:
         """The next message; `sample(mode)` draws its batch."""
         layout = self.layout
         if layout is None:
-            batch = sample(self.mode)
+            mode = _IntoViews(self.mode, {})
+            batch = sample(mode)
             message = self.encode(batch)
             if self.tries:
                 self.tries -= 1
@@ -64,13 +73,14 @@ class InPlaceMessages:
                 if learned is not None:
                     self.tries = 0
                     self.layout = learned if learned.size >= IN_PLACE_MIN_BYTES else None
+                    self.mode_columns = mode.built
             return message
         message, buffer = kernels.new_bytes(SAMPLE_RESPONSE_HEAD_BYTES + layout.size)
         if buffer.__array_interface__["data"][0] % 8:  # CPython aligns bytes data; views would not be aligned
             return self.encode(sample(self.mode))
         buffer[:SAMPLE_RESPONSE_HEAD_BYTES] = np.frombuffer(sample_response_head(layout.size), np.uint8)
         views = layout.views(buffer[SAMPLE_RESPONSE_HEAD_BYTES:])
-        batch = sample(_IntoViews(self.mode, views))
+        batch = sample(_IntoViews(self.mode, {name: views[name] for name in self.mode_columns}))
         if layout.written(batch, views):
             self.in_place += 1
             return message
