@@ -96,7 +96,10 @@ class EpisodeWriter:
         for name, value in values.items():
             dtype, shape = self.dtypes[name], self.shapes[name]
             given = np.asarray(value)
-            if not np.can_cast(given.dtype, dtype, casting="same_kind"):
+            # Signed ints into an unsigned field too (numpy's same_kind refuses int64 -> uint8, Python ints
+            # included): the range check below refuses the values that do not fit.
+            integers = given.dtype.kind in "biu" and dtype.kind in "iu"
+            if not (integers or np.can_cast(given.dtype, dtype, casting="same_kind")):
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: got {given.dtype} values")
             # A copy: the row is sent later, and a caller may reuse its array (an env writing each
             # observation into one buffer); a view would store whatever that array holds by then.

@@ -181,6 +181,22 @@ def test_episode_writer_refuses_a_wrong_value_where_it_is_given_and_goes_on(clie
     assert info["episodes"] == 1 and info["stored_steps"] == 4  # three steps and the final observation
 
 
+def test_episode_writer_takes_ints_that_fit_an_unsigned_field(client: ReplayClient) -> None:
+    """numpy's same_kind casting refuses int64 -> uint8 whatever the values: a Python int action for a uint8
+    field was refused as a dtype."""
+    client.create_buffer("u", 100, {"obs": ("uint8", (2,)), "action": ("uint8", ()), "reward": ("float32", ())})
+    writer = EpisodeWriter(client, "u")
+    for action in (3, np.int64(4), np.int32(255), True):
+        writer.append(obs=[1, 2], action=action, reward=1.0)  # the obs too: a list of Python ints
+    for action in (300, -1):
+        with pytest.raises(ValueError, match="append: field 'action' cannot be uint8: values out of its range"):
+            writer.append(obs=[1, 2], action=action, reward=1.0)
+    writer.end_episode(terminated=True, obs=np.array([3, 4]))
+    writer.close()
+    batch = client.sample("u", 64, seed=0)
+    assert set(batch["action"].tolist()) == {3, 4, 255, 1} and batch["action"].dtype == np.uint8
+
+
 def test_episode_writer_keeps_what_the_server_accepts_after_a_refused_flush(client: ReplayClient) -> None:
     """The writer's open episode is evicted by another actor's episodes: the flush that continues it is
     refused, the whole episode flushed with it is still stored, and the writer goes on."""
