@@ -71,19 +71,43 @@ def _actor_entry(target: Callable[..., Any], config: Any, stop: Any, results: An
     results.put((index, asdict(target(config, stop))))
 
 
+class ActorFailed(RuntimeError):
+    """An actor process of the run ended with an error."""
+
+
+class ActorRun:
+    """The actor processes of a run: `reports` (each actor's, filled when the run ends; None for one that
+    sent none), and which of them failed so far."""
+
+    def __init__(self, processes: Sequence[mp.process.BaseProcess]) -> None:
+        self.processes = processes
+        self.reports: list[dict | None] = [None] * len(processes)
+
+    def failed(self) -> list[str]:
+        return [f"actor {index} (exit code {process.exitcode})" for index, process in enumerate(self.processes)
+                if process.exitcode not in (None, 0)]
+
+    def check(self) -> None:
+        """ActorFailed if an actor failed: a learner would otherwise train on until its budget ran out."""
+        failed = self.failed()
+        if failed:
+            raise ActorFailed(f"{', '.join(failed)} failed; its error is above")
+
+
 @contextmanager
-def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Iterator[list[dict | None]]:
+def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Iterator[ActorRun]:
     """One spawned process per config running `target(config, stop)`. On exit the stop event is set and
-    each actor's report (or None for one that did not report within 30 s) fills the yielded list."""
+    each actor's report (or None for one that did not report within 30 s) fills the run's reports."""
     context = mp.get_context("spawn")
     stop, results = context.Event(), context.Queue()
     processes = [context.Process(target=_actor_entry, args=(target, config, stop, results, index), daemon=True)
                  for index, config in enumerate(configs)]
-    reports: list[dict | None] = [None] * len(configs)
+    run = ActorRun(processes)
+    reports = run.reports
     try:
         for process in processes:
             process.start()
-        yield reports
+        yield run
     finally:
         stop.set()
         deadline = time.monotonic() + 30
@@ -109,12 +133,13 @@ def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Itera
 class ProgressBar:
     """tqdm bar of the learner's score, with learner steps/s and the buffer's in/out rates."""
 
-    def __init__(self, algo: Algo, client: ReplayClient, buffer: str) -> None:
-        self.algo, self.client, self.buffer = algo, client, buffer
+    def __init__(self, algo: Algo, client: ReplayClient, buffer: str, actors: ActorRun) -> None:
+        self.algo, self.client, self.buffer, self.actors = algo, client, buffer, actors
         self.bar = tqdm(total=100, desc=algo.score_label, unit="%")
         self.last = (0.0, 0.0, time.monotonic())
 
     def __call__(self, progress: Progress) -> None:
+        self.actors.check()
         counters = self.client.describe(self.buffer)["counters"]
         now = time.monotonic()
         data_in, data_out = (counters.get(name, 0.0) for name in self.algo.counters)
@@ -162,19 +187,26 @@ def main(argv: list[str] | None = None) -> dict:
         # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
         actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address,
                                seed=1000 * i, actor_index=i) for i in range(args["actors"])]
-        with actor_processes(algo.actor, actor_configs) as actor_reports:
+        with actor_processes(algo.actor, actor_configs) as actors:
             monitor = ReplayClient(address)
-            bar = ProgressBar(algo, monitor, learner_config.buffer)
+            bar = ProgressBar(algo, monitor, learner_config.buffer, actors)
             try:
                 summary = algo.learn(learner_config, bar)
+            except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
+                if actors.failed():
+                    raise SystemExit(f"demo: {', '.join(actors.failed())} failed; its error is above") from exc
+                raise
             finally:
                 bar.close()
                 monitor.close()
-    summary["actors"] = actor_reports
+    summary["actors"] = actors.reports
     write_summary(Path(args["run_dir"]), summary)  # again, with the actors' reports
     brief = {k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps", "learner_steps")}
     print(json.dumps(brief))
     print(f"run folder: {args['run_dir']} ({', '.join(algo.outputs)})")
+    silent = [index for index, report in enumerate(actors.reports) if report is None]
+    if silent:
+        raise SystemExit(f"demo: actor(s) {silent} ended without a report (failed or stuck; see above)")
     return summary
 
 

@@ -224,14 +224,28 @@ def _crashing_actor(config: object, stop: object) -> None:
 
 def test_actor_processes_return_soon_when_actors_die_without_reporting() -> None:
     before = set(multiprocessing.active_children())
-    with actor_processes(_crashing_actor, [None, None]) as reports:
+    with actor_processes(_crashing_actor, [None, None]) as actors:
         # Each child imports this module (torch included) before it crashes, which took the whole 20 s on a
         # loaded machine: the clock starts once both died, so it times the wait for their reports alone.
         wait_until(lambda: not set(multiprocessing.active_children()) - before, time.monotonic() + 120,
                    "the actors crashing")
         started = time.monotonic()
-    assert reports == [None, None]
+    assert actors.reports == [None, None]
+    assert actors.failed() == ["actor 0 (exit code 1)", "actor 1 (exit code 1)"]
     assert time.monotonic() - started < 20  # not the 30 s wait for reports that never come
+
+
+def _second_actor_crashing(config: object, stop: object) -> object:
+    if config.seed == 1000:  # actor 1 (the demo seeds actor i with 1000 i)
+        raise RuntimeError("actor 1 crashed")
+    return ALGOS["dqn"].actor(config, stop)
+
+
+def test_a_demo_whose_actor_fails_says_so_and_exits_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It went on with the other actor and exited 0, the failed actor's report None in its summary."""
+    monkeypatch.setitem(ALGOS, "dqn", dataclasses.replace(ALGOS["dqn"], actor=_second_actor_crashing))
+    with pytest.raises(SystemExit, match=r"demo: actor 1 \(exit code 1\) failed; its error is above"):
+        _demo(tmp_path, "dqn", "--seconds", "60", "--eval-every", "50")
 
 
 def test_greedy_evaluation_runs_the_policy_on_its_device() -> None:
