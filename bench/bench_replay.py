@@ -24,7 +24,8 @@ as a pass has batches), right after each pass: the ceiling grpcio itself puts on
 
 Targets (in the case text): in-process within 2x of the bare gather and >= 4x faster than seed 000's
 vectorized sampler (cartpole); stream >= 500k transitions/s (cartpole), >= 700 MB/s (mujoco), >= 40% of
-TCP (atari); insert >= 1.2 GB/s (atari), >= 1.5M steps/s (cartpole).
+TCP (atari, scored against the interleaved TCP figure); insert >= 1.2 GB/s (atari), >= 1.5M steps/s
+(cartpole).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class Profile:
     max_len: int
     truncated_share: float  # episodes that run to max_len and are truncated (no terminal)
 
+    @property
+    def mean_length(self) -> float:
+        """Mean episode length of the plan: the truncated share runs to max_len, the rest is uniform below."""
+        return self.truncated_share * self.max_len + (1 - self.truncated_share) * (self.min_len + self.max_len) / 2
+
 
 PROFILES = [
     Profile("cartpole", {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())},
@@ -91,7 +97,7 @@ def record(case: str, metric: str, value: float, unit: str, baseline: str = "", 
 # ---------------------------------------------------------------------- episodes
 def episode_plan(profile: Profile, steps: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Episode lengths (steps, not rows) summing to about `steps`, and their terminated flags."""
-    count = int(steps / ((profile.min_len + profile.max_len) / 2)) + 1
+    count = int(steps / profile.mean_length) + 1
     truncated = rng.random(count) < profile.truncated_share
     lengths = np.where(truncated, profile.max_len, rng.integers(profile.min_len, profile.max_len, count))
     return lengths.astype(np.int64), ~truncated
@@ -143,11 +149,10 @@ def fill_ours(profile: Profile, capacity: int, rng: np.random.Generator) -> tupl
 
 def fill_seed(profile: Profile, capacity: int, rng: np.random.Generator) -> SeedEpisodicReplayBuffer:
     """The seed's buffer holding about as many steps, filled with 1.6x its episode slots."""
-    max_episodes = max(2, capacity // ((profile.min_len + profile.max_len) // 2))
+    max_episodes = max(2, int(capacity // profile.mean_length))
     seed = SeedEpisodicReplayBuffer(max_episodes, profile.max_len, profile.schema)
     pool = row_pool(profile, rng)
-    lengths, terminated = episode_plan(profile, int(max_episodes * 1.6 * (profile.min_len + profile.max_len) / 2),
-                                       rng)
+    lengths, terminated = episode_plan(profile, int(max_episodes * 1.6 * profile.mean_length), rng)
     for length, term in zip(lengths, terminated, strict=True):
         terminals = np.zeros(length + 1, dtype=np.float32)
         if term:
@@ -417,8 +422,8 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                 if profile.name == "cartpole":
                     out.append(record(case + (" (target >= 500k/s)" if how == "sample_stream" else ""),
                                       "transitions_per_s", batches * profile.batch / elapsed, "transitions/s"))
-                target = {"mujoco": " (target >= 700 MB/s)", "atari": " (target: speedup >= 0.4)"}
-                out.append(record(case + (target.get(profile.name, "") if how == "sample_stream" else ""),
+                stream = how == "sample_stream"
+                out.append(record(case + (" (target >= 700 MB/s)" if stream and profile.name == "mujoco" else ""),
                                   "MB_per_s", mbps, "MB/s", "loopback_tcp", tcp_mbps, mbps / tcp_mbps))
                 if sink_runs:
                     sink_mbps = total / float(np.median(sink_runs)) / MB
@@ -427,8 +432,10 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                     out += cpu_records(case, [run[2] for run in runs], sink_cores, "bare_grpc_stream_same_sizes")
                 if beside:
                     tcp_beside = float(np.median(beside))
-                    out.append(record(case, "MB_per_s", mbps, "MB/s", "loopback_tcp_interleaved", tcp_beside,
-                                      mbps / tcp_beside))
+                    # The atari target is scored against this one: TCP under the load the passes saw.
+                    scored = " (target: speedup >= 0.4)" if stream and profile.name == "atari" else ""
+                    out.append(record(case + scored, "MB_per_s", mbps, "MB/s", "loopback_tcp_interleaved",
+                                      tcp_beside, mbps / tcp_beside))
             client.delete_buffer(name)
     finally:
         sink.close()
