@@ -1,4 +1,5 @@
 import os
+import threading
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -107,3 +108,42 @@ def test_a_buffer_the_space_left_after_the_others_fill_cannot_hold_is_refused(mo
     finally:
         first.close()
         first.unlink()
+
+
+def test_concurrent_creates_cannot_together_overcommit_the_free_space(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two creates of 6 MB with 10 MB free, each reading the free space before the other made its segment:
+    both passed the check, and the server was killed by SIGBUS once both were filled."""
+    both_checking = threading.Barrier(2)
+    monkeypatch.setattr(shared_arrays, "shm_free_bytes", lambda: 10 * 2**20)
+    monkeypatch.setattr(shared_arrays, "segments", lambda prefix="rpd_": [n for n in os.listdir(SHM_DIR)
+                                                                        if n.startswith(f"rpd_test{os.getpid()}")])
+    promised_bytes = shared_arrays.promised_bytes
+
+    def promised_once_both_counted(prefix: str = "rpd_") -> int:
+        promised = promised_bytes(prefix)
+        try:  # let a second create count what is promised meanwhile, if anything lets it
+            both_checking.wait(timeout=1)
+        except threading.BrokenBarrierError:
+            pass
+        return promised
+
+    monkeypatch.setattr(shared_arrays, "promised_bytes", promised_once_both_counted)
+    created, refused = [], []
+
+    def create(name: str) -> None:
+        try:
+            created.append(SharedArrays.create(name, [ArraySpec("a", "uint8", (6 * 2**20,))], {}))
+        except ResourceExhausted as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=create, args=(f"rpd_test{os.getpid()}_race{k}",)) for k in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert len(created) == 1 and len(refused) == 1
+    finally:
+        for arrays in created:
+            arrays.close()
+            arrays.unlink()

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -103,6 +104,12 @@ def check_allocation(header_name: str, nbytes: int, max_bytes: int | None) -> No
         )
 
 
+# One create at a time checks the free space and makes its segments: two creates that each fit the space
+# left could otherwise both pass the check and together overcommit it (SIGBUS on a later write). A created
+# segment counts in promised_bytes from then on.
+_allocating = threading.Lock()
+
+
 def _taken(name: str) -> FailedPrecondition:
     return FailedPrecondition(
         f"shared-memory segment {name!r} already exists: a server of this instance crashed and left it, or "
@@ -192,19 +199,20 @@ class SharedArrays:
             "meta": meta,
         }
         encoded = json.dumps(layout).encode()
-        check_allocation(header_name, offset + len(encoded), max_bytes)
-        try:
-            data = _untracked(shared_memory.SharedMemory(name=data_name, create=True, size=max(offset, 1)))
-        except FileExistsError:
-            raise _taken(data_name) from None
-        try:
-            header = _untracked(shared_memory.SharedMemory(name=header_name, create=True, size=len(encoded)))
-        except BaseException as exc:
-            data.close()
-            _posixshmem.shm_unlink(data._name)  # type: ignore[attr-defined]
-            if isinstance(exc, FileExistsError):
-                raise _taken(header_name) from None
-            raise
+        with _allocating:
+            check_allocation(header_name, offset + len(encoded), max_bytes)
+            try:
+                data = _untracked(shared_memory.SharedMemory(name=data_name, create=True, size=max(offset, 1)))
+            except FileExistsError:
+                raise _taken(data_name) from None
+            try:
+                header = _untracked(shared_memory.SharedMemory(name=header_name, create=True, size=len(encoded)))
+            except BaseException as exc:
+                data.close()
+                _posixshmem.shm_unlink(data._name)  # type: ignore[attr-defined]
+                if isinstance(exc, FileExistsError):
+                    raise _taken(header_name) from None
+                raise
         header.buf[: len(encoded)] = encoded
         try:
             return cls(header_name, header, data, layout, owner=True, readonly=False)
