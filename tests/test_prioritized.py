@@ -12,6 +12,7 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from service.removers import MaxTimesSampledRemover
 from service.samplers.kernels import HOLE
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.states import StatesMode
@@ -244,3 +245,27 @@ def test_draws_of_leaves_a_writer_zeroed_are_redrawn_then_marked_torn(monkeypatc
         assert (draw.bounds == HOLE).all() and np.isfinite(draw.extra["weight"]).all()
     finally:
         buffer.close()
+
+
+def test_a_batch_drawn_in_rounds_weighs_equal_priorities_alike() -> None:
+    """max_times_sampled=1 draws a batch in rounds, each retiring what it drew. A later round normalized its
+    weights against the smallest priority left, so once the 0.5 step was retired, priority-1 steps drawn
+    after it got weight 1 while those drawn before got 0.5."""
+    rounds_seen = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        buffer = EpisodicBuffer("rounds", f"test{os.getpid()}", FIELDS, 200, sampler=PrioritizedSampler(1.0),
+                                remover=MaxTimesSampledRemover(1))
+        try:
+            insert_episodes(buffer, rng, [10], 0)
+            keys = live_keys(buffer)
+            priorities = np.ones(keys.size)
+            priorities[0] = 0.5  # the smallest priority of the buffer
+            buffer.update_priorities(keys, priorities)
+            batch = buffer.sample(8, StatesMode(), rng, include_keys=True, importance_beta=1.0)
+            expected = np.where(batch["key"] == keys[0], 1.0, 0.5)  # (p / p_min)^-beta
+            np.testing.assert_array_equal(batch["weight"], expected.astype(np.float32), err_msg=f"seed {seed}")
+            rounds_seen += int(keys[0] in batch["key"])
+        finally:
+            buffer.close()
+    assert rounds_seen  # some batches drew the smallest priority, and so retired it in an early round

@@ -866,9 +866,10 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         parts: list[Draw] = []
         taken: list[tuple[DrawCounts, np.ndarray, object]] = []
         need = batch_size
+        weight_floor = self.sampler.weight_floor()  # as before any round retired a step of the batch
         try:
             while need:
-                draw = self.draw(need, rng, importance_beta)
+                draw = self.draw(need, rng, importance_beta, weight_floor)
                 kept, retired, counts = self.remover.count_draws(self, draw.positions)
                 retired_rows = retired % self.capacity
                 taken.append((counts, retired_rows, self.sampler.state_of_rows(retired_rows)))

@@ -181,10 +181,13 @@ class EpisodicRing:
         return self.extent_episode_id.take(seqs % self.extent_slots)
 
     # ------------------------------------------------------------------ sampling
-    def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0) -> Draw:
+    def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0,
+             weight_floor: float | None = None) -> Draw:
         """Draws sampleable positions with the configured sampler.
 
-        `importance_beta` is the prioritized sampler's importance-weight exponent (others ignore it).
+        `importance_beta` is the prioritized sampler's importance-weight exponent, `weight_floor` the priority
+        its weights are normalized against (None: the smallest now; see PrioritizedSampler.draw). Others
+        ignore both.
         """
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
@@ -193,7 +196,7 @@ class EpisodicRing:
             raise FailedPrecondition(
                 f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"
             )
-        return self.sampler.draw(self, batch_size, rng, importance_beta)
+        return self.sampler.draw(self, batch_size, rng, importance_beta, weight_floor)
 
     def gather(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
                importance_beta: float = 0.0) -> tuple[Draw, dict[str, np.ndarray]]:

@@ -105,8 +105,15 @@ class PrioritizedSampler:
         return ring.sampleable_steps > 0 and self.tree.total > 0
 
     # ---------------------------------------------------------------- sampling
+    def weight_floor(self) -> float:
+        """The smallest positive priority now: what the weights of a draw are normalized against."""
+        return self.tree.min_positive
+
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
-             importance_beta: float = 0.0) -> Draw:
+             importance_beta: float = 0.0, weight_floor: float | None = None) -> Draw:
+        """Positions by priority, with `probability` and the importance `weight`, normalized against
+        `weight_floor` (None: weight_floor() now). A batch drawn in rounds (a remover retiring the steps drawn,
+        whose leaves go to 0) passes its first round's, so that equal priorities get equal weights."""
         # The head first: it maps the leaves read after it to positions. A lock-free reader whose leaves are
         # newer than its head (an eviction and insert reused their rows meanwhile) gets positions below the
         # new tail, which its check of the batch refuses; leaves older than the head would pass with the
@@ -139,7 +146,8 @@ class PrioritizedSampler:
         # w = (N P)^-beta / max w = (p / p_min)^-beta, in logs: leaves may span 1e-300..1e150, whose ratio
         # overflows float64 (and inf ** -beta would make the weight 0). p_min also counts the drawn leaves: a
         # lock-free reader may read a leaf below the tree's minimum as read (a priority changed meanwhile).
-        log_ratio = np.log(values) - math.log(min(self.tree.min_positive, float(values.min())))
+        floor = self.tree.min_positive if weight_floor is None else weight_floor
+        log_ratio = np.log(values) - math.log(min(floor, float(values.min())))
         weight = np.exp(-importance_beta * log_ratio).astype(np.float32)
         return Draw(positions, rows, bounds, closed, open_seq, {"probability": values / total, "weight": weight})
 

@@ -40,8 +40,8 @@ class UniformSampler:
         pass
 
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
-             importance_beta: float = 0.0) -> Draw:
-        """Every weight would be 1, so `importance_beta` adds no column."""
+             importance_beta: float = 0.0, weight_floor: float | None = None) -> Draw:
+        """Every weight would be 1, so `importance_beta` and `weight_floor` add no column."""
         low, high, sampleable = ring.tail_position(), ring.head, ring.sampleable_steps
         if sampleable < _DENSE_ENOUGH * (high - low):
             candidates = np.arange(low, high, dtype=np.int64)
@@ -71,6 +71,9 @@ class UniformSampler:
     def drawable(self, ring: EpisodicBuffer) -> bool:
         """Whether a draw can succeed now."""
         return ring.sampleable_steps > 0
+
+    def weight_floor(self) -> None:
+        """No weights to normalize."""
 
     def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int, bounds: np.ndarray | int) -> None:
         """Positions [lo, hi) are about to get `bounds` (new rows, or rows that just got a successor)."""
