@@ -91,7 +91,7 @@ class ActorRun:
         """ActorFailed if an actor failed: a learner would otherwise train on until its budget ran out."""
         failed = self.failed()
         if failed:
-            raise ActorFailed(f"{', '.join(failed)} failed; its error is above")
+            raise ActorFailed(f"{', '.join(failed)} failed (see above)")
 
 
 @contextmanager
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
                 summary = algo.learn(learner_config, bar)
             except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
                 if actors.failed():
-                    raise SystemExit(f"demo: {', '.join(actors.failed())} failed; its error is above") from exc
+                    raise SystemExit(f"demo: {', '.join(actors.failed())} failed (see above)") from exc
                 raise
             finally:
                 bar.close()

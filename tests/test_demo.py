@@ -244,7 +244,7 @@ def _second_actor_crashing(config: object, stop: object) -> object:
 def test_a_demo_whose_actor_fails_says_so_and_exits_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """It went on with the other actor and exited 0, the failed actor's report None in its summary."""
     monkeypatch.setitem(ALGOS, "dqn", dataclasses.replace(ALGOS["dqn"], actor=_second_actor_crashing))
-    with pytest.raises(SystemExit, match=r"demo: actor 1 \(exit code 1\) failed; its error is above"):
+    with pytest.raises(SystemExit, match=r"demo: actor 1 \(exit code 1\) failed \(see above\)"):
         _demo(tmp_path, "dqn", "--seconds", "60", "--eval-every", "50")
 
 
