@@ -66,7 +66,13 @@ class BatchStream:
                         log.warning("stream refused: %s; opening it again", exc.details())
                     refusal = exc
                     delay = max(delay, retry_after)
-                    if self._reopen(delay):
+                    try:
+                        reopened = self._reopen(delay)
+                    except grpc.RpcError as reopen_error:  # opening may ask the server first (where to sample)
+                        if cut_short_by_deadline(reopen_error, refusal, self._deadline):
+                            raise refusal from reopen_error
+                        raise
+                    if reopened:
                         delay = min(delay * 2, 2.0)
                         continue
                     if self._closed.is_set():
@@ -82,10 +88,13 @@ class BatchStream:
         remaining = None if self._timeout is None else self._deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return False
+        # Opened outside the lock: opening may ask the server first (a describe), which close() must not wait on.
+        call = self._open_call(remaining)
         with self._lock:
             if self._closed.is_set():
+                call.cancel()
                 return False
-            self._call = self._open_call(remaining)
+            self._call = call
             return True
 
     def close(self) -> None:

@@ -287,6 +287,56 @@ def test_a_stream_refused_until_its_deadline_fails_with_the_refusal(case, code: 
     assert len(opened) == 2 and info.value.code() == code
 
 
+def test_a_stream_whose_reopen_asks_the_server_past_its_deadline_fails_with_the_refusal() -> None:
+    """Reopening asks the server where to sample first; that describe running into the stream's deadline
+    came out as a bare DEADLINE_EXCEEDED, where the refusal says why (as a unary sample's does)."""
+    opened: list[float | None] = []
+
+    def open_call(seconds: float | None) -> FakeCall:
+        opened.append(seconds)
+        if len(opened) == 1:
+            return FakeCall([], FakeError(BUSY, 1))
+        next(DeadlineCall(seconds))  # the describe before the call, cut short by the deadline
+        raise AssertionError("unreachable: the describe raises")
+
+    stream = BatchStream(open_call, 0.3)
+    with pytest.raises(grpc.RpcError) as info:
+        next(stream)
+    assert len(opened) == 2 and info.value.code() == BUSY
+
+
+def test_closing_a_stream_while_it_reopens_does_not_wait_for_the_reopen() -> None:
+    """close() waited on the stream's lock while the reopen asked the server where to sample (a describe
+    of up to the client's timeout); now it returns at once, and the call opened meanwhile is cancelled."""
+    describing, answer = threading.Event(), threading.Event()
+    cancelled: list[bool] = []
+    opened: list[float | None] = []
+
+    class CancelledCall(FakeCall):
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    def open_call(seconds: float | None) -> FakeCall:
+        opened.append(seconds)
+        if len(opened) == 1:
+            return FakeCall([], FakeError(BUSY, 1))
+        describing.set()
+        answer.wait(timeout=30)  # the server's answer to the describe comes when the test says
+        return CancelledCall([PAYLOAD])
+
+    stream = BatchStream(open_call, 30.0)
+    ended: list[str] = []
+    reader = threading.Thread(target=lambda: ended.append(str(list(stream))))
+    reader.start()
+    assert describing.wait(timeout=10)  # the reader is reopening: in the describe
+    started = time.monotonic()
+    stream.close()
+    closed_in = time.monotonic() - started
+    answer.set()
+    reader.join(timeout=30)
+    assert closed_in < 1.0 and ended == ["[]"] and cancelled == [True]
+
+
 @REFUSED_THEN
 def test_a_unary_call_refused_until_its_deadline_fails_with_the_refusal(case, code: grpc.StatusCode) -> None:
     timeout, second_call = case
