@@ -87,11 +87,16 @@ class ActorRun:
         return [f"actor {index} (exit code {process.exitcode})" for index, process in enumerate(self.processes)
                 if process.exitcode not in (None, 0)]
 
+    def failure(self) -> str | None:
+        """What failed, as a message; None while every actor is running or ended well."""
+        failed = self.failed()
+        return f"{', '.join(failed)} failed (see above)" if failed else None
+
     def check(self) -> None:
         """ActorFailed if an actor failed: a learner would otherwise train on until its budget ran out."""
-        failed = self.failed()
-        if failed:
-            raise ActorFailed(f"{', '.join(failed)} failed (see above)")
+        failure = self.failure()
+        if failure is not None:
+            raise ActorFailed(failure)
 
 
 @contextmanager
@@ -193,8 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 summary = algo.learn(learner_config, bar)
             except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
-                if actors.failed():
-                    raise SystemExit(f"demo: {', '.join(actors.failed())} failed (see above)") from exc
+                failure = actors.failure()
+                if failure is not None:
+                    raise SystemExit(f"demo: {failure}") from exc
                 raise
             finally:
                 bar.close()

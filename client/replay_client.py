@@ -672,12 +672,12 @@ class ReplayClient:
         twice (`duplicate_spans` in the response). The requests are held in a list until the call returns.
         A stream holding a request without `span_offsets` (the server stores such spans as sent) is sent once.
         """
+        if retry:
+            requests = requests if isinstance(requests, list | tuple) else list(requests)
+            retry = all(_names_its_spans(frame) for frame in requests)  # else a retry would store spans twice
         if not retry:
             return self._insert(iter(requests), timeout=self._deadline(timeout))
-        frames = requests if isinstance(requests, list | tuple) else list(requests)
-        if not all(_names_its_spans(frame) for frame in frames):  # a retry would store its spans twice
-            return self._insert(iter(frames), timeout=self._deadline(timeout))
-        return self._with_retries(lambda remaining: self._insert(iter(frames), timeout=remaining),
+        return self._with_retries(lambda remaining: self._insert(iter(requests), timeout=remaining),
                                   self.INSERT_RETRYABLE, self._deadline(timeout), deadline_per_attempt=True)
 
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,

@@ -122,9 +122,13 @@ class _ArrayFile:
 
 
 def _array_entries(arrays: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-    """The manifest's entry of each array, but its CRC-32 (known once it is written)."""
+    """The manifest's entry of each array, but its CRC-32 (known once it is written: _with_crc32)."""
     return [{"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "file": f"{name}.arrow"}
             for name, array in arrays.items()]
+
+
+def _with_crc32(entries: list[dict[str, Any]], crc32: dict[str, int]) -> list[dict[str, Any]]:
+    return [{**entry, "crc32": crc32[entry["name"]]} for entry in entries]
 
 
 def _write_whole(directory: Path, arrays: dict[str, np.ndarray]) -> dict[str, int]:
@@ -195,9 +199,8 @@ def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
             break
         log.info("checkpoint of buffer %r raced with evictions (attempt %d); taking the snapshot again",
                  buffer.name, attempt)
-    for entry in entries:
-        entry["crc32"] = crc32[entry["name"]]
-    return {"kind": "episodic", "config": config, "arrays": entries, "state": state, "snapshot_attempts": attempt}
+    return {"kind": "episodic", "config": config, "arrays": _with_crc32(entries, crc32), "state": state,
+            "snapshot_attempts": attempt}
 
 
 def _rollout_config(buffer: RolloutBuffer) -> dict[str, Any]:
@@ -210,8 +213,8 @@ def _write_rollout(buffer: RolloutBuffer, directory: Path) -> dict[str, Any]:
     copies, state = buffer.snapshot()
     crc32 = _write_whole(directory, copies)
     # The copies' layout, not the shared arrays': a delete after the snapshot empties those.
-    entries = [{**entry, "crc32": crc32[entry["name"]]} for entry in _array_entries(copies)]
-    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": entries, "state": state}
+    return {"kind": "rollout", "config": _rollout_config(buffer), "arrays": _with_crc32(_array_entries(copies), crc32),
+            "state": state}
 
 
 def _complete(root: Path) -> list[Path]:

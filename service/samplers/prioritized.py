@@ -146,7 +146,7 @@ class PrioritizedSampler:
         # w = (N P)^-beta / max w = (p / p_min)^-beta, in logs: leaves may span 1e-300..1e150, whose ratio
         # overflows float64 (and inf ** -beta would make the weight 0). p_min also counts the drawn leaves: a
         # lock-free reader may read a leaf below the tree's minimum as read (a priority changed meanwhile).
-        floor = self.tree.min_positive if weight_floor is None else weight_floor
+        floor = self.weight_floor() if weight_floor is None else weight_floor
         log_ratio = np.log(values) - math.log(min(floor, float(values.min())))
         weight = np.exp(-importance_beta * log_ratio).astype(np.float32)
         return Draw(positions, rows, bounds, closed, open_seq, {"probability": values / total, "weight": weight})
