@@ -229,8 +229,17 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
     for (int64_t round = 0; round < max_rounds && filled < batch; round++) {
         Py_ssize_t count = (Py_ssize_t)((batch - filled) * candidates_per_step) + 8;
         random_standard_uniform_fill(bit_generator, count, uniforms);
-        for (Py_ssize_t i = 0; i < count; i++)
-            rows[i] = wrap(low_row + (int64_t)(uniforms[i] * span), tables.capacity);
+        if (span <= tables.capacity) {
+            /* A row is at most one lap ahead. Whether it is, is a coin flip once the live range wraps round the
+               ring: a conditional move, not a branch that mispredicts half the time. */
+            for (Py_ssize_t i = 0; i < count; i++) {
+                int64_t row = low_row + (int64_t)(uniforms[i] * span);
+                rows[i] = row >= tables.capacity ? row - tables.capacity : row;
+            }
+        } else { /* a lock-free reader's torn range */
+            for (Py_ssize_t i = 0; i < count; i++)
+                rows[i] = wrap(low_row + (int64_t)(uniforms[i] * span), tables.capacity);
+        }
         bounds_of_rows(count, rows, &tables, bounds, candidate_closed, open_seq);
         for (Py_ssize_t i = 0; i < count && filled < batch; i++) {
             int64_t position = low + (int64_t)(uniforms[i] * span);
@@ -646,20 +655,20 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
             offset = (int64_t)(-expm1(-exponentials[i]) * (double)horizon);
             offset = (offset < horizon - 1 ? offset : horizon - 1) + 1;
         } else {
-            /* K mod M. Below 2^53 the remainder is computed exactly in doubles (an integer division costs ~40
-               cycles here, and most draws of a short episode need one); fmod, exact too but slow, takes the rest
-               (astronomically rare: a discount within ~1e-14 of 1). */
-            double k = floor(exponentials[i] * scale), span = (double)horizon;
-            if (k >= span) {
-                if (k < 9007199254740992.0) {
-                    k -= span * floor(k / span); /* floor(k / span) may be one off: the checks below mend it */
-                    if (k >= span) k -= span;
-                    else if (k < 0.0) k += span;
-                } else {
-                    k = fmod(k, span);
-                }
+            /* K mod M. Below 2^53 the remainder is computed exactly from a double quotient (an integer division
+               costs ~40 cycles here), mended with conditional moves: whether K reaches M is a coin flip, which a
+               branch would mispredict. fmod, exact too but slow, takes the rest (astronomically rare: a
+               discount within ~1e-14 of 1). */
+            double scaled = exponentials[i] * scale;
+            if (scaled < 9007199254740992.0) {
+                int64_t k = (int64_t)scaled; /* floor: scaled >= 0 */
+                k -= horizon * (int64_t)((double)k / (double)horizon); /* the quotient may be one off: mended */
+                k += k < 0 ? horizon : 0;
+                k -= k >= horizon ? horizon : 0;
+                offset = k + 1;
+            } else {
+                offset = (int64_t)fmod(floor(scaled), (double)horizon) + 1;
             }
-            offset = (int64_t)k + 1;
         }
         offsets[i] = offset;
         future_rows[i] = wrap(rows[i] + offset, capacity);
