@@ -35,8 +35,7 @@ def test_draw_uniform_rows_stay_on_the_ring_when_the_range_exceeds_it() -> None:
     row_end = np.full(CAPACITY, 10**9, np.int64)  # every row a step of a far-away episode
     tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0)
-    located, _ = kernels.draw_uniform(generator_capsule(0), 50, 5, 5 + 4 * CAPACITY, 1.0, 1, *tables)
-    positions, rows, _, _ = located
+    positions, rows, *_ = kernels.draw_uniform(generator_capsule(0), 50, 5, 5 + 4 * CAPACITY, 1.0, 1, *tables)
     assert np.all((positions >= 5) & (positions < 5 + 4 * CAPACITY))
     np.testing.assert_array_equal(rows, positions % CAPACITY)
 
@@ -47,14 +46,15 @@ def test_draw_uniform_keeps_the_steps_among_the_generators_uniforms_in_order() -
     capacity = 64
     row_end = np.repeat(np.arange(3, 64, 4), 4)  # episodes of 3 steps: rows 3, 7, ... are final observations
     tables = (capacity, row_end, np.zeros(capacity, np.int64), np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
-    located, closed = kernels.draw_uniform(generator_capsule(3), 40, 0, capacity, 0.25, 64, *tables)
+    positions, _, bounds, closed, open_seq = kernels.draw_uniform(generator_capsule(3), 40, 0, capacity, 0.25, 64,
+                                                                  *tables)
     numpy_own, expected = np.random.default_rng(3), []
     while len(expected) < 40:  # the rounds: int(missing * 0.25) + 8 candidates each
         candidates = (numpy_own.random(int((40 - len(expected)) * 0.25) + 8) * capacity).astype(np.int64)
         expected += [int(c) for c in candidates if c % 4 != 3][:40 - len(expected)]
-    np.testing.assert_array_equal(located[0], expected)
-    np.testing.assert_array_equal(located[2], row_end[expected])
-    assert closed.all() and np.all(located[3] == -1)
+    np.testing.assert_array_equal(positions, expected)
+    np.testing.assert_array_equal(bounds, row_end[expected])
+    assert closed.all() and np.all(open_seq == -1)
 
 
 def test_draw_uniform_gives_up_after_max_rounds() -> None:

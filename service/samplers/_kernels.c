@@ -186,7 +186,8 @@ static bitgen_t *bit_generator_arg(PyObject *capsule) {
 
 /* draw_uniform(bit_generator, batch_size, low, high, candidates_per_step, max_rounds, capacity, row_end, row_seq,
  *              extent_last, extent_slots, times_sampled, max_times_sampled)
- *   -> (located (4, B) int64: positions, rows, bounds, open_seq; closed (B,) bool), or None if max_rounds fell short
+ *   -> (positions, rows, bounds, closed, open_seq): a Draw's arrays of B items (int64, closed bool), or None if
+ *      max_rounds fell short
  *
  * Rejection sampling over [low, high): each round draws int(missing * candidates_per_step) + 8 uniforms (the
  * numbers Generator.random(that many) would give) and keeps, in draw order, the candidates that are steps. */
@@ -206,24 +207,28 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
                         "draw_uniform: expected batch_size in 1..2^30 and candidates_per_step in (0, 1e6]");
         return NULL;
     }
-    npy_intp located_shape[2] = {4, batch}, closed_shape[1] = {batch};
+    npy_intp shape[1] = {batch};
     double most_candidates = batch * candidates_per_step + 8; /* the first round draws the most */
     if (most_candidates * (4 * sizeof(int64_t) + 1) > (double)PY_SSIZE_T_MAX / 2) return PyErr_NoMemory();
     Py_ssize_t most = (Py_ssize_t)most_candidates;
-    PyObject *located = PyArray_SimpleNew(2, located_shape, NPY_INT64);
-    PyObject *closed_array = located ? PyArray_SimpleNew(1, closed_shape, NPY_BOOL) : NULL;
-    char *scratch = closed_array ? PyMem_Malloc(most * (4 * sizeof(int64_t) + 1)) : NULL;
+    /* A Draw's fields as arrays of their own: views of one (4, B) array cost more to slice in Python. */
+    PyObject *drawn = PyTuple_New(5);
+    for (Py_ssize_t j = 0; drawn && j < 5; j++) {
+        PyObject *array = PyArray_SimpleNew(1, shape, j == 3 ? NPY_BOOL : NPY_INT64);
+        if (!array) Py_CLEAR(drawn);
+        else PyTuple_SET_ITEM(drawn, j, array);
+    }
+    char *scratch = drawn ? PyMem_Malloc(most * (4 * sizeof(int64_t) + 1)) : NULL;
     if (!scratch) {
-        Py_XDECREF(located);
-        Py_XDECREF(closed_array);
-        PyMem_Free(scratch);
+        Py_XDECREF(drawn);
         return PyErr_Occurred() ? NULL : PyErr_NoMemory();
     }
     double *uniforms = (double *)scratch;
     int64_t *rows = (int64_t *)(uniforms + most), *bounds = rows + most, *open_seq = bounds + most;
-    char *candidate_closed = (char *)(open_seq + most), *closed = PyArray_DATA((PyArrayObject *)closed_array);
-    int64_t *out_positions = PyArray_DATA((PyArrayObject *)located), *out_rows = out_positions + batch,
-            *out_bounds = out_rows + batch, *out_open_seq = out_bounds + batch;
+#define DRAWN(J) PyArray_DATA((PyArrayObject *)PyTuple_GET_ITEM(drawn, J))
+    char *candidate_closed = (char *)(open_seq + most), *closed = DRAWN(3);
+    int64_t *out_positions = DRAWN(0), *out_rows = DRAWN(1), *out_bounds = DRAWN(2), *out_open_seq = DRAWN(4);
+#undef DRAWN
     int64_t span = high - low, low_row = wrap(low, tables.capacity), filled = 0;
     PyThreadState *released = release_gil_if(batch > RELEASE_GIL_SAMPLES);
     for (int64_t round = 0; round < max_rounds && filled < batch; round++) {
@@ -256,11 +261,10 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
     restore_gil(released);
     PyMem_Free(scratch);
     if (filled < batch) {
-        Py_DECREF(located);
-        Py_DECREF(closed_array);
+        Py_DECREF(drawn);
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(NN)", located, closed_array);
+    return drawn;
 }
 
 /* ------------------------------------------------------------------ gathers */
@@ -886,16 +890,24 @@ static PyObject *tree_update(PyObject *module, PyObject *const *args, Py_ssize_t
 
 /* ------------------------------------------------------------------ random draws */
 
-/* fill_exponential(bit_generator, out float64): the draws of Generator.standard_exponential(out.size). */
-static PyObject *fill_exponential(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+/* standard_exponential(bit_generator, count) -> float64 (count,): the draws of
+ * Generator.standard_exponential(count); the caller holds the bit generator's lock. */
+static PyObject *standard_exponential(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     bitgen_t *bit_generator;
-    PyArrayObject *out;
-    if (check_nargs("fill_exponential", nargs, 2) || !(bit_generator = bit_generator_arg(args[0]))
-        || !(out = array_arg(args[1], "out", NPY_FLOAT64, 1, 0)))
+    int64_t count;
+    if (check_nargs("standard_exponential", nargs, 2) || !(bit_generator = bit_generator_arg(args[0]))
+        || int_arg(args[1], "count", &count))
         return NULL;
-    double *draws = PyArray_DATA(out);
-    for (npy_intp i = 0; i < PyArray_SIZE(out); i++) draws[i] = random_standard_exponential(bit_generator);
-    Py_RETURN_NONE;
+    if (count < 0 || count > (1 << 30)) {
+        PyErr_SetString(PyExc_ValueError, "standard_exponential: expected count in 0..2^30");
+        return NULL;
+    }
+    npy_intp shape[1] = {count};
+    PyObject *out = PyArray_SimpleNew(1, shape, NPY_FLOAT64);
+    if (!out) return NULL;
+    double *draws = PyArray_DATA((PyArrayObject *)out);
+    for (int64_t i = 0; i < count; i++) draws[i] = random_standard_exponential(bit_generator);
+    return out;
 }
 
 /* ------------------------------------------------------------------ messages */
@@ -941,7 +953,7 @@ static PyMethodDef kernel_methods[] = {
     KERNEL(bounds_kept),
     KERNEL(drawn_live),
     KERNEL(take_rows),
-    KERNEL(fill_exponential),
+    KERNEL(standard_exponential),
     KERNEL(new_bytes),
     KERNEL(tree_find),
     KERNEL(tree_update),

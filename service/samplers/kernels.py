@@ -23,9 +23,9 @@ from service.samplers._kernels import (
     bounds_kept,
     draw_uniform,
     drawn_live,
-    fill_exponential,
     geometric_batch,
     new_bytes,
+    standard_exponential,
     take_rows,
     transition_batch,
 )
@@ -80,8 +80,6 @@ def gather_columns(batch: dict[str, np.ndarray], rows: np.ndarray, columns: Colu
 
 def exponentials(rng: np.random.Generator, count: int) -> np.ndarray:
     """rng.standard_exponential(count): the same draws, without the method's argument handling."""
-    out = np.empty(count)
     bit_generator = rng.bit_generator
     with bit_generator.lock:
-        fill_exponential(bit_generator.capsule, out)
-    return out
+        return standard_exponential(bit_generator.capsule, count)

@@ -65,8 +65,7 @@ class UniformSampler:
                 f"buffer {ring.name!r}: found no sampleable step in {_MAX_ROUNDS} rounds over positions "
                 f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
             )
-        located, closed = drawn  # located: positions, rows, bounds, open_seq
-        return Draw(located[0], located[1], located[2], closed, located[3])
+        return Draw(*drawn)
 
     def drawable(self, ring: EpisodicBuffer) -> bool:
         """Whether a draw can succeed now."""
