@@ -331,13 +331,11 @@ class EmptyRangeRing:
     tail already at the head, the sampleable count not yet dropped."""
 
     name = "racing"
-    head = 11
-    sampleable_steps = 10
     bound_tables = (CAPACITY, np.zeros(CAPACITY, np.int64), np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
                     np.empty(0, np.int64), 0)
 
-    def tail_position(self) -> int:
-        return 11
+    def live_range(self) -> tuple[int, int, int]:
+        return 11, 11, 10  # tail, head, sampleable steps
 
 
 def test_a_draw_over_an_empty_live_range_is_a_ring_change_the_reader_redraws() -> None:

@@ -148,6 +148,11 @@ class EpisodicRing:
     def sampleable_steps(self) -> int:
         return self.state.item(SAMPLEABLE)
 
+    def live_range(self) -> tuple[int, int, int]:
+        """(tail position, head, sampleable steps), read in that order: a draw's view of the ring, in one call."""
+        state = self.state
+        return state.item(TAIL_POS), state.item(HEAD), state.item(SAMPLEABLE)
+
     @property
     def stored_steps(self) -> int:
         return self.state.item(STORED)
@@ -191,8 +196,9 @@ class EpisodicRing:
         """
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
-        check_importance_beta(importance_beta)
-        if self.sampleable_steps == 0:
+        if importance_beta:  # 0, the default, is valid
+            check_importance_beta(importance_beta)
+        if self.state.item(SAMPLEABLE) == 0:
             raise FailedPrecondition(
                 f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"
             )

@@ -42,7 +42,7 @@ class UniformSampler:
     def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0, weight_floor: float | None = None) -> Draw:
         """Every weight would be 1, so `importance_beta` and `weight_floor` add no column."""
-        low, high, sampleable = ring.tail_position(), ring.head, ring.sampleable_steps
+        low, high, sampleable = ring.live_range()
         if sampleable < _DENSE_ENOUGH * (high - low):
             candidates = np.arange(low, high, dtype=np.int64)
             _, bounds, _ = ring.episode_bounds(candidates)
