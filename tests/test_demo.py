@@ -23,10 +23,12 @@ import yaml
 from client import ReplayClient
 from client.actor import main as actor_main
 from client.algos import ALGOS
-from client.demo import actor_processes
+from client.demo import ActorFailed, actor_processes
 from client.demo import main as demo_main
 from client.learner import main as learner_main
+from client.learners import common as learner_common
 from client.learners import dqn as dqn_learner
+from client.learners import ppo as ppo_learner
 from client.learners.common import evaluate_greedy
 from client.local_reader import LocalReader
 from client.polling import wait_until
@@ -248,6 +250,20 @@ def test_a_demo_whose_actor_fails_says_so_and_exits_non_zero(tmp_path: Path, mon
         _demo(tmp_path, "dqn", "--seconds", "60", "--eval-every", "50")
 
 
+@pytest.mark.parametrize("algo", ["dqn", "ppo"])
+def test_a_demo_whose_actors_all_fail_before_any_data_ends_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    algo: str) -> None:
+    """The learner waited STARTUP_SECONDS (120 s) for data no actor would send before the demo said why. With
+    that wait made longer than the test's timeout, only a learner that reports while it waits lets the demo
+    end the run as its actors die."""
+    monkeypatch.setitem(ALGOS, algo, dataclasses.replace(ALGOS[algo], actor=_crashing_actor))
+    monkeypatch.setattr(learner_common, "STARTUP_SECONDS", 3600.0)
+    monkeypatch.setattr(ppo_learner, "STARTUP_SECONDS", 3600.0)
+    with pytest.raises(SystemExit, match=r"demo: actor 0 \(exit code 1\), actor 1 \(exit code 1\) failed") as ended:
+        _demo(tmp_path, algo, "--seconds", "60")
+    assert isinstance(ended.value.__cause__, ActorFailed)  # the learner's wait ended on the actors' failure
+
+
 def test_greedy_evaluation_runs_the_policy_on_its_device() -> None:
     seen = []
 
@@ -328,7 +344,7 @@ def test_compile_loss_off_the_cpu_is_a_usage_error_before_anything_starts(comman
 def test_a_failed_compile_closes_the_learners_stream_and_reader(server, tmp_path: Path, monkeypatch, local) -> None:
     """compile_for raising (no C++ compiler, say) runs the learner's cleanup: no loader thread, gRPC stream
     or shared-memory reader stays open."""
-    def insert_instead_of_waiting(client: ReplayClient, buffer: str, steps: int) -> None:
+    def insert_instead_of_waiting(client: ReplayClient, buffer: str, steps: int, tracker: object) -> None:
         client.insert_episode(buffer, True, obs=np.zeros((51, 4), np.float32), action=np.zeros(50, np.int64),
                               reward=np.ones(50, np.float32))
 

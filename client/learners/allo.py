@@ -67,7 +67,7 @@ def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = l
     states = torch.from_numpy(env.all_observations()).to(config.device)
     trainer = AlloTrainer(2, config.d, hidden=config.hidden, lr=config.lr, lr_beta=config.lr_beta,
                           lr_barrier=config.lr_barrier, barrier_init=config.barrier_init, device=config.device)
-    wait_for_steps(client, config.buffer, config.learning_starts)
+    wait_for_steps(client, config.buffer, config.learning_starts, tracker)
     tracker.start_clock()  # the budget is training time
 
     def stream(mode: str, **options: float) -> Loader:

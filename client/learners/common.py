@@ -22,7 +22,8 @@ from client.replay_client import ReplayClient
 
 @dataclass
 class Progress:
-    """What a learner reports to whoever drives it (the demo's progress bar)."""
+    """What a learner reports to whoever drives it (the demo's progress bar): at every evaluation, and at most
+    once a second while it waits for data (Tracker.waiting)."""
 
     learner_steps: int = 0
     env_steps: int = 0
@@ -39,6 +40,7 @@ class Tracker:
         self.score_key = score_key
         self.report = report
         self.progress = Progress()
+        self._waiting_reported = float("-inf")
         self.start_clock()
 
     def start_clock(self) -> None:
@@ -51,6 +53,15 @@ class Tracker:
     def stepped(self, steps: int = 1) -> None:
         self.progress.learner_steps += steps
         self._window_steps += steps
+
+    def waiting(self) -> None:
+        """Called at every poll while the learner waits for data: reports the unchanged progress at most once a
+        second, so that whoever drives the learner can end the wait (the demo does once an actor failed:
+        the learner would otherwise wait out STARTUP_SECONDS, or its budget, for data that cannot come)."""
+        now = time.monotonic()
+        if now - self._waiting_reported >= 1.0:
+            self._waiting_reported = now
+            self.report(self.progress)
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
@@ -139,10 +150,18 @@ def create_or_reuse(client: ReplayClient, name: str, create: Callable[[], object
     return True
 
 
-def wait_for_steps(client: ReplayClient, buffer: str, steps: int) -> None:
-    """Polls until `buffer` holds `steps` sampleable steps (TimeoutError after STARTUP_SECONDS)."""
-    wait_until(lambda: client.describe(buffer)["sampleable_steps"] >= steps, time.monotonic() + STARTUP_SECONDS,
-               f"buffer {buffer!r} reaching {steps} sampleable steps", delay=0.02, max_delay=0.25)
+def wait_for_steps(client: ReplayClient, buffer: str, steps: int, tracker: Tracker) -> None:
+    """Polls until `buffer` holds `steps` sampleable steps (TimeoutError after STARTUP_SECONDS), telling
+    `tracker` at every poll that falls short."""
+
+    def reached() -> bool:
+        if client.describe(buffer)["sampleable_steps"] >= steps:
+            return True
+        tracker.waiting()
+        return False
+
+    wait_until(reached, time.monotonic() + STARTUP_SECONDS, f"buffer {buffer!r} reaching {steps} sampleable steps",
+               delay=0.02, max_delay=0.25)
 
 
 @dataclass(frozen=True)

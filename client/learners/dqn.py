@@ -66,7 +66,7 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
     except BaseException:
         weights.publish(trainer.online, final=True)  # the actors waiting for this learner stop
         raise
-    wait_for_steps(client, config.buffer, config.learning_starts)
+    wait_for_steps(client, config.buffer, config.learning_starts, tracker)
 
     progress = tracker.progress
     solved = False

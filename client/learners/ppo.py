@@ -96,13 +96,19 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
         tracker.record(score, rollouts * config.rollout_steps * slots, policy_version=version)
         solved = score >= config.target_return
 
+    def rollout_complete() -> bool:
+        if client.describe(config.buffer)["rollout_complete"]:
+            return True
+        tracker.waiting()
+        return False
+
     # The first rollout: the actors coming up do not eat the budget (the clock starts once it is complete).
-    wait_until(lambda: client.describe(config.buffer)["rollout_complete"], time.monotonic() + STARTUP_SECONDS,
+    wait_until(rollout_complete, time.monotonic() + STARTUP_SECONDS,
                "the actors' first rollout", delay=0.001, max_delay=0.02)
     tracker.start_clock()
     while not (solved or tracker.out_of_time()):
         try:
-            wait_until(lambda: client.describe(config.buffer)["rollout_complete"], tracker.deadline,
+            wait_until(rollout_complete, tracker.deadline,
                        f"rollout {version} complete", delay=0.001, max_delay=0.02)
         except TimeoutError:
             break  # the budget ran out while actors were still collecting
