@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{flag}: {value:g} is less than one byte")
     if ":" in args.host and not args.host.startswith("["):  # an IPv6 address: host:port needs it bracketed
         args.host = f"[{args.host}]"
+    most_sample_workers = 4 * (os.cpu_count() or 1)
+    if args.sample_workers > most_sample_workers:  # e.g. a typo: each is a process with its own port
+        parser.error(f"--sample-workers: expected at most {most_sample_workers} (4 per core of this host), got "
+                     f"{args.sample_workers}")
     if args.sample_workers and not lock_free_host():
         parser.error(f"--sample-workers sample shared memory lock-free, which needs an x86-64 host; this one is "
                      f"{platform.machine()!r}")

@@ -24,6 +24,7 @@ from tests.conftest import TEST_INSTANCE
     (["--max-buffer-gb", "1e-12"], "--max-buffer-gb: 1e-12 is less than one byte"),  # a limit of 0 bytes
     (["--max-message-mb", "1e-9"], "--max-message-mb: 1e-09 is less than one byte"),
     (["--sample-workers", "-1"], "expected an integer >= 0, got -1"),  # tracebacks, from here on
+    (["--sample-workers", "100000"], "--sample-workers: expected at most"),  # started spawning 100,000 servers
     (["--checkpoint-keep", "-2"], "expected an integer >= 0, got -2"),
     (["--log-level", "BOGUS"], "invalid choice: 'BOGUS'"),
     (["--token", "päss"], "token: expected printable ASCII"),  # accepted, then no client could authenticate
