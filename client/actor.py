@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import signal
+import threading
 
 from client.actors.common import ActorReport, flush_with_retry, refresh_weights, wait_for_buffer
 from client.actors.dqn import DQNActorConfig, run_dqn_actor
@@ -38,7 +40,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         # Actors started alike (one command line each, compose's --scale) must not write the same episodes.
         args["seed"] = secrets.randbits(31)
         print(f"actor: seed {args['seed']} (--seed fixes it)", flush=True)
-    report = algo.actor(build(algo.actor_config, **args))
+    # SIGTERM (docker stop, compose down) ends the actor as its time budget does: the step in progress
+    # finishes and the episodes written are flushed to the server. By default the process died with them
+    # (and, as a container's PID 1, was not stopped at all until Docker killed it).
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    report = algo.actor(build(algo.actor_config, **args), stop)
     print(f"actor: {report.env_steps} env steps, weights version {report.weights_version}, "
           f"{report.pushed} pushed", flush=True)
 

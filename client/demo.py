@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             monitor = ReplayClient(address)
             bar = ProgressBar(algo, monitor, learner_config.buffer, actors)
             try:
-                summary = algo.learn(learner_config, bar)
+                summary = algo.learn(learner_config, bar, actors.check)
             except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
                 failure = actors.failure()
                 if failure is not None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -252,7 +256,7 @@ def test_a_dqn_actor_started_without_a_seed_draws_its_own(monkeypatch: pytest.Mo
 
     seeds = []
     monkeypatch.setitem(ALGOS, "dqn", dataclasses.replace(
-        ALGOS["dqn"], actor=lambda config: seeds.append(config.seed) or ActorReport()))
+        ALGOS["dqn"], actor=lambda config, stop: seeds.append(config.seed) or ActorReport()))
     for _ in range(2):
         actor_main(["--algo", "dqn", "--address", "127.0.0.1:1"])
     assert len(seeds) == 2 and seeds[0] != seeds[1]
@@ -282,3 +286,23 @@ def test_an_actors_actions_do_not_repeat_its_envs_draws(seed: int) -> None:
     np.testing.assert_array_equal(np.random.default_rng(seed).integers(4, size=256), env_draws)  # the trap
     assert not np.array_equal(action_rng(seed).integers(4, size=256), env_draws)
     np.testing.assert_array_equal(action_rng(seed).random(4), action_rng(seed).random(4))  # still reproducible
+
+
+def test_sigterm_ends_an_actor_process_as_its_budget_does(client: ReplayClient) -> None:
+    """`replayd actor` died at SIGTERM (docker stop) with the episodes it had written but not yet sent: it now
+    finishes its step, flushes them and reports, as when its time is up."""
+    client.create_buffer("cartpole", 50_000, CARTPOLE_SCHEMA)
+    client.publish_weights("q", 1, module_to_bytes(QNetwork(4, 2, DQNActorConfig(address="").hidden)))
+    actor = subprocess.Popen([sys.executable, "-m", "client.actor", "--algo", "dqn", "--address", client.address,
+                              "--seconds", str(BUDGET)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Its first batch of episodes is in: it is stepping, with more written since.
+        wait_until(lambda: actor.poll() is not None or client.describe("cartpole")["episodes"] > 0,
+                   time.monotonic() + 90, "the actor's first batch of episodes")
+        actor.send_signal(signal.SIGTERM)
+        out, err = actor.communicate(timeout=90)
+    finally:
+        actor.kill()
+    assert actor.returncode == 0, err
+    pushed = int(re.search(r"(\d+) pushed", out).group(1))
+    assert pushed == client.describe("cartpole")["episodes"] > 0

@@ -259,7 +259,7 @@ def test_a_demo_whose_actors_all_fail_before_any_data_ends_at_once(tmp_path: Pat
     monkeypatch.setitem(ALGOS, algo, dataclasses.replace(ALGOS[algo], actor=_crashing_actor))
     monkeypatch.setattr(learner_common, "STARTUP_SECONDS", 3600.0)
     monkeypatch.setattr(ppo_learner, "STARTUP_SECONDS", 3600.0)
-    with pytest.raises(SystemExit, match=r"demo: actor 0 \(exit code 1\), actor 1 \(exit code 1\) failed") as ended:
+    with pytest.raises(SystemExit, match=r"demo: actor [01] \(exit code 1\)") as ended:
         _demo(tmp_path, algo, "--seconds", "60")
     assert isinstance(ended.value.__cause__, ActorFailed)  # the learner's wait ended on the actors' failure
 

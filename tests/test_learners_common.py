@@ -9,8 +9,7 @@ import torch
 
 from client import ReplayClient
 from client.learner import main as learner_main
-from client.learners import common
-from client.learners.common import BufferMismatch, Tracker, create_or_reuse, env_steps, evaluate_greedy
+from client.learners.common import BufferMismatch, create_or_reuse, env_steps, evaluate_greedy
 from client.learners.dqn import CARTPOLE_SCHEMA
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
@@ -81,17 +80,3 @@ def test_a_learner_refused_its_buffer_exits_with_one_line_and_stops_its_actors(
                                        "the server\n")
     assert client.fetch_weights("q", newer_than=0).final
 
-
-def test_a_waiting_learner_reports_its_progress_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
-    now = [100.0]
-    monkeypatch.setattr(common.time, "monotonic", lambda: now[0])
-    reports: list = []
-    tracker = Tracker(60, "score", reports.append)
-    tracker.waiting()
-    tracker.waiting()
-    now[0] += 0.5
-    tracker.waiting()
-    now[0] += 0.6
-    tracker.waiting()
-    assert len(reports) == 2 and all(report is tracker.progress for report in reports)
-    assert tracker.progress.curve == []  # waiting records no point

@@ -57,8 +57,10 @@ class AlloLearnerConfig:
     seed: int = 0
 
 
-def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
-    tracker, client = start_learner(config, "avg_cosine", report)
+def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
+               waiting: Callable[[], None] = lambda: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+    tracker, client = start_learner(config, "avg_cosine", report, waiting)
     create_or_reuse(client, config.buffer, lambda: client.create_buffer(config.buffer, config.capacity_steps,
                                                                         GRID_SCHEMA),
                     "episodic", config.capacity_steps, GRID_SCHEMA)

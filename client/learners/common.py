@@ -22,8 +22,7 @@ from client.replay_client import ReplayClient
 
 @dataclass
 class Progress:
-    """What a learner reports to whoever drives it (the demo's progress bar): at every evaluation, and at most
-    once a second while it waits for data (Tracker.waiting)."""
+    """What a learner reports to whoever drives it (the demo's progress bar)."""
 
     learner_steps: int = 0
     env_steps: int = 0
@@ -33,14 +32,18 @@ class Progress:
 
 
 class Tracker:
-    """Times a run against its budget and records curve points (each one reported)."""
+    """Times a run against its budget and records curve points (each one reported). `waiting` is called at
+    every poll while the learner waits for data: whoever drives the learner can end the wait by raising
+    there (the demo does once an actor failed: the learner would otherwise wait out STARTUP_SECONDS, or
+    its budget, for data that cannot come)."""
 
-    def __init__(self, seconds: float, score_key: str, report: Callable[[Progress], None]) -> None:
+    def __init__(self, seconds: float, score_key: str, report: Callable[[Progress], None],
+                 waiting: Callable[[], None]) -> None:
         self.budget = seconds
         self.score_key = score_key
         self.report = report
+        self.waiting = waiting
         self.progress = Progress()
-        self._waiting_reported = float("-inf")
         self.start_clock()
 
     def start_clock(self) -> None:
@@ -53,15 +56,6 @@ class Tracker:
     def stepped(self, steps: int = 1) -> None:
         self.progress.learner_steps += steps
         self._window_steps += steps
-
-    def waiting(self) -> None:
-        """Called at every poll while the learner waits for data: reports the unchanged progress at most once a
-        second, so that whoever drives the learner can end the wait (the demo does once an actor failed:
-        the learner would otherwise wait out STARTUP_SECONDS, or its budget, for data that cannot come)."""
-        now = time.monotonic()
-        if now - self._waiting_reported >= 1.0:
-            self._waiting_reported = now
-            self.report(self.progress)
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
@@ -230,10 +224,11 @@ class WeightsPublisher:
         return self.version
 
 
-def start_learner(config: Any, score_key: str, report: Callable[[Progress], None]) -> tuple[Tracker, ReplayClient]:
+def start_learner(config: Any, score_key: str, report: Callable[[Progress], None],
+                  waiting: Callable[[], None]) -> tuple[Tracker, ReplayClient]:
     """Seeds torch, makes the `config.seconds` tracker, connects to `config.address`."""
     torch.manual_seed(config.seed)
-    tracker = Tracker(config.seconds, score_key, report)
+    tracker = Tracker(config.seconds, score_key, report, waiting)
     client = ReplayClient(config.address, timeout=30)
     client.wait_ready(timeout=60)
     return tracker, client

@@ -52,8 +52,10 @@ class DQNLearnerConfig:
     compile_loss: bool = False  # the Q-loss compiled ahead by inductor (CPU; needs a C++ compiler)
 
 
-def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
-    tracker, client = start_learner(config, "eval_return", report)
+def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
+               waiting: Callable[[], None] = lambda: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+    tracker, client = start_learner(config, "eval_return", report, waiting)
     trainer = DQNTrainer(4, 2, hidden=config.hidden, lr=config.lr, double=True,
                          target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device,
                          compile_loss=config.compile_loss)

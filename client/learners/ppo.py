@@ -60,8 +60,10 @@ class PPOLearnerConfig:
     seed: int = 0
 
 
-def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lambda progress: None) -> dict:
-    tracker, client = start_learner(config, "eval_return", report)
+def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
+               waiting: Callable[[], None] = lambda: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+    tracker, client = start_learner(config, "eval_return", report, waiting)
     import gymnasium as gym
 
     probe = gym.make(config.env_id)
