@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import ssl
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +137,23 @@ def test_tls_round_trip_with_token(tmp_path: Path) -> None:
             assert _code(plain.list_buffers) == grpc.StatusCode.UNAVAILABLE  # no plaintext on a TLS port
     finally:
         server.stop(grace=0)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a certificate")
+def test_with_tls_the_http_side_speaks_https_only(tmp_path: Path) -> None:
+    """The HTTP side stayed plain under --tls-cert: a client's bearer token for /metrics crossed the network in
+    the clear. It now serves the gRPC port's certificate."""
+    cert, key = _self_signed(tmp_path)
+    server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}https", token=TOKEN, tls_cert=cert, tls_key=key,
+                          http_address="127.0.0.1:0").start()
+    try:
+        verify = ssl.create_default_context(cadata=cert.decode())
+        secure = f"https://127.0.0.1:{server.http.port}"
+        right = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(secure + "/metrics", headers=right, verify=verify).status_code == 200
+        assert httpx.get(secure + "/metrics", verify=verify).status_code == 401
+        with pytest.raises(httpx.HTTPError):  # no plaintext on the HTTP port
+            httpx.get(f"http://127.0.0.1:{server.http.port}/metrics", headers=right)
+    finally:
+        server.stop(grace=0)
+    assert not list(Path(tempfile.gettempdir()).glob("replayd-tls-*"))  # the key's copy went with its folder

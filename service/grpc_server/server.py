@@ -63,7 +63,7 @@ def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
 
 class ReplayServer:
     """`token`: every gRPC call and HTTP request (but /healthz) must carry `authorization: Bearer <token>`.
-    `tls_cert`/`tls_key`: PEM certificate chain and private key; the gRPC port then speaks TLS only.
+    `tls_cert`/`tls_key`: PEM certificate chain and private key; the gRPC and HTTP ports then speak TLS only.
     `max_buffer_bytes`: shared memory one buffer may take (None: whatever /dev/shm has free).
     `checkpoint_dir`: where the Checkpoint RPC writes by default, and with `checkpoint_every` (seconds) where a
     background thread writes a checkpoint periodically (keeping the newest `checkpoint_keep`).
@@ -146,7 +146,7 @@ class ReplayServer:
                 http_host = http_host.strip("[]")  # uvicorn takes an IPv6 host without the brackets gRPC needs
                 app = create_app(self.registry, self.servicer.rejected, self.metrics, token,
                                  allowed_hosts=loopback_hosts(http_host), serving=self._serving.is_set)
-                self.http = HttpServer(app, http_host, int(http_port))
+                self.http = HttpServer(app, http_host, int(http_port), tls_cert, tls_key)
         except BaseException:
             self._instance_lock.release()
             raise

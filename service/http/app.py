@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -247,11 +249,26 @@ def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: Coll
 
 
 class HttpServer:
-    """uvicorn in a background thread, stopped with the gRPC server."""
+    """uvicorn in a background thread, stopped with the gRPC server. With `tls_cert` and `tls_key` (PEM, those
+    of the gRPC port) it speaks HTTPS only: the token a client sends must not cross the network in the clear
+    on this port either."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls_cert: bytes | None = None,
+                 tls_key: bytes | None = None) -> None:
         self.host, self.requested_port = host, port
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        if tls_cert is None:
+            config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+        else:
+            # ssl loads a certificate and key only from files: private ones (mkdtemp makes the folder 0700),
+            # removed once the TLS context is made.
+            with tempfile.TemporaryDirectory(prefix="replayd-tls-") as pem_dir:
+                cert_path, key_path = Path(pem_dir, "cert.pem"), Path(pem_dir, "key.pem")
+                cert_path.write_bytes(tls_cert)
+                key_path.write_bytes(tls_key)
+                config = uvicorn.Config(app, host=host, port=port, log_level="warning", ssl_certfile=str(cert_path),
+                                        ssl_keyfile=str(key_path))
+                config.load()
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="replayd-http", daemon=True)
 
     def _run(self) -> None:
