@@ -151,7 +151,7 @@ def serve(args: argparse.Namespace) -> None:
         server.start()
     except (ReplayError, OSError, TimeoutError) as exc:  # start() stopped what it had started and unlinked
         raise SystemExit(f"replayd: {exc}") from None
-    http = f", HTTP on port {server.http.port}" if server.http else ""
+    http = f", {'HTTPS' if tls_cert else 'HTTP'} on port {server.http.port}" if server.http else ""
     security = ", token required" if args.token else ", no token"
     print(f"replayd {server.instance} listening on {server.address}{' (TLS)' if tls_cert else ''}{http}{security}",
           flush=True)
