@@ -57,6 +57,12 @@ class Tracker:
         self.progress.learner_steps += steps
         self._window_steps += steps
 
+    def still_waiting(self) -> bool:
+        """wait_until's `stopped` for the learner's waits for data: runs the `waiting` hook at every poll that
+        falls short (the hook ends the wait by raising); the learner itself never stops waiting early."""
+        self.waiting()
+        return False
+
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
 
@@ -147,15 +153,9 @@ def create_or_reuse(client: ReplayClient, name: str, create: Callable[[], object
 def wait_for_steps(client: ReplayClient, buffer: str, steps: int, tracker: Tracker) -> None:
     """Polls until `buffer` holds `steps` sampleable steps (TimeoutError after STARTUP_SECONDS), telling
     `tracker` at every poll that falls short."""
-
-    def reached() -> bool:
-        if client.describe(buffer)["sampleable_steps"] >= steps:
-            return True
-        tracker.waiting()
-        return False
-
-    wait_until(reached, time.monotonic() + STARTUP_SECONDS, f"buffer {buffer!r} reaching {steps} sampleable steps",
-               delay=0.02, max_delay=0.25)
+    wait_until(lambda: client.describe(buffer)["sampleable_steps"] >= steps, time.monotonic() + STARTUP_SECONDS,
+               f"buffer {buffer!r} reaching {steps} sampleable steps", tracker.still_waiting, delay=0.02,
+               max_delay=0.25)
 
 
 @dataclass(frozen=True)

@@ -99,19 +99,16 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
         solved = score >= config.target_return
 
     def rollout_complete() -> bool:
-        if client.describe(config.buffer)["rollout_complete"]:
-            return True
-        tracker.waiting()
-        return False
+        return client.describe(config.buffer)["rollout_complete"]
 
     # The first rollout: the actors coming up do not eat the budget (the clock starts once it is complete).
-    wait_until(rollout_complete, time.monotonic() + STARTUP_SECONDS,
-               "the actors' first rollout", delay=0.001, max_delay=0.02)
+    wait_until(rollout_complete, time.monotonic() + STARTUP_SECONDS, "the actors' first rollout",
+               tracker.still_waiting, delay=0.001, max_delay=0.02)
     tracker.start_clock()
     while not (solved or tracker.out_of_time()):
         try:
-            wait_until(rollout_complete, tracker.deadline,
-                       f"rollout {version} complete", delay=0.001, max_delay=0.02)
+            wait_until(rollout_complete, tracker.deadline, f"rollout {version} complete", tracker.still_waiting,
+                       delay=0.001, max_delay=0.02)
         except TimeoutError:
             break  # the budget ran out while actors were still collecting
         rollouts += 1

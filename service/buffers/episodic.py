@@ -813,7 +813,7 @@ class EpisodicBuffer(EpisodicRing, LiveBuffer):
         mode.check(self)  # a request this buffer can never serve fails now, not after waiting for data
         deadline = None if wait_seconds is None else time.monotonic() + wait_seconds
         rng = rng or self.rng
-        with self.lifetime:
+        with self.live():
             while True:
                 remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 if self.limiter is not None:

@@ -196,9 +196,8 @@ class EpisodicRing:
         """
         if batch_size < 1:
             raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
-        if importance_beta:  # 0, the default, is valid
-            check_importance_beta(importance_beta)
-        if self.state.item(SAMPLEABLE) == 0:
+        check_importance_beta(importance_beta)
+        if self.sampleable_steps == 0:
             raise FailedPrecondition(
                 f"buffer {self.name!r} has no sampleable steps yet (stored_steps={self.stored_steps})"
             )
