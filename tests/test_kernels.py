@@ -27,15 +27,18 @@ from service.wire.codec import ALLOWED_DTYPES
 CAPACITY = 10
 
 
-def generator_capsule(seed: int) -> object:
-    return np.random.default_rng(seed).bit_generator.capsule
+# A kernel takes a generator's capsule, which does not keep the generator alive: hold the generator while the
+# kernel runs (`capsule(rng)` on a generator bound to a name).
+def capsule(rng: np.random.Generator) -> object:
+    return rng.bit_generator.capsule
 
 
 def test_draw_uniform_rows_stay_on_the_ring_when_the_range_exceeds_it() -> None:
     row_end = np.full(CAPACITY, 10**9, np.int64)  # every row a step of a far-away episode
     tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7,
               np.empty(0, np.int64), 0)
-    positions, rows, *_ = kernels.draw_uniform(generator_capsule(0), 50, 5, 5 + 4 * CAPACITY, 1.0, 1, *tables)
+    rng = np.random.default_rng(0)
+    positions, rows, *_ = kernels.draw_uniform(capsule(rng), 50, 5, 5 + 4 * CAPACITY, 1.0, 1, *tables)
     assert np.all((positions >= 5) & (positions < 5 + 4 * CAPACITY))
     np.testing.assert_array_equal(rows, positions % CAPACITY)
 
@@ -46,8 +49,8 @@ def test_draw_uniform_keeps_the_steps_among_the_generators_uniforms_in_order() -
     capacity = 64
     row_end = np.repeat(np.arange(3, 64, 4), 4)  # episodes of 3 steps: rows 3, 7, ... are final observations
     tables = (capacity, row_end, np.zeros(capacity, np.int64), np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
-    positions, _, bounds, closed, open_seq = kernels.draw_uniform(generator_capsule(3), 40, 0, capacity, 0.25, 64,
-                                                                  *tables)
+    rng = np.random.default_rng(3)
+    positions, _, bounds, closed, open_seq = kernels.draw_uniform(capsule(rng), 40, 0, capacity, 0.25, 64, *tables)
     numpy_own, expected = np.random.default_rng(3), []
     while len(expected) < 40:  # the rounds: int(missing * 0.25) + 8 candidates each
         candidates = (numpy_own.random(int((40 - len(expected)) * 0.25) + 8) * capacity).astype(np.int64)
@@ -60,7 +63,8 @@ def test_draw_uniform_keeps_the_steps_among_the_generators_uniforms_in_order() -
 def test_draw_uniform_gives_up_after_max_rounds() -> None:
     row_end = np.full(CAPACITY, kernels.HOLE, np.int64)  # no step anywhere (evictions emptied a reader's range)
     tables = (CAPACITY, row_end, np.zeros(CAPACITY, np.int64), np.zeros(7, np.int64), 7, np.empty(0, np.int64), 0)
-    assert kernels.draw_uniform(generator_capsule(0), 8, 0, CAPACITY, 2.0, 3, *tables) is None
+    rng = np.random.default_rng(0)
+    assert kernels.draw_uniform(capsule(rng), 8, 0, CAPACITY, 2.0, 3, *tables) is None
 
 
 def transition_batch(positions: np.ndarray, bounds: np.ndarray, n_step: int, reward: np.ndarray | None = None,
@@ -102,11 +106,11 @@ def test_transition_batch_without_rewards_and_with_one_step() -> None:
     np.testing.assert_array_equal(batch["bootstrap_discount"], np.float32([0.9, 0.9]))  # truncation bootstraps
 
 
-def geometric_batch(exponentials: np.ndarray, discount: float, positions: np.ndarray, bounds: np.ndarray
+def geometric_batch(rng: np.random.Generator, discount: float, positions: np.ndarray, bounds: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, future rows) of geometric pairs over a ring whose observation at row r is r."""
     batch: dict[str, np.ndarray] = {}
-    kernels.geometric_batch(batch, exponentials, discount, positions, positions % CAPACITY, bounds, CAPACITY,
+    kernels.geometric_batch(batch, capsule(rng), discount, positions, positions % CAPACITY, bounds, CAPACITY,
                             ("obs",), ("future_obs",), (np.arange(CAPACITY),))
     assert list(batch) == ["obs", "future_obs", "offset"]
     np.testing.assert_array_equal(batch["obs"], positions % CAPACITY)
@@ -117,36 +121,39 @@ def test_geometric_rows_stay_on_the_ring_for_torn_and_hole_bounds() -> None:
     positions = np.array([3, 7, 9, 25], np.int64)
     bounds = np.array([10**6, kernels.HOLE, 9 + 3 * CAPACITY, 24], np.int64)
     for discount in (0.0, 0.5, 1.0):
-        _, future_rows = geometric_batch(np.full(4, 0.999), discount, positions, bounds)
+        _, future_rows = geometric_batch(np.random.default_rng(0), discount, positions, bounds)
         assert np.all((future_rows >= 0) & (future_rows < CAPACITY)), discount
 
 
 @pytest.mark.parametrize("discount", [1e-300, 0.5, 1 - 1e-16, 1.0])
-def test_geometric_offsets_stay_in_the_episode_for_extreme_draws(discount: float) -> None:
-    """Exponential draws from 0 to far past any the generator makes (some overflow int64 once divided by
-    -ln(discount)): every offset in 1..M."""
-    count = 6
+def test_geometric_offsets_stay_in_the_episode_for_extreme_discounts(discount: float) -> None:
+    """Discounts from ~0 to the largest double below 1 (where E / -ln g passes 2^53 for E > 1, the remainder's
+    floating-point path): every offset in 1..M, for M from 1 to 1e9."""
+    count = 6000
     positions = np.arange(count, dtype=np.int64) * 10
-    bounds = positions + np.array([1, 2, 3, 7, 1000, 10**9])  # M per sample
-    exponentials = np.array([0.0, 1e-300, 0.7, 40.0, 745.0, 1e30])  # -ln of the smallest double: 745
-    offsets, future_rows = geometric_batch(exponentials, discount, positions, bounds)
+    bounds = positions + np.tile([1, 2, 3, 7, 1000, 10**9], count // 6)  # M per sample
+    offsets, future_rows = geometric_batch(np.random.default_rng(1), discount, positions, bounds)
     assert np.all((offsets >= 1) & (offsets <= bounds - positions)), offsets
     np.testing.assert_array_equal(future_rows, (positions + offsets) % CAPACITY)
 
 
-@pytest.mark.parametrize("discount", [0.3, 0.99, 0.999999, 1 - 1e-12])
-def test_geometric_offsets_are_one_plus_k_mod_m_exactly(discount: float) -> None:
-    """d = 1 + (floor(E / -ln g) mod M), computed with Python's integers: the kernel's floating-point
-    remainder is exact."""
-    rng = np.random.default_rng(5)
+@pytest.mark.parametrize("discount", [0.3, 0.99, 0.999999, 1 - 1e-12, 1 - 1e-16])
+def test_geometric_offsets_are_one_plus_k_mod_m_of_the_generators_exponentials(discount: float) -> None:
+    """d = 1 + (floor(E / -ln g) mod M) for the E Generator.standard_exponential draws, computed with Python's
+    integers: the kernel's floating-point remainder is exact (for K past 2^53 too), its exponentials are
+    numpy's own, and it advances the generator as numpy does: a seeded request samples the batch numpy's
+    draws give."""
     count = 4000
     positions = np.zeros(count, np.int64)
-    bounds = rng.integers(2, 10**rng.integers(1, 13, count), dtype=np.int64)  # M from 2 to ~1e12
-    exponentials = rng.standard_exponential(count) * rng.choice([1.0, 30.0], count)
-    offsets, _ = geometric_batch(exponentials, discount, positions, bounds)
+    sizes = np.random.default_rng(5)
+    bounds = sizes.integers(2, 10**sizes.integers(1, 13, count), dtype=np.int64)  # M from 2 to ~1e12
+    ours, numpy_own = np.random.default_rng(6), np.random.default_rng(6)
+    offsets, _ = geometric_batch(ours, discount, positions, bounds)
     scale = -1.0 / math.log(discount)  # the C library's log, as the kernel's
-    expected = [1 + math.floor(float(e) * scale) % int(m) for e, m in zip(exponentials, bounds, strict=True)]
+    expected = [1 + math.floor(float(e) * scale) % int(m)
+                for e, m in zip(numpy_own.standard_exponential(count), bounds, strict=True)]
     np.testing.assert_array_equal(offsets, expected)
+    assert ours.random() == numpy_own.random()
 
 
 def test_bound_lookup_wraps_negative_and_huge_keys() -> None:
@@ -179,14 +186,6 @@ def test_transition_targets_stay_in_their_tables_for_a_far_position_on_a_hole() 
     batch = transition_batch(positions, np.array([kernels.HOLE], np.int64), 3)
     assert np.all((batch["bootstrap_obs"] >= 0) & (batch["bootstrap_obs"] < CAPACITY))
     assert np.all(np.isfinite(batch["n_step_return"])) and np.all(np.isfinite(batch["bootstrap_discount"]))
-
-
-def test_exponential_draws_are_the_generators_own() -> None:
-    """kernels.exponentials draws what Generator.standard_exponential would, and advances the generator as it
-    does: a seeded request samples the same batch as numpy's own draws would give."""
-    ours, numpy_own = np.random.default_rng(11), np.random.default_rng(11)
-    np.testing.assert_array_equal(kernels.exponentials(ours, 257), numpy_own.standard_exponential(257))
-    assert ours.random() == numpy_own.random()
 
 
 @pytest.mark.parametrize(("dtype", "shape"), [("uint8", (84, 84, 4)), ("float32", (376,)), ("float32", (4,)),
@@ -230,7 +229,8 @@ def test_kernels_write_into_the_arrays_the_batch_already_holds() -> None:
         np.testing.assert_array_equal(batch[name], fresh[name])
     offsets = np.zeros(2, np.int64)
     batch = {"offset": offsets}
-    kernels.geometric_batch(batch, np.full(2, 0.5), 0.5, positions, positions % CAPACITY, bounds, CAPACITY,
+    rng = np.random.default_rng(0)
+    kernels.geometric_batch(batch, capsule(rng), 0.5, positions, positions % CAPACITY, bounds, CAPACITY,
                             ("obs",), ("future_obs",), (np.arange(CAPACITY),))
     assert batch["offset"] is offsets and np.all(offsets >= 1)
 
@@ -339,7 +339,8 @@ class EmptyRangeRing:
 
 
 def test_a_draw_over_an_empty_live_range_is_a_ring_change_the_reader_redraws() -> None:
-    assert kernels.draw_uniform(generator_capsule(0), 8, 11, 11, 1.0, 64, *EmptyRangeRing.bound_tables) is None
+    rng = np.random.default_rng(0)
+    assert kernels.draw_uniform(capsule(rng), 8, 11, 11, 1.0, 64, *EmptyRangeRing.bound_tables) is None
     with pytest.raises(RingChanged, match="found no sampleable step"):
         UniformSampler().draw(EmptyRangeRing(), 8, np.random.default_rng(0))
 

@@ -23,6 +23,8 @@
  * less, releasing it costs more than the other threads gain). */
 #define RELEASE_GIL_BYTES (1 << 16)
 #define RELEASE_GIL_SAMPLES 4096
+/* The most columns a batch mode prefetches the rows of. */
+#define PREFETCH_COLUMNS 4
 
 static inline PyThreadState *release_gil_if(int large) { return large ? PyEval_SaveThread() : NULL; }
 static inline void restore_gil(PyThreadState *released) {
@@ -233,17 +235,22 @@ static PyObject *draw_uniform(PyObject *module, PyObject *const *args, Py_ssize_
     PyThreadState *released = release_gil_if(batch > RELEASE_GIL_SAMPLES);
     for (int64_t round = 0; round < max_rounds && filled < batch; round++) {
         Py_ssize_t count = (Py_ssize_t)((batch - filled) * candidates_per_step) + 8;
-        random_standard_uniform_fill(bit_generator, count, uniforms);
+        /* The uniforms are drawn here one by one (random_standard_uniform_fill's very draws) and each row's bound
+           is prefetched as soon as the row is known: the generator's work overlaps the bound reads' misses. */
         if (span <= tables.capacity) {
             /* A row is at most one lap ahead. Whether it is, is a coin flip once the live range wraps round the
                ring: a conditional move, not a branch that mispredicts half the time. */
             for (Py_ssize_t i = 0; i < count; i++) {
+                uniforms[i] = next_double(bit_generator);
                 int64_t row = low_row + (int64_t)(uniforms[i] * span);
                 rows[i] = row >= tables.capacity ? row - tables.capacity : row;
+                __builtin_prefetch(tables.row_end + rows[i]);
             }
         } else { /* a lock-free reader's torn range */
-            for (Py_ssize_t i = 0; i < count; i++)
+            for (Py_ssize_t i = 0; i < count; i++) {
+                uniforms[i] = next_double(bit_generator);
                 rows[i] = wrap(low_row + (int64_t)(uniforms[i] * span), tables.capacity);
+            }
         }
         bounds_of_rows(count, rows, &tables, bounds, candidate_closed, open_seq);
         for (Py_ssize_t i = 0; i < count && filled < batch; i++) {
@@ -604,27 +611,31 @@ static PyObject *transition_batch(PyObject *module, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
-/* geometric_batch(batch, exponentials, discount, positions, rows, bounds, capacity, names, future_names, sources)
+/* geometric_batch(batch, bit_generator, discount, positions, rows, bounds, capacity, names, future_names, sources)
  *
  * Fills `batch` with geometric pairs: names[j] = sources[j][rows], future_names[j] = sources[j][rows + d], and
- * offset = d, where d in 1..M has P(d) proportional to discount^(d-1), M = bound - position.
+ * offset = d, where d in 1..M has P(d) proportional to discount^(d-1), M = bound - position. The caller holds
+ * the bit generator's lock.
  *
- * From E ~ Exp(1) (`exponentials`, one per sample), K = floor(E / -ln g) is geometric on 0, 1, ... with
- * P(K = k) = (1 - g) g^k, and K mod M follows that law truncated to 0..M-1, because P(K mod M = j) =
- * sum_m (1 - g) g^(j + mM) is proportional to g^j. So d = 1 + (K mod M): no logarithm per sample (numpy's
- * ziggurat draws E faster than a uniform's log). g = 1 is uniform on 1..M, with 1 - exp(-E) ~ U[0, 1). */
+ * From E ~ Exp(1) (one per sample: the draws of Generator.standard_exponential(count)), K = floor(E / -ln g) is
+ * geometric on 0, 1, ... with P(K = k) = (1 - g) g^k, and K mod M follows that law truncated to 0..M-1,
+ * because P(K mod M = j) = sum_m (1 - g) g^(j + mM) is proportional to g^j. So d = 1 + (K mod M): no logarithm
+ * per sample (numpy's ziggurat draws E faster than a uniform's log). g = 1 is uniform on 1..M, with
+ * 1 - exp(-E) ~ U[0, 1).
+ *
+ * The loop that draws E also prefetches the rows it will copy: the generator's work overlaps their misses. */
 static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    PyArrayObject *exponentials_view, *positions_view, *rows_view, *bounds_view;
+    PyArrayObject *positions_view, *rows_view, *bounds_view;
+    bitgen_t *bit_generator;
     int64_t capacity;
     if (check_nargs("geometric_batch", nargs, 10)) return NULL;
     PyObject *batch = args[0], *names = args[7], *future_names = args[8], *sources = args[9];
-    if (check_batch(batch, "geometric_batch")) return NULL;
+    if (check_batch(batch, "geometric_batch") || !(bit_generator = bit_generator_arg(args[1]))) return NULL;
     if (!(positions_view = array_arg(args[3], "positions", NPY_INT64, 0, 0))) return NULL;
     Py_ssize_t count = items(positions_view);
     double discount = PyFloat_AsDouble(args[2]);
     if (discount == -1.0 && PyErr_Occurred()) return NULL;
-    if (!(exponentials_view = array_arg(args[1], "exponentials", NPY_FLOAT64, 0, count))
-        || !(rows_view = array_arg(args[4], "rows", NPY_INT64, 0, count))
+    if (!(rows_view = array_arg(args[4], "rows", NPY_INT64, 0, count))
         || !(bounds_view = array_arg(args[5], "bounds", NPY_INT64, 0, count))
         || int_arg(args[6], "capacity", &capacity))
         return NULL;
@@ -637,7 +648,15 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_ValueError, "kernel argument future_names: one name per source");
         return NULL;
     }
-    const double *exponentials = PyArray_DATA(exponentials_view);
+    /* The first columns' rows are prefetched (a hint: with more columns, the rest are read without it). */
+    const char *prefetched[PREFETCH_COLUMNS];
+    Py_ssize_t prefetched_row_bytes[PREFETCH_COLUMNS], columns = PyTuple_GET_SIZE(names);
+    int prefetched_columns = columns < PREFETCH_COLUMNS ? (int)columns : PREFETCH_COLUMNS;
+    for (int j = 0; j < prefetched_columns; j++) {
+        PyArrayObject *source = (PyArrayObject *)PyTuple_GET_ITEM(sources, j);
+        prefetched[j] = PyArray_DATA(source);
+        prefetched_row_bytes[j] = PyArray_NBYTES(source) / PyArray_DIM(source, 0);
+    }
     const int64_t *positions = PyArray_DATA(positions_view), *bounds = PyArray_DATA(bounds_view);
     int64_t *rows = checked_rows(rows_view, capacity, "geometric_batch", "the ring");
     if (!rows) return NULL;
@@ -652,18 +671,21 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
     double scale = (discount > 0.0 && discount < 1.0) ? -1.0 / log(discount) : 0.0; /* 1 / lambda */
     PyThreadState *released = release_gil_if(count > RELEASE_GIL_SAMPLES);
     for (Py_ssize_t i = 0; i < count; i++) {
+        for (int j = 0; j < prefetched_columns; j++)
+            __builtin_prefetch(prefetched[j] + rows[i] * prefetched_row_bytes[j]);
+        double exponential = random_standard_exponential(bit_generator); /* drawn for every sample, used or not */
         int64_t horizon = bounds[i] - positions[i], offset;
         if (horizon <= 1 || discount == 0.0) {
             offset = horizon < 1 ? horizon : 1; /* below 1 only for a torn read, which the reader discards */
         } else if (discount == 1.0) {
-            offset = (int64_t)(-expm1(-exponentials[i]) * (double)horizon);
+            offset = (int64_t)(-expm1(-exponential) * (double)horizon);
             offset = (offset < horizon - 1 ? offset : horizon - 1) + 1;
         } else {
             /* K mod M. Below 2^53 the remainder is computed exactly from a double quotient (an integer division
                costs ~40 cycles here), mended with conditional moves: whether K reaches M is a coin flip, which a
                branch would mispredict. fmod, exact too but slow, takes the rest (astronomically rare: a
                discount within ~1e-14 of 1). */
-            double scaled = exponentials[i] * scale;
+            double scaled = exponential * scale;
             if (scaled < 9007199254740992.0) {
                 int64_t k = (int64_t)scaled; /* floor: scaled >= 0 */
                 k -= horizon * (int64_t)((double)k / (double)horizon); /* the quotient may be one off: mended */
@@ -676,9 +698,10 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
         }
         offsets[i] = offset;
         future_rows[i] = wrap(rows[i] + offset, capacity);
+        for (int j = 0; j < prefetched_columns; j++)
+            __builtin_prefetch(prefetched[j] + future_rows[i] * prefetched_row_bytes[j]);
     }
     restore_gil(released);
-    Py_ssize_t columns = PyTuple_GET_SIZE(names);
     int failed = take_columns(batch, names, sources, columns, rows, count)
                  || take_columns(batch, future_names, sources, columns, future_rows, count);
     if (failed)
@@ -888,28 +911,6 @@ static PyObject *tree_update(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-/* ------------------------------------------------------------------ random draws */
-
-/* standard_exponential(bit_generator, count) -> float64 (count,): the draws of
- * Generator.standard_exponential(count); the caller holds the bit generator's lock. */
-static PyObject *standard_exponential(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    bitgen_t *bit_generator;
-    int64_t count;
-    if (check_nargs("standard_exponential", nargs, 2) || !(bit_generator = bit_generator_arg(args[0]))
-        || int_arg(args[1], "count", &count))
-        return NULL;
-    if (count < 0 || count > (1 << 30)) {
-        PyErr_SetString(PyExc_ValueError, "standard_exponential: expected count in 0..2^30");
-        return NULL;
-    }
-    npy_intp shape[1] = {count};
-    PyObject *out = PyArray_SimpleNew(1, shape, NPY_FLOAT64);
-    if (!out) return NULL;
-    double *draws = PyArray_DATA((PyArrayObject *)out);
-    for (int64_t i = 0; i < count; i++) draws[i] = random_standard_exponential(bit_generator);
-    return out;
-}
-
 /* ------------------------------------------------------------------ messages */
 
 /* new_bytes(size) -> (message, buffer): a new bytes object of `size` bytes, not yet initialized, and a writable
@@ -953,7 +954,6 @@ static PyMethodDef kernel_methods[] = {
     KERNEL(bounds_kept),
     KERNEL(drawn_live),
     KERNEL(take_rows),
-    KERNEL(standard_exponential),
     KERNEL(new_bytes),
     KERNEL(tree_find),
     KERNEL(tree_update),

@@ -33,7 +33,9 @@ class GeometricMode:
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         batch = {} if batch is None else batch
         columns = ring.observation_columns
-        kernels.geometric_batch(batch, kernels.exponentials(rng, draw.rows.size), self.discount, draw.positions,
-                                draw.rows, draw.bounds, ring.capacity, columns.names,
-                                kernels.prefixed("future_", columns.names), columns.arrays)
+        bit_generator = rng.bit_generator
+        with bit_generator.lock:
+            kernels.geometric_batch(batch, bit_generator.capsule, self.discount, draw.positions, draw.rows,
+                                    draw.bounds, ring.capacity, columns.names,
+                                    kernels.prefixed("future_", columns.names), columns.arrays)
         return batch

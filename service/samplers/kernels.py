@@ -25,7 +25,6 @@ from service.samplers._kernels import (
     drawn_live,
     geometric_batch,
     new_bytes,
-    standard_exponential,
     take_rows,
     transition_batch,
 )
@@ -38,7 +37,7 @@ TERMINATED = _kernels.TERMINATED  # extent flag
 REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_batch reads
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
-           "episode_bounds", "exponentials", "gather_columns", "geometric_batch", "new_bytes", "prefixed", "take_rows",
+           "episode_bounds", "gather_columns", "geometric_batch", "new_bytes", "prefixed", "take_rows",
            "transition_batch"]
 
 
@@ -77,9 +76,3 @@ def gather_columns(batch: dict[str, np.ndarray], rows: np.ndarray, columns: Colu
     """batch[name] = column[rows] for every column, in one compiled call."""
     take_rows(batch, columns.names, rows, columns.arrays)
 
-
-def exponentials(rng: np.random.Generator, count: int) -> np.ndarray:
-    """rng.standard_exponential(count): the same draws, without the method's argument handling."""
-    bit_generator = rng.bit_generator
-    with bit_generator.lock:
-        return standard_exponential(bit_generator.capsule, count)
