@@ -75,4 +75,3 @@ def prefixed(prefix: str, names: tuple[str, ...]) -> tuple[str, ...]:
 def gather_columns(batch: dict[str, np.ndarray], rows: np.ndarray, columns: Columns) -> None:
     """batch[name] = column[rows] for every column, in one compiled call."""
     take_rows(batch, columns.names, rows, columns.arrays)
-
