@@ -108,7 +108,6 @@ def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Itera
     processes = [context.Process(target=_actor_entry, args=(target, config, stop, results, index), daemon=True)
                  for index, config in enumerate(configs)]
     run = ActorRun(processes)
-    reports = run.reports
     try:
         for process in processes:
             process.start()
@@ -126,7 +125,7 @@ def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Itera
                 if not any(process.is_alive() for process in processes) and results.empty():
                     break
                 continue
-            reports[index] = report
+            run.reports[index] = report
             pending -= 1
         for process in processes:
             process.join(timeout=max(0.1, deadline - time.monotonic()))
