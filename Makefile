@@ -6,7 +6,7 @@ PROTOC := $(PY) -m grpc_tools.protoc
 
 .PHONY: demo test lint bench proto clean
 
-$(STAMP): pyproject.toml setup.py constraints.txt service/samplers/_kernels.c
+$(STAMP): pyproject.toml setup.py constraints.txt service/kernels/_kernels.c
 	python3 -m venv $(VENV)
 	# PIP_CONSTRAINT also pins what pip's isolated build of the C kernels compiles against (numpy).
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev]'
@@ -27,4 +27,4 @@ proto: $(STAMP)
 	$(PROTOC) -Iservice/wire=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/replay.proto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build service/samplers/_kernels.*.so
+	rm -rf $(VENV) .pytest_cache .ruff_cache build service/kernels/_kernels.*.so

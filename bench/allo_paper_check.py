@@ -63,7 +63,8 @@ from client import ReplayClient
 from client.gridworld import GridWorld, cosine_similarities
 from client.loader import to_tensors
 from client.trainers.allo import AlloTrainer
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
+from service.wire.components import Geometric, States
 
 SampleFn = Callable[[str, int], dict[str, np.ndarray]]
 
@@ -285,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             batch = episodes[start:start + 500]
             client.insert_episodes("rooms", batch, [False] * len(batch))  # time-limited walks: truncated
         streams = {
-            "geometric": client.sample_stream("rooms", args.batch_size, "geometric", discount=args.discount,
+            "geometric": client.sample_stream("rooms", args.batch_size, Geometric(discount=args.discount),
                                               seed=args.seed),
-            "states": client.sample_stream("rooms", args.batch_size, "states", seed=args.seed + 1),
+            "states": client.sample_stream("rooms", args.batch_size, States(), seed=args.seed + 1),
         }
         return report(args, env, lambda kind, batch_size: next(streams[kind]), data, started)
 

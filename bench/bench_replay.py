@@ -53,9 +53,10 @@ from bench.baselines.seed000_sampler import SeedEpisodicReplayBuffer
 from bench.timing import time_calls
 from client.replay_client import ReplayClient, Span, spans_requests
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.samplers.geometric import GeometricMode
-from service.samplers.transitions import TransitionsMode
+from service.modes.geometric import GeometricMode
+from service.modes.transitions import TransitionsMode
 from service.schema import Field
+from service.wire.components import Transitions
 
 MB = 1e6
 DISCOUNT = 0.99
@@ -191,7 +192,7 @@ def drawn_rows(buffer: EpisodicBuffer, batch: int, mode: TransitionsMode | Geome
             continue
         index_set = (rows, (rows + 1) % capacity)
         if mode.n_step > 1:
-            _, bounds, _ = buffer.episode_bounds(keys)
+            _, bounds, _ = buffer.ring.episode_bounds(keys)
             index_set += ((rows + np.minimum(mode.n_step, bounds - keys)) % capacity,)
         out.append(index_set)
     return out
@@ -241,7 +242,7 @@ def bench_in_process(profile: Profile, quick: bool) -> list[dict]:
         ]
         for label, mode, seed_loop, seed_vec in cases:
             case = f"{profile.name} {label} batch={batch} cap={capacity}"
-            bare = bare_gathers(buffer.columns, isinstance(mode, GeometricMode),
+            bare = bare_gathers(buffer.ring.columns, isinstance(mode, GeometricMode),
                                 drawn_rows(buffer, batch, mode, 2 * (calls + warmup), np.random.default_rng(7)))
             timed = time_calls({"ours": lambda m=mode: buffer.sample(batch, m, sample_rng), **bare,
                                 "seed000_vectorized": seed_vec}, calls, warmup)
@@ -397,11 +398,11 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                     cpu = server_cpu.read()
                     start = time.perf_counter()
                     if how == "sample_stream":
-                        for batch in client.sample_stream(name, batch_size, "transitions", num_batches=count):
+                        for batch in client.sample_stream(name, batch_size, Transitions(), num_batches=count):
                             total += batch_nbytes(batch)
                     else:
                         for _ in range(count):
-                            total += batch_nbytes(client.sample(name, batch_size, "transitions"))
+                            total += batch_nbytes(client.sample(name, batch_size, Transitions()))
                     elapsed = time.perf_counter() - start
                     return elapsed, total, (server_cpu.read() - cpu) / elapsed
 

@@ -28,7 +28,8 @@ from client.replay_client import ReplayClient
 from client.trainers.allo import AlloTrainer, default_single_call
 from client.trainers.dqn import DQNTrainer
 from client.trainers.ppo import PPOTrainer
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
+from service.wire.components import Transitions
 
 N_ACTIONS = 2  # the DQN learner's CartPole-sized network
 LOADER_PROFILES = {  # name: (schema, batch size, capacity)
@@ -154,7 +155,7 @@ def loader_records(dev: torch.device, batches: int, warmup: int, instance: str |
             for name, (schema, batch_size, capacity) in LOADER_PROFILES.items():
                 client.create_buffer(name, capacity, schema)
                 _fill(client, name, schema, capacity, rng)
-                loader = Loader(client.sample_stream(name, batch_size, "transitions", num_batches=warmup + batches),
+                loader = Loader(client.sample_stream(name, batch_size, Transitions(), num_batches=warmup + batches),
                                 device=dev)
                 try:
                     elapsed, nbytes, landed = _timed_batches(iter(loader), batches, warmup, dev)
@@ -167,7 +168,7 @@ def loader_records(dev: torch.device, batches: int, warmup: int, instance: str |
             # A DQN learner as the demo runs one: the stream, the loader, one trainer step per batch.
             schema, batch_size, _ = LOADER_PROFILES["cartpole"]
             dqn = DQNTrainer(4, N_ACTIONS, double=True, device=dev)
-            loader = Loader(client.sample_stream("cartpole", batch_size, "transitions", n_step=3,
+            loader = Loader(client.sample_stream("cartpole", batch_size, Transitions(n_step=3),
                                                  num_batches=warmup + batches), device=dev)
             try:
                 elapsed, _, _ = _timed_batches(_trained(dqn, loader), batches, warmup, dev)

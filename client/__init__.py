@@ -1,6 +1,19 @@
-"""replayd client library: ReplayClient, EpisodeWriter; torch only in client.trainers and the loader."""
+"""replayd client library: ReplayClient, EpisodeWriter and the typed options of buffers and batch modes;
+torch only in client.trainers and the loader."""
 
 from client.episode_writer import EpisodeWriter
 from client.replay_client import ReplayClient
+from service.wire.components import (
+    Fifo,
+    Geometric,
+    MaxTimesSampled,
+    MinSize,
+    Prioritized,
+    SampleToInsertRatio,
+    States,
+    Transitions,
+    Uniform,
+)
 
-__all__ = ["EpisodeWriter", "ReplayClient"]
+__all__ = ["EpisodeWriter", "Fifo", "Geometric", "MaxTimesSampled", "MinSize", "Prioritized", "ReplayClient",
+           "SampleToInsertRatio", "States", "Transitions", "Uniform"]

@@ -12,20 +12,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 import numpy as np
 
 from client.polling import never, wait_until
 from client.replay_client import ReplayClient
-from service.buffers.ring import EpisodicRing
+from service import components
+from service.buffers.reader import RingReader
 from service.errors import DeadlineExceeded, InvalidArgument, NotFound
-from service.samplers.geometric import GeometricMode
-from service.samplers.modes import BatchMode
-from service.samplers.states import StatesMode
-from service.samplers.transitions import TransitionsMode
+from service.modes.base import BatchMode
 from service.storage.shared_arrays import segment_identity
+from service.wire.components import ModeOptions, Transitions
 
 CHECK_EVERY = 0.05  # seconds between checks that the buffer still exists on the server
 
@@ -50,16 +48,12 @@ class LocalStream:
         self._closed.set()
 
 
-def batch_mode(mode: str, n_step: int = 1, gamma: float = 0.99, discount: float | None = None) -> BatchMode:
-    if mode == "transitions":
-        return TransitionsMode(n_step, gamma)
-    if mode == "geometric":
-        if discount is None:
-            raise ValueError("mode='geometric' needs discount=")
-        return GeometricMode(discount)
-    if mode == "states":
-        return StatesMode()
-    raise ValueError(f"mode must be transitions, geometric or states, got {mode!r}")
+def batch_mode(mode: ModeOptions) -> BatchMode:
+    """The batch mode these options configure (the same class the server builds)."""
+    if not isinstance(mode, ModeOptions):
+        raise InvalidArgument(f"mode: expected a batch mode's options (Transitions(), Geometric(discount=...), "
+                              f"...), got {mode!r}")
+    return components.build(mode)
 
 
 def _on_server(client: ReplayClient, buffer: str) -> bool:
@@ -94,7 +88,7 @@ class LocalReader:
                 "container or IPC namespace?); sample it over gRPC"
             )
         try:
-            self.ring = EpisodicRing.attach(self._segment)
+            self.ring = RingReader.attach(self._segment)
         except FileNotFoundError:
             raise deleted from None
         self.torn_redraws = 0
@@ -135,31 +129,30 @@ class LocalReader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def sample(self, batch_size: int, mode: str = "transitions", *, seed: int | None = None,
+    def sample(self, batch_size: int, mode: ModeOptions = Transitions(), *, seed: int | None = None,
                include_keys: bool = False, importance_beta: float = 0.0, wait: bool = False,
-               timeout: float | None = None, **options: Any) -> dict[str, np.ndarray]:
+               timeout: float | None = None) -> dict[str, np.ndarray]:
         """Same arguments and batch format as ReplayClient.sample (fresh arrays, not views). `wait`: an empty
         buffer is polled for data until `timeout` seconds (None: no limit) instead of failing at once."""
         self._check_current()
         if wait:
             self._wait_for_data(timeout)
         rng = np.random.default_rng(seed) if seed is not None else self._rng
-        batch, torn = self.ring.sample_shared(batch_size, batch_mode(mode, **options), rng, include_keys,
+        batch, torn = self.ring.sample_shared(batch_size, batch_mode(mode), rng, include_keys,
                                               importance_beta)
         self.torn_redraws += torn
         return batch
 
-    def sample_stream(self, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
+    def sample_stream(self, batch_size: int, mode: ModeOptions = Transitions(), num_batches: int = 0, *,
                       seed: int | None = None, include_keys: bool = False, importance_beta: float = 0.0,
-                      wait: bool = False, timeout: float | None = None,
-                      **options: Any) -> LocalStream:
+                      wait: bool = False, timeout: float | None = None) -> LocalStream:
         """Batches until `num_batches` (0: forever); one random stream, so a seeded stream is reproducible.
         `wait` and `timeout` as in `sample`, for the first batch."""
         if isinstance(num_batches, bool) or not isinstance(num_batches, int | np.integer) or num_batches < 0:
             raise InvalidArgument(f"sample_stream: num_batches expected an integer >= 0 (0 = until closed), "
                                   f"got {num_batches!r}")
         rng = np.random.default_rng(seed)
-        chosen = batch_mode(mode, **options)
+        chosen = batch_mode(mode)
 
         def batches(stopped: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
             if wait and not self._wait_for_data(timeout, stopped):

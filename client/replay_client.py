@@ -6,7 +6,6 @@ Only the wire contract (proto + codec) is shared with the server; no torch is im
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import math
 import os
@@ -22,10 +21,21 @@ import numpy as np
 
 from client.batch_stream import BatchStream
 from client.retries import cut_short_by_deadline, server_retry_after
-from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.wire import codec
+from service.wire import components as options
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from service.wire.components import (
+    Fifo,
+    MinSize,
+    ModeOptions,
+    RateLimiterOptions,
+    RemoverOptions,
+    SamplerOptions,
+    Transitions,
+    Uniform,
+)
 from service.wire.frames import InsertFrame, sample_response_batch, serialize_insert
 
 Schema = Mapping[str, tuple[str, tuple[int, ...]]]
@@ -44,20 +54,6 @@ def _give_up(timeout: float | None) -> float | None:
 def _left(give_up: float | None) -> float | None:
     """Seconds left until `give_up` (None: no deadline), 0 once it has passed."""
     return None if give_up is None else max(give_up - time.monotonic(), 0.0)
-
-
-class _Unset(enum.Enum):
-    """An option the caller did not pass: its default applies. None cannot serve, since None is refused (a
-    protobuf field set to None is "not set" and gets the field's default, not what the caller asked for)."""
-
-    UNSET = enum.auto()
-
-
-_UNSET = _Unset.UNSET
-# What sample_request sends for an n_step / gamma not passed (transitions mode).
-DEFAULT_N_STEP = 1
-DEFAULT_GAMMA = 0.99
-DEFAULT_ALPHA = 0.6  # what create_buffer sends for a prioritized sampler's alpha not passed
 
 
 def is_int(value: Any) -> bool:
@@ -146,11 +142,25 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "missing_steps": info.missing_steps,
         "rollout_complete": info.rollout_complete,
         "sample_endpoints": list(info.sample_endpoints),
-        # A sample that counts draws (max_times_sampled) or feeds a rate limiter is no idempotent call.
-        "sampling_changes_state": which == "episodic" and (
-            config.remover.WhichOneof("kind") == "max_times_sampled" or config.HasField("rate_limiter")),
-    } | ({"num_steps": config.num_steps, "num_envs": config.num_envs, "gamma": config.gamma,
-          "gae_lambda": config.gae_lambda} if which == "rollout" else {})
+    } | (_episodic_components(config) if which == "episodic" else
+         {"num_steps": config.num_steps, "num_envs": config.num_envs, "gamma": config.gamma,
+          "gae_lambda": config.gae_lambda, "sampling_changes_state": False})
+
+
+def _episodic_components(config: pb.EpisodicConfig) -> dict[str, Any]:
+    """A description's sampler, remover and rate limiter as typed options."""
+    sampler = options.from_proto("sampler", config.sampler, Uniform())
+    remover = options.from_proto("remover", config.remover, Fifo())
+    rate_limiter = options.from_proto("rate_limiter", config.rate_limiter, MinSize())
+    # A sample that counts draws (max_times_sampled) or moves a limiter's balance is no idempotent call.
+    return {"sampler": sampler, "remover": remover, "rate_limiter": rate_limiter,
+            "sampling_changes_state": options.sampling_changes_state(remover, rate_limiter)}
+
+
+def _expect(role: str, value: Any, kind: type, examples: str) -> None:
+    """Refuses an option of the wrong role (a string, a dict, another role's options) by name."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{role}: expected {examples}, got {value!r}")
 
 
 @dataclass
@@ -504,25 +514,21 @@ class ReplayClient:
         schema: Schema,
         observation_fields: Sequence[str] = ("obs",),
         reward_field: str | None = None,
-        sampler: str = "uniform",
-        alpha: float | _Unset = _UNSET,
-        remover: str = "fifo",
-        max_times_sampled: int = 0,
-        rate_limiter: Mapping[str, float] | None = None,
+        sampler: SamplerOptions = Uniform(),
+        remover: RemoverOptions = Fifo(),
+        rate_limiter: RateLimiterOptions = MinSize(),
     ) -> dict[str, Any]:
         """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape).
 
         reward_field: the per-step reward for n-step returns (None: the field named "reward", if any).
-        sampler: "uniform" or "prioritized" (P(i) ~ p_i^alpha; alpha 0.6 unless given, and refused with the
-        uniform sampler). remover: "fifo" or "max_times_sampled"
-        (a step is retired after `max_times_sampled` draws; a nonzero `max_times_sampled` with another remover
-        is refused). rate_limiter: dict of min_size_to_sample,
-        samples_per_insert, error_buffer (Reverb's SampleToInsertRatio).
+        sampler: Uniform() or Prioritized(alpha=0.6). remover: Fifo() or MaxTimesSampled(k) (a step is retired
+        after k draws). rate_limiter: MinSize(n) or SampleToInsertRatio(samples_per_insert, min_size_to_sample,
+        error_buffer) (Reverb's limiters). All from `replayd`'s options (service/wire/components.py).
         """
-        _refuse_none(capacity_steps=capacity_steps, alpha=alpha, max_times_sampled=max_times_sampled)
-        if alpha is not _UNSET and sampler != "prioritized":
-            raise ValueError(f"alpha: only valid with sampler='prioritized', got alpha={alpha!r} with "
-                             f"sampler={sampler!r}")
+        _refuse_none(capacity_steps=capacity_steps)
+        _expect("sampler", sampler, SamplerOptions, "Uniform() or Prioritized(alpha=...)")
+        _expect("remover", remover, RemoverOptions, "Fifo() or MaxTimesSampled(k)")
+        _expect("rate_limiter", rate_limiter, RateLimiterOptions, "MinSize(n) or SampleToInsertRatio(...)")
         unknown = set(observation_fields) - set(schema)
         if unknown:
             raise ValueError(f"observation_fields {sorted(unknown)} are not in the schema {sorted(schema)}")
@@ -531,36 +537,14 @@ class ReplayClient:
             for n, (dtype, shape) in schema.items()
         ]
         config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field or "",
-                                   **self._components(sampler, alpha, remover, max_times_sampled, rate_limiter))
+                                   sampler=sampler.to_proto(), remover=remover.to_proto(),
+                                   rate_limiter=rate_limiter.to_proto())
         info = _info_to_dict(self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config),
                                                      timeout=self.timeout))
         self._observation_fields[name] = tuple(observation_fields)
         self._forget_sampling(name)
         self._stateful_sampling[name] = info["sampling_changes_state"]
         return info
-
-    @staticmethod
-    def _components(sampler: str, alpha: float | _Unset, remover: str, max_times_sampled: int,
-                    rate_limiter: Mapping[str, float] | None) -> dict[str, Any]:
-        if sampler not in ("uniform", "prioritized"):
-            raise ValueError(f"sampler must be uniform or prioritized, got {sampler!r}")
-        if remover not in ("fifo", "max_times_sampled"):
-            raise ValueError(f"remover must be fifo or max_times_sampled, got {remover!r}")
-        if remover != "max_times_sampled" and max_times_sampled != 0:  # 0, the default: none given
-            raise ValueError(f"max_times_sampled: only valid with remover='max_times_sampled', got "
-                             f"max_times_sampled={max_times_sampled!r} with remover={remover!r}")
-        components: dict[str, Any] = {
-            "sampler": pb.SamplerConfig(prioritized=pb.PrioritizedSampler(
-                alpha=DEFAULT_ALPHA if alpha is _UNSET else alpha)) if sampler == "prioritized"
-            else pb.SamplerConfig(uniform=pb.UniformSampler()),
-            "remover": pb.RemoverConfig(
-                max_times_sampled=pb.MaxTimesSampledRemover(max_times_sampled=max_times_sampled))
-            if remover == "max_times_sampled" else pb.RemoverConfig(fifo=pb.FifoRemover()),
-        }
-        if rate_limiter is not None:
-            _refuse_none(**{f"rate_limiter[{key!r}]": value for key, value in rate_limiter.items()})
-            components["rate_limiter"] = pb.RateLimiterConfig(**rate_limiter)
-        return components
 
     def delete_buffer(self, name: str) -> None:
         self._forget_sampling(name)
@@ -714,40 +698,24 @@ class ReplayClient:
 
     # ---------------------------------------------------------------- sampling
     @staticmethod
-    def sample_request(buffer: str, batch_size: int, mode: str = "transitions", n_step: int | _Unset = _UNSET,
-                       gamma: float | _Unset = _UNSET, discount: float | None = None, seed: int | None = None,
+    def sample_request(buffer: str, batch_size: int, mode: ModeOptions = Transitions(), seed: int | None = None,
                        include_keys: bool = False, wait: bool = False,
                        importance_beta: float = 0.0) -> pb.SampleRequest:
-        """`n_step` (default 1) and `gamma` (default 0.99) apply to mode="transitions" only, `discount` (required)
-        to mode="geometric" only: an option given for a mode that does not use it is refused, not ignored."""
-        _refuse_none(batch_size=batch_size, importance_beta=importance_beta,
-                     **{name: value for name, value in (("n_step", n_step), ("gamma", gamma)) if value is not _UNSET})
-        if mode not in ("transitions", "geometric", "states"):
-            raise ValueError(f"mode must be transitions, geometric or states, got {mode!r}")
-        for name, value, used_by in (("n_step", n_step, "transitions"), ("gamma", gamma, "transitions"),
-                                     ("discount", discount, "geometric")):
-            if value is not _UNSET and value is not None and mode != used_by:
-                raise ValueError(f"{name}: only valid with mode={used_by!r}, got {name}={value!r} with mode={mode!r}")
-        request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, include_keys=include_keys, wait=wait,
-                                   importance_beta=importance_beta)
+        """`mode`: Transitions(n_step=..., gamma=...), Geometric(discount=...), States(), ... (validated where
+        constructed)."""
+        _refuse_none(batch_size=batch_size, importance_beta=importance_beta)
+        _expect("mode", mode, ModeOptions, "a batch mode's options (Transitions(), Geometric(discount=...), ...)")
+        request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, mode=mode.to_proto(),
+                                   include_keys=include_keys, wait=wait, importance_beta=importance_beta)
         if seed is not None:
             request.seed = seed
-        if mode == "transitions":
-            request.transitions.CopyFrom(pb.TransitionsMode(
-                n_step=DEFAULT_N_STEP if n_step is _UNSET else n_step,
-                gamma=DEFAULT_GAMMA if gamma is _UNSET else gamma))
-        elif mode == "geometric":
-            if discount is None:
-                raise ValueError("mode='geometric' needs discount=")
-            request.geometric.CopyFrom(pb.GeometricMode(discount=discount))
-        else:
-            request.states.CopyFrom(pb.StatesMode())
         return request
 
-    def sample(self, buffer: str, batch_size: int, mode: str = "transitions", *, timeout: float | None = None,
-               **options: Any) -> dict[str, np.ndarray]:
-        """One batch as read-only numpy arrays (views into the received bytes)."""
-        request = self.sample_request(buffer, batch_size, mode, **options)
+    def sample(self, buffer: str, batch_size: int, mode: ModeOptions = Transitions(), *,
+               timeout: float | None = None, **request_options: Any) -> dict[str, np.ndarray]:
+        """One batch as read-only numpy arrays (views into the received bytes). `request_options`: seed,
+        include_keys, wait, importance_beta (see sample_request)."""
+        request = self.sample_request(buffer, batch_size, mode, **request_options)
         # The first sample of a buffer asks the server about it: within the sample's timeout, which covers
         # that describe, the sample and its retries.
         give_up = _give_up(self._deadline(timeout))
@@ -780,8 +748,8 @@ class ReplayClient:
         response = self._stub.UpdatePriorities(request, timeout=self._deadline(timeout))
         return response.applied, response.ignored_stale
 
-    def sample_stream(self, buffer: str, batch_size: int, mode: str = "transitions", num_batches: int = 0, *,
-                      timeout: float | None = None, **options: Any) -> BatchStream:
+    def sample_stream(self, buffer: str, batch_size: int, mode: ModeOptions = Transitions(), num_batches: int = 0, *,
+                      timeout: float | None = None, **request_options: Any) -> BatchStream:
         """Batches from one server stream; HTTP/2 flow control keeps several in flight (and, for buffers whose
         sampling counts nothing (no max_times_sampled remover, no rate limiter), the server samples the next
         batch while it sends one). Each batch is decoded without a copy: numpy views of the message.
@@ -790,7 +758,7 @@ class ReplayClient:
         """
         _refuse_none(num_batches=num_batches)
         request = pb.SampleStreamRequest(
-            request=self.sample_request(buffer, batch_size, mode, **options), num_batches=num_batches
+            request=self.sample_request(buffer, batch_size, mode, **request_options), num_batches=num_batches
         )
 
         def open_call(remaining: float | None) -> grpc.Call:

@@ -13,13 +13,13 @@ import signal
 import threading
 from pathlib import Path
 
-from service.buffers.ring import lock_free_host
+from service.buffers.reader import lock_free_host
 from service.errors import FailedPrecondition, ReplayError
-from service.grpc_server.auth import check_bind, check_token
-from service.grpc_server.server import ReplayServer
 from service.schema import check_instance_name
+from service.server import ReplayServer
 from service.storage.instance_lock import InstanceLock
 from service.storage.shared_arrays import SHM_DIR, remove_segment, segments
+from service.tokens import check_bind, check_token
 
 
 def tune_allocator() -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from service.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from service.buffers.episodic import Spans
+    from service.buffers.planner import Spans
 
 DEFAULT_WINDOW = 65_536
 UNKNOWN = -1  # offset of a span inserted without offsets: never deduplicated

@@ -5,8 +5,8 @@ class ReplayError(Exception):
     """Base class: the message names the field, what was expected and what was got."""
 
 
-class InvalidArgument(ReplayError):
-    pass
+class InvalidArgument(ReplayError, ValueError):
+    """A request field out of its domain; a ValueError too, so that callers of the client catch it as one."""
 
 
 class NotFound(ReplayError):

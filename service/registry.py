@@ -7,7 +7,7 @@ import threading
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.rollout import RolloutBuffer
 from service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from service.limiters import WorkerSeats
+from service.worker_seats import WorkerSeats
 
 Buffer = EpisodicBuffer | RolloutBuffer
 # Buffers one server holds at most: each keeps 4 file descriptors open (its two segments), so without a bound

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from client import ReplayClient
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 
 TEST_INSTANCE = f"test{os.getpid()}"
 _servers = itertools.count()

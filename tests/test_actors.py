@@ -24,6 +24,7 @@ from client.params import module_to_bytes
 from client.polling import wait_until
 from client.trainers.dqn import QNetwork
 from client.trainers.ppo import ActorCritic
+from service.wire.components import States, Transitions
 from tests.test_episode_writer import unreachable_for_first_inserts
 
 BUDGET = 120.0  # the actors' own --seconds: far longer than these tests may take
@@ -84,7 +85,7 @@ def test_actors_started_alike_write_different_episodes(client: ReplayClient) -> 
     for _ in range(2):
         actor_main(["--algo", "allo", "--address", client.address, "--episodes", "5"])
     assert client.describe("fourrooms")["episodes"] == 10
-    batch = client.sample("fourrooms", 20_000, "states", include_keys=True)
+    batch = client.sample("fourrooms", 20_000, States(), include_keys=True)
     walks = {}
     for episode_id, key, obs in zip(batch["episode_id"].tolist(), batch["key"].tolist(), batch["obs"], strict=True):
         walks.setdefault(episode_id, {})[key] = tuple(obs.tolist())
@@ -166,7 +167,7 @@ def test_a_truncated_episode_is_stored_truncated_and_keeps_its_bootstrap(client:
     _record(recorder, 3, first=0, terminated=False)
     _record(recorder, 3, first=100, terminated=True)
     assert recorder.close() == 2
-    batch = client.sample("b", 256, seed=0, n_step=1, gamma=0.9)
+    batch = client.sample("b", 256, mode=Transitions(n_step=1, gamma=0.9), seed=0)
     last_of_truncated, last_of_terminated = batch["next_obs"][:, 0] == 3, batch["next_obs"][:, 0] == 103
     assert last_of_truncated.any() and last_of_terminated.any()
     np.testing.assert_array_equal(batch["truncated"], last_of_truncated)

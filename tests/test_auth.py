@@ -16,7 +16,7 @@ import pytest
 
 from client import ReplayClient
 from service.cli import main as cli_main
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
 
 TOKEN = "s3cret-token"
@@ -93,7 +93,7 @@ def test_serve_refuses_a_non_loopback_host_without_token(host: str, monkeypatch:
 
 
 def test_serve_bind_rule_accepts_token_flag_or_loopback() -> None:
-    from service.grpc_server.auth import check_bind
+    from service.tokens import check_bind
 
     check_bind("0.0.0.0", "token", insecure_bind_all=False)
     check_bind("0.0.0.0", None, insecure_bind_all=True)

@@ -26,11 +26,12 @@ from client.replay_client import Span, spans_request
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.checkpoint import LATEST, MANIFEST, latest_checkpoint, restore_checkpoint, write_checkpoint
 from service.errors import FailedPrecondition, Unavailable
-from service.grpc_server.server import ReplayServer
+from service.modes.transitions import TransitionsMode
 from service.registry import BufferRegistry
-from service.samplers.transitions import TransitionsMode
 from service.schema import Field
+from service.server import ReplayServer
 from service.storage.shared_arrays import segments
+from service.wire.components import Prioritized, SampleToInsertRatio, Transitions
 from tests.conftest import TEST_INSTANCE, rpc_status
 
 SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -79,7 +80,7 @@ def assert_same_batches(first: list[dict[str, np.ndarray]], second: list[dict[st
 
 def samples(client: ReplayClient) -> dict[str, list[dict[str, np.ndarray]]]:
     return {
-        "uni": [client.sample("uni", 16, n_step=3, seed=seed, include_keys=True) for seed in (1, 2)],
+        "uni": [client.sample("uni", 16, mode=Transitions(n_step=3), seed=seed, include_keys=True) for seed in (1, 2)],
         "pri": [client.sample("pri", 16, seed=seed, include_keys=True, importance_beta=0.5) for seed in (1, 2)],
         "ppo": list(client.rollout_minibatches("ppo", 3, epochs=2, seed=5)),
     }
@@ -90,9 +91,9 @@ def test_round_trip_through_grpc(tmp_path: Path) -> None:
     instance = new_instance()
     with ReplayServer("127.0.0.1:0", instance=instance, checkpoint_dir=str(tmp_path)) as server, \
             ReplayClient(server.address, timeout=20) as client:
-        client.create_buffer("uni", 200, SCHEMA, rate_limiter={"min_size_to_sample": 5, "samples_per_insert": 1.0,
-                                                               "error_buffer": 500})
-        client.create_buffer("pri", 200, SCHEMA, sampler="prioritized", alpha=0.7)
+        client.create_buffer("uni", 200, SCHEMA,
+                             rate_limiter=SampleToInsertRatio(1.0, min_size_to_sample=5, error_buffer=500))
+        client.create_buffer("pri", 200, SCHEMA, sampler=Prioritized(alpha=0.7))
         client.create_rollout_buffer("ppo", T, N, ROLLOUT_SCHEMA, gamma=0.9, gae_lambda=0.8)
         for name in ("uni", "pri"):
             client.insert_episodes(name, [episode(rng, n) for n in (5, 9, 3, 12)], [True, False, True, True])

@@ -10,7 +10,7 @@ import pytest
 
 from service import cli
 from service.cli import main as cli_main
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
 
 

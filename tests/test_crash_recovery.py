@@ -17,12 +17,13 @@ import pytest
 
 from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.reader import RingReader
 from service.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
 from service.dedup import RECOVERED_WHOLE
 from service.errors import FailedPrecondition
+from service.modes.transitions import TransitionsMode
 from service.removers import MaxTimesSampledRemover
 from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 from service.storage.shared_arrays import remove_segment, segments
 from tests.conftest import TEST_INSTANCE, free_port
@@ -83,18 +84,18 @@ def assert_untorn(ring: EpisodicRing, episodes: dict[int, tuple[int, int, bool]]
 
 
 def crash_inside(buffer: EpisodicBuffer, method: str, monkeypatch: pytest.MonkeyPatch, after: bool = False) -> None:
-    original = getattr(buffer, method)
+    original = getattr(buffer.writer, method)
 
     def dies(*args, **kwargs):
         if after:
             original(*args, **kwargs)
         raise Crash(method)
 
-    monkeypatch.setattr(buffer, method, dies)
+    monkeypatch.setattr(buffer.writer, method, dies)
 
 
 @pytest.mark.parametrize(("method", "after"), [("_write_block", False), ("_write_block", True),
-                                              ("_write_rows", False), ("_evict_before", True),
+                                              ("write_rows", False), ("evict_before", True),
                                               ("_kill_extent", False), ("_write_extent_rows", True)])
 def test_writer_killed_mid_insert_is_repaired(method: str, after: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     with segments_removed(f"rpd_{TEST_INSTANCE}_crash"):
@@ -117,11 +118,11 @@ def test_writer_killed_mid_insert_is_repaired(method: str, after: bool, monkeypa
         buffer.storage.close()  # the process is gone; the segments stay
 
         with closing(EpisodicBuffer.recover(header)) as recovered:
-            ring_episodes = live_episodes(recovered)
-            assert_untorn(recovered, {k: v for k, v in ring_episodes.items() if not v[2]})
+            ring_episodes = live_episodes(recovered.ring)
+            assert_untorn(recovered.ring, {k: v for k, v in ring_episodes.items() if not v[2]})
             assert 100 in ring_episodes and ring_episodes[100][2]  # the open episode survived, once
             start, last, _ = ring_episodes[100]
-            np.testing.assert_array_equal(recovered.columns["obs"][np.arange(start, last + 1) % 200][:, 0], 100)
+            np.testing.assert_array_equal(recovered.ring.columns["obs"][np.arange(start, last + 1) % 200][:, 0], 100)
             assert recovered.stored_steps == sum(last - start + 1 for start, last, _ in ring_episodes.values())
             # Whatever the interrupted insert did not commit is gone; everything older is intact or evicted whole.
             for episode_id in set(ring_episodes) - {100}:
@@ -186,12 +187,12 @@ def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
         for thread in actors:
             thread.join(timeout=120)
         assert not errors, errors
-        ring = EpisodicRing.attach(f"rpd_{instance}_fault")
+        ring = RingReader.attach(f"rpd_{instance}_fault")
         try:
-            stored = live_episodes(ring)  # fails if any episode is stored twice
+            stored = live_episodes(ring.ring)  # fails if any episode is stored twice
             acked = {e for ids in acknowledged for e in ids}
             assert acked <= set(stored), f"{len(acked - set(stored))} acknowledged episodes lost"
-            assert_untorn(ring, stored)
+            assert_untorn(ring.ring, stored)
             assert not any(is_open for _, _, is_open in stored.values())
         finally:
             ring.close()
@@ -204,7 +205,7 @@ def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
 
 
 def test_inconsistent_segments_fall_back_to_the_latest_checkpoint(tmp_path) -> None:
-    from service.grpc_server.server import ReplayServer
+    from service.server import ReplayServer
     from service.storage.shared_arrays import SharedArrays
 
     instance = f"{TEST_INSTANCE}fallback"
@@ -246,7 +247,7 @@ def test_inconsistent_segments_fall_back_to_the_latest_checkpoint(tmp_path) -> N
             os.unlink(f"/dev/shm/{name}")
 
 
-@pytest.mark.parametrize(("method", "after"), [("_write_rows", False), ("_write_rows", True),
+@pytest.mark.parametrize(("method", "after"), [("write_rows", False), ("write_rows", True),
                                               ("_rows_written", False)])
 def test_writer_killed_while_the_head_episode_grows_in_place(method: str, after: bool,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,12 +265,12 @@ def test_writer_killed_while_the_head_episode_grows_in_place(method: str, after:
         buffer.storage.close()
 
         with closing(EpisodicBuffer.recover(header)) as recovered:
-            ring_episodes = live_episodes(recovered)
+            ring_episodes = live_episodes(recovered.ring)
             assert set(ring_episodes) == {1, 100} and ring_episodes[100][2]
-            assert_untorn(recovered, {1: ring_episodes[1]})
+            assert_untorn(recovered.ring, {1: ring_episodes[1]})
             start, last, _ = ring_episodes[100]
             assert last - start + 1 in (5, 35)  # the chunk landed whole or not at all
-            np.testing.assert_array_equal(recovered.columns["obs"][np.arange(start, last + 1) % 200][:, 0], 100)
+            np.testing.assert_array_equal(recovered.ring.columns["obs"][np.arange(start, last + 1) % 200][:, 0], 100)
             recovered.insert(*chunk(100, 3, False, True, last - start + 1))
             assert recovered.sample(16, TransitionsMode(1, 0.9), np.random.default_rng(0))["obs"].shape == (16, 2)
 
@@ -292,28 +293,28 @@ def test_writer_killed_while_closing_an_episode_in_place(bounds_written: bool,
         header = buffer.storage.header_name
         buffer.insert(*span_at(100, 5, True, False, 0))  # open, with room for 10 rows
         buffer.insert(*whole(1, 10))
-        original = buffer._set_ring
+        original = buffer.writer.set_ring
 
         def dies(array: np.ndarray, pos: int, values: np.ndarray) -> None:
-            if array is buffer.row_end and values[0] >= 0:  # the closing bounds
+            if array is buffer.ring.row_end and values[0] >= 0:  # the closing bounds
                 if bounds_written:
                     original(array, pos, values)
                 raise Crash("close")
             original(array, pos, values)
 
-        monkeypatch.setattr(buffer, "_set_ring", dies)
+        monkeypatch.setattr(buffer.writer, "set_ring", dies)
         with pytest.raises(Crash):
             buffer.insert(*span_at(100, 3, False, True, 5))
         monkeypatch.undo()
         buffer.storage.close()
 
         with closing(EpisodicBuffer.recover(header)) as recovered:
-            assert live_episodes(recovered) == {100: (0, 4, True), 1: (10, 20, False)}
+            assert live_episodes(recovered.ring) == {100: (0, 4, True), 1: (10, 20, False)}
             assert recovered.episodes == 1 and recovered.stored_steps == 16
             assert recovered.insert_result(*span_at(100, 3, False, True, 5)).completed == 1
-            ring_episodes = live_episodes(recovered)
+            ring_episodes = live_episodes(recovered.ring)
             assert ring_episodes[100] == (0, 7, False)
-            assert_untorn(recovered, ring_episodes)
+            assert_untorn(recovered.ring, ring_episodes)
 
 
 def test_writer_killed_after_a_closing_move_keeps_the_episode_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,12 +332,12 @@ def test_writer_killed_after_a_closing_move_keeps_the_episode_once(monkeypatch: 
         buffer.storage.close()
 
         with closing(EpisodicBuffer.recover(header)) as recovered:
-            assert live_episodes(recovered) == {1: (10, 20, False), 100: (21, 45, False)}  # fails on a second copy
+            assert live_episodes(recovered.ring) == {1: (10, 20, False), 100: (21, 45, False)}  # fails on a second copy
             assert recovered.episodes == 2 and recovered.stored_steps == 36 and recovered.open_episodes == 0
             result = recovered.insert_result(*span_at(100, 20, False, True, 5))  # the unacknowledged retry
             assert (result.completed, result.duplicate_spans) == (1, 1)
-            assert live_episodes(recovered) == {1: (10, 20, False), 100: (21, 45, False)}
-            assert_untorn(recovered, live_episodes(recovered))
+            assert live_episodes(recovered.ring) == {1: (10, 20, False), 100: (21, 45, False)}
+            assert_untorn(recovered.ring, live_episodes(recovered.ring))
 
 
 def test_writer_killed_between_the_two_tail_stores_of_an_eviction() -> None:
@@ -348,15 +349,16 @@ def test_writer_killed_between_the_two_tail_stores_of_an_eviction() -> None:
         header = buffer.storage.header_name
         for episode_id in range(3):
             buffer.insert(*whole(episode_id, 15))  # rows 0..47
-        state = buffer.state
-        state[6] = buffer.extent_start[(int(state[1]) + 1) % buffer.extent_slots]  # TAIL_POS past episode 0 only
+        state = buffer.ring.state
+        ring = buffer.ring
+        state[6] = ring.extent_start[(int(state[1]) + 1) % ring.extent_slots]  # TAIL_POS past episode 0 only
         buffer.storage.close()
 
         with closing(EpisodicBuffer.recover(header)) as recovered:
-            assert live_episodes(recovered) == {1: (16, 31, False), 2: (32, 47, False)}
+            assert live_episodes(recovered.ring) == {1: (16, 31, False), 2: (32, 47, False)}
             assert recovered.episodes == 2 and recovered.stored_steps == 32 and recovered.sampleable_steps == 30
             recovered.insert(*whole(9, 30))  # rows 48..78: evicts episode 1 (rows 16..31) to make room
-            assert set(live_episodes(recovered)) == {2, 9}
+            assert set(live_episodes(recovered.ring)) == {2, 9}
             batch = recovered.sample(64, TransitionsMode(1, 0.9), np.random.default_rng(0), include_keys=True)
             np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
 
@@ -418,7 +420,7 @@ def test_recovery_clears_the_draw_counts_of_rows_that_hold_no_step(monkeypatch: 
                 recovered.insert(*whole(episode_id, 6))
                 counts = recovered.remover.times_sampled
                 steps = sum(int(np.count_nonzero(counts[np.arange(start, last) % 40] < 1))
-                            for start, last, _ in live_episodes(recovered).values())
+                            for start, last, _ in live_episodes(recovered.ring).values())
                 assert recovered.sampleable_steps == steps
 
 
@@ -455,7 +457,7 @@ def test_recovery_remembers_no_more_closed_episodes_than_the_dedup_window() -> N
 def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -> None:
     """--recover --restore DIR where DIR holds no checkpoint (a mistyped path, or a kill before the first
     one): the start fails, and it used to unlink the buffers it had just reattached, their only copy."""
-    from service.grpc_server.server import ReplayServer
+    from service.server import ReplayServer
     from service.storage.shared_arrays import SharedArrays
 
     instance = f"{TEST_INSTANCE}keep"
@@ -483,8 +485,8 @@ def test_recovery_restores_only_the_corrupt_buffers_from_the_checkpoint(tmp_path
     checkpoint; only the corrupt one comes back from it. Restoring every checkpointed buffer would roll the
     good one back, or (as its name is taken) fail the start."""
     from service.checkpoint import write_checkpoint
-    from service.grpc_server.server import ReplayServer
     from service.registry import BufferRegistry
+    from service.server import ReplayServer
     from service.storage.shared_arrays import SharedArrays
 
     instance = f"{TEST_INSTANCE}only"
@@ -507,7 +509,7 @@ def test_recovery_restores_only_the_corrupt_buffers_from_the_checkpoint(tmp_path
         server = ReplayServer("127.0.0.1:0", instance=instance, recover=True, **{checkpoint_from: str(tmp_path)})
         try:
             server.start()
-            stored = {name: set(live_episodes(server.registry.episodic(name))) for name in ("good", "bad")}
+            stored = {name: set(live_episodes(server.registry.episodic(name).ring)) for name in ("good", "bad")}
             assert stored == {"good": {7, 8}, "bad": {7}}
         finally:
             server.stop(grace=0)
@@ -518,8 +520,8 @@ def test_recover_on_an_emptied_dev_shm_restores_the_whole_checkpoint(tmp_path, c
     """After a reboot (or in a new container) no segment of the instance is left: --recover restored
     nothing, without a word, and periodic checkpoints of the empty server then pruned the good ones."""
     from service.checkpoint import write_checkpoint
-    from service.grpc_server.server import ReplayServer
     from service.registry import BufferRegistry
+    from service.server import ReplayServer
 
     instance = f"{TEST_INSTANCE}boot"
     with segments_removed(f"rpd_{instance}_"):
@@ -536,7 +538,7 @@ def test_recover_on_an_emptied_dev_shm_restores_the_whole_checkpoint(tmp_path, c
         server = ReplayServer("127.0.0.1:0", instance=instance, recover=True, **{checkpoint_from: str(tmp_path)})
         try:
             server.start()
-            assert set(live_episodes(server.registry.episodic("kept"))) == {7}
+            assert set(live_episodes(server.registry.episodic("kept").ring)) == {7}
         finally:
             server.stop(grace=0)
 
@@ -557,7 +559,7 @@ def test_bounds_of_an_uncommitted_block_are_not_drawn_after_recovery(monkeypatch
         with closing(EpisodicBuffer.recover(header)) as recovered:
             recovered.insert(*chunk(3, 5, True, False))  # open: rows 21..25 landed, room to 30
             positions = np.arange(recovered.tail_position(), recovered.head)
-            _, bounds, _ = recovered.episode_bounds(positions)
+            _, bounds, _ = recovered.ring.episode_bounds(positions)
             assert int(np.count_nonzero(positions < bounds)) == recovered.sampleable_steps  # was 29, not 24
             batch = recovered.sample(2000, TransitionsMode(1, 0.9), np.random.default_rng(0), include_keys=True)
             np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
@@ -583,7 +585,7 @@ def test_steps_an_interrupted_append_commits_have_a_priority(grows: bool, after:
         buffer.storage.close()
         with closing(EpisodicBuffer.recover(header)) as recovered:
             positions = np.arange(recovered.tail_position(), recovered.head)
-            rows, bounds, _ = recovered.episode_bounds(positions)
+            rows, bounds, _ = recovered.ring.episode_bounds(positions)
             steps = positions < bounds
             assert int(np.count_nonzero(steps)) == recovered.sampleable_steps
             leaves = recovered.sampler.tree.get(rows)

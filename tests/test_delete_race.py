@@ -17,8 +17,8 @@ import pytest
 from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import NotFound
-from service.limiters import RateLimiter
-from service.samplers.transitions import TransitionsMode
+from service.limiters import SampleToInsertRatioLimiter
+from service.modes.transitions import TransitionsMode
 from service.schema import Field
 
 SCHEMA = {"obs": ("float32", (8,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -111,7 +111,7 @@ def test_a_cancelled_wait_woken_after_the_buffer_closed_reads_nothing(side: str)
     """Stopping a server cancels its calls (their waits wake) and closes the buffers: a waiter that gets
     the lock back only after the close must not read the unmapped arrays (it crashed the server)."""
     fields = [Field("obs", "float32", (), observation=True), Field("reward", "float32", ())]
-    limiter = RateLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=2.0)
+    limiter = SampleToInsertRatioLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=2.0)
     buffer = EpisodicBuffer("cancelled", f"test{os.getpid()}", fields, 64, limiter=limiter)
     episode = {"obs": np.zeros(3, np.float32), "reward": np.ones(3, np.float32)}  # rows as the server gets them
     if side == "insert":  # two 2-step episodes: diff 4, and an insert waits while diff + 1 > max_diff = 3

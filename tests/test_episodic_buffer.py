@@ -12,10 +12,10 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from service.samplers.geometric import GeometricMode
-from service.samplers.kernels import HOLE
-from service.samplers.states import StatesMode
-from service.samplers.transitions import TransitionsMode
+from service.kernels import HOLE
+from service.modes.geometric import GeometricMode
+from service.modes.states import StatesMode
+from service.modes.transitions import TransitionsMode
 from service.schema import Field
 
 FIELDS = [
@@ -176,7 +176,7 @@ def test_chunked_episodes_interleaved_match_reference() -> None:
                 buffer.insert(part, spans)
                 episodes[next_id] = RefEpisode(next_id, part["obs"], part["reward"], part["action"], True, terminated)
             # Evicted open episodes are gone for good: their writers get FAILED_PRECONDITION.
-            open_ids = [e for e in open_ids if e in buffer._open]
+            open_ids = [e for e in open_ids if e in buffer.writer.open]
             if buffer.sampleable_steps:
                 check_transitions(buffer, episodes, int(rng.integers(1, 5)), 0.9, rng)
         assert buffer.counters["evicted_episodes"] > 0
@@ -196,7 +196,7 @@ def test_open_episode_evicted_by_newer_data_rejects_its_next_chunk() -> None:
         assert buffer.counters["evicted_open_episodes"] == 1 and buffer.open_episodes == 0
         assert buffer.episodes == 2  # the open episode was never counted: its eviction leaves ep 1 and 2
         # Rows 48..67 took ring rows 48, 49, 0..17; the rest of episode 0's rows (18..27) hold no episode now.
-        assert (buffer.row_end[18:28] == HOLE).all() and (buffer.row_seq[18:28] == -1).all()
+        assert (buffer.ring.row_end[18:28] == HOLE).all() and (buffer.ring.row_seq[18:28] == -1).all()
         with pytest.raises(FailedPrecondition, match="continues episode 9, which is not open"):
             buffer.insert(make_rows(rng, 4, 2), Spans(np.array([9], np.uint64), np.array([2]), np.array([False]),
                                                        np.array([True]), np.array([True])))
@@ -248,7 +248,7 @@ def test_schema_takes_any_numpy_spelling_of_a_dtype_and_names_a_bad_one() -> Non
         assert [(f.name, f.dtype) for f in buffer.fields] == [("obs", "float32"), ("action", "int64"),
                                                               ("reward", "float32")]
         assert buffer.reward_field == "reward"  # "<f4" and "float32" are one dtype
-        assert buffer.columns["obs"].dtype == np.float32 and buffer.columns["action"].dtype == np.int64
+        assert buffer.ring.columns["obs"].dtype == np.float32 and buffer.ring.columns["action"].dtype == np.int64
         rows = {"obs": np.zeros((3, 3), ">f4"), "action": np.zeros(2, np.int64), "reward": np.zeros(2, np.float32)}
         with pytest.raises(InvalidArgument, match="'obs' expected dtype float32, got float32 in non-native byte order"):
             buffer.insert(rows, Spans.whole_episodes(np.array([2]), np.array([7], np.uint64), np.array([True])))
@@ -371,12 +371,12 @@ def test_a_chunk_of_an_episode_an_earlier_span_evicted_is_refused_though_the_hea
         y, x = 1, 2
         buffer.insert(make_rows(rng, 0, 2), open_spans([y], [2], [True], [False]))  # rows 0-1, room 0-3
         buffer.insert(make_rows(rng, 0, 3), open_spans([x], [3], [True], [False]))  # rows 4-6, room 4-9
-        before, counters, open_ids = snapshot(buffer), buffer.counters.copy(), sorted(buffer._open)
+        before, counters, open_ids = snapshot(buffer), buffer.counters.copy(), sorted(buffer.writer.open)
         with pytest.raises(ResourceExhausted, match=f"open episode {y} would be overwritten before span 2 lands"):
             buffer.insert(make_rows(rng, 0, 8 + y_rows),
                           open_spans([x, x, y], [7, 1, y_rows], [False] * 3, [False, True, False]))
         assert snapshot(buffer) == before
-        assert buffer.counters == counters and sorted(buffer._open) == open_ids
+        assert buffer.counters == counters and sorted(buffer.writer.open) == open_ids
     finally:
         buffer.close()
 

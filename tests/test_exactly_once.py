@@ -17,6 +17,15 @@ from service.errors import FailedPrecondition
 from service.schema import Field
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire.components import (
+    Fifo,
+    MaxTimesSampled,
+    MinSize,
+    RateLimiterOptions,
+    RemoverOptions,
+    SampleToInsertRatio,
+    States,
+)
 from service.wire.frames import serialize_insert
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -77,7 +86,7 @@ def test_request_mixing_new_and_stored_spans_stores_only_the_new(client: ReplayC
     assert response.duplicate_spans == 1
     info = client.describe("b")
     assert info["episodes"] == 2 and info["stored_steps"] == 5 + 8
-    batch = client.sample("b", 256, mode="states", include_keys=True, seed=0)
+    batch = client.sample("b", 256, mode=States(), include_keys=True, seed=0)
     by_episode = {int(e): o for e, o in zip(batch["episode_id"], batch["obs"], strict=True)}
     assert set(by_episode) == {1, 2}
     # The new episode's rows were taken from the right part of the request.
@@ -344,14 +353,14 @@ def test_refused_request_with_a_retried_span_counts_nothing_and_names_the_span_a
 
 
 @pytest.mark.parametrize("remover, rate_limiter, retried", [
-    ("fifo", None, True), ("max_times_sampled", None, False), ("fifo", {"min_size_to_sample": 5}, False)])
-def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClient, remover: str,
-                                                             rate_limiter: dict | None, retried: bool) -> None:
+    (Fifo(), MinSize(), True), (MaxTimesSampled(1), MinSize(), False),
+    (Fifo(), SampleToInsertRatio(0.0, min_size_to_sample=5), False)])
+def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClient, remover: RemoverOptions,
+                                                             rate_limiter: RateLimiterOptions, retried: bool) -> None:
     """A lost Sample response after the server drew: a retry would count (and retire) the draws twice, or
     count them twice against the rate limiter's samples per insert."""
     rng = np.random.default_rng(9)
-    client.create_buffer("s", 1000, SCHEMA, remover=remover, max_times_sampled=1 if remover != "fifo" else 0,
-                         rate_limiter=rate_limiter)
+    client.create_buffer("s", 1000, SCHEMA, remover=remover, rate_limiter=rate_limiter)
     client.insert_episodes("s", [episode(rng, 100)], [True])
     faults = _LoseFirstResponses(1)
     client.use_sample_workers = False
@@ -376,7 +385,7 @@ def test_a_sample_is_not_sent_again_once_its_buffer_was_created_again_with_a_rem
     client.sample("s", 4)  # learns: no side effects
     with ReplayClient(client.address) as other:
         other.delete_buffer("s")
-        other.create_buffer("s", 1000, SCHEMA, remover="max_times_sampled", max_times_sampled=1)
+        other.create_buffer("s", 1000, SCHEMA, remover=MaxTimesSampled(1))
         other.insert_episodes("s", [episode(rng, 100)], [True])
     faults = _LoseFirstResponses(1)
     client._server_sampling = _SamplingCalls.on(grpc.intercept_channel(client._channel, faults))

@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 
 from client import ReplayClient
 from client.replay_client import Span, spans_request
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from service.storage.shared_arrays import SharedArrays
 from service.wire import codec
 from service.wire import replay_pb2 as pb
+from service.wire.components import Prioritized
 
 # The server persists across examples on purpose: state left by one hostile call is what the next one sees.
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
@@ -132,7 +133,8 @@ def _safetensors(data: bytes = b"\x00" * 16) -> bytes:
 
 
 def _valid_requests() -> dict[str, bytes]:
-    sample = pb.SampleRequest(buffer="ep", batch_size=4, transitions=pb.TransitionsMode(n_step=2, gamma=0.9),
+    sample = pb.SampleRequest(buffer="ep", batch_size=4,
+                              mode=pb.BatchMode(transitions=pb.TransitionsMode(n_step=2, gamma=0.9)),
                               include_keys=True, seed=3)
     return {
         "CreateBuffer": pb.CreateBufferRequest(name="fresh", episodic=pb.EpisodicConfig(
@@ -161,7 +163,7 @@ VALID = _valid_requests()
 def target(server: ReplayServer, client: ReplayClient) -> Iterator[Target]:
     # Mutated capacities and shapes must not make the test allocate gigabytes of shared memory.
     server.servicer.max_buffer_bytes = 2**24
-    client.create_buffer("ep", 200, EPISODIC_SCHEMA, sampler="prioritized")
+    client.create_buffer("ep", 200, EPISODIC_SCHEMA, sampler=Prioritized())
     for i in range(3):
         client.insert([spans_request("ep", [Span(_episode(6 + i), 1000 + i)])])
     client.create_rollout_buffer("ro", STEPS, ENVS, ROLLOUT_SCHEMA)
@@ -322,11 +324,11 @@ def test_sample_arguments(target: Target, batch_size: int, mode: str, n_step: in
                           beta: float, wait: bool, num_batches: int) -> None:
     request = pb.SampleRequest(buffer="ep", batch_size=batch_size, importance_beta=beta, wait=wait)
     if mode == "transitions":
-        request.transitions.CopyFrom(pb.TransitionsMode(n_step=n_step, gamma=gamma))
+        request.mode.transitions.CopyFrom(pb.TransitionsMode(n_step=n_step, gamma=gamma))
     elif mode == "geometric":
-        request.geometric.CopyFrom(pb.GeometricMode(discount=discount))
+        request.mode.geometric.CopyFrom(pb.GeometricMode(discount=discount))
     elif mode == "states":
-        request.states.CopyFrom(pb.StatesMode())
+        request.mode.states.CopyFrom(pb.StatesMode())
     target.call("Sample", request.SerializeToString())
     target.call("SampleStream", pb.SampleStreamRequest(request=request, num_batches=num_batches).SerializeToString())
     target.healthy()
@@ -363,8 +365,8 @@ def test_create_buffer_arguments(target: Target, name: str, fields: list[pb.Fiel
             fields=fields, capacity_steps=size,
             sampler=pb.SamplerConfig(prioritized=pb.PrioritizedSampler(alpha=alpha)),
             remover=pb.RemoverConfig(max_times_sampled=pb.MaxTimesSampledRemover(max_times_sampled=max_times)),
-            rate_limiter=pb.RateLimiterConfig(min_size_to_sample=limits[0], samples_per_insert=limits[1],
-                                              error_buffer=limits[2])))
+            rate_limiter=pb.RateLimiterConfig(sample_to_insert_ratio=pb.SampleToInsertRatioLimiter(
+                min_size_to_sample=limits[0], samples_per_insert=limits[1], error_buffer=limits[2]))))
     elif kind == "rollout":
         request.rollout.CopyFrom(pb.RolloutConfig(fields=fields, num_steps=size, num_envs=envs, gamma=gamma))
     if target.call("CreateBuffer", request.SerializeToString()) == grpc.StatusCode.OK:

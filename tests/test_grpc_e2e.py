@@ -18,17 +18,18 @@ from service import errors
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.grpc_server import convert
 from service.grpc_server.in_place import IN_PLACE_MIN_BYTES
-from service.grpc_server.server import ReplayServer
 from service.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode, wait_seconds
-from service.limiters import WorkerSeats
 from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.uniform import UniformSampler
 from service.schema import Field
+from service.server import ReplayServer
 from service.storage.shared_arrays import SharedArrays
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire.components import Geometric, MaxTimesSampled, States, Transitions
 from service.wire.frames import sample_response_batch
+from service.worker_seats import WorkerSeats
 from tests.conftest import TEST_INSTANCE, free_port, rpc_status
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -85,7 +86,7 @@ def test_concurrent_inserts_and_sampling_account_for_every_episode(client: Repla
     assert sampled_ids and sampled_ids <= all_ids
     # Every stored episode can be found by sampling its states.
     found: set[int] = set()
-    for batch in client.sample_stream("cartpole", 4096, mode="states", num_batches=20, include_keys=True, seed=1):
+    for batch in client.sample_stream("cartpole", 4096, mode=States(), num_batches=20, include_keys=True, seed=1):
         found.update(int(e) for e in batch["episode_id"])
     assert found == all_ids
 
@@ -94,13 +95,13 @@ def test_sample_modes_and_stream_over_grpc(client: ReplayClient) -> None:
     rng = np.random.default_rng(0)
     client.create_buffer("b", 10_000, SCHEMA)
     client.insert_episodes("b", [episode(rng, 20) for _ in range(10)], [True] * 5 + [False] * 5)
-    batch = client.sample("b", 32, n_step=3, gamma=0.9, seed=5)
+    batch = client.sample("b", 32, mode=Transitions(n_step=3, gamma=0.9), seed=5)
     assert batch["obs"].shape == (32, 4) and batch["obs"].dtype == np.float32
     assert set(batch) >= {"obs", "action", "reward", "next_obs", "terminated", "truncated", "n_step_return",
                           "bootstrap_discount", "bootstrap_obs"}
-    again = client.sample("b", 32, n_step=3, gamma=0.9, seed=5)
+    again = client.sample("b", 32, mode=Transitions(n_step=3, gamma=0.9), seed=5)
     np.testing.assert_array_equal(batch["obs"], again["obs"])  # seeded requests are reproducible
-    pairs = client.sample("b", 64, mode="geometric", discount=0.2)
+    pairs = client.sample("b", 64, mode=Geometric(discount=0.2))
     assert set(pairs) == {"obs", "future_obs", "offset"} and (pairs["offset"] >= 1).all()
     batches = list(client.sample_stream("b", 16, num_batches=7))
     assert len(batches) == 7 and all(b["obs"].shape == (16, 4) for b in batches)
@@ -268,15 +269,20 @@ def test_errors_return_their_codes_and_leave_buffers_untouched(server: ReplaySer
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "complex64" in details
     code, details = rpc_status(client.sample, "e", 0)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "batch_size" in details
+    def raw_sample(mode: pb.BatchMode) -> pb.SampleResponse:  # past the client's own checks of its options
+        return client._stub.Sample(pb.SampleRequest(buffer="e", batch_size=4, mode=mode))
+
     for n_step in (-1, 0):  # 0 is refused, not taken for "unset" (the field has presence)
-        code, details = rpc_status(client.sample, "e", 4, n_step=n_step)
+        code, details = rpc_status(raw_sample, pb.BatchMode(transitions=pb.TransitionsMode(n_step=n_step)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert f"n_step must be an integer in 1..1000, got {n_step}" in details
-    unset = pb.SampleRequest(buffer="e", batch_size=4, transitions=pb.TransitionsMode())  # a client that sets no n_step
-    assert convert.mode_from_request(unset).n_step == 1
-    code, details = rpc_status(client.sample, "e", 4, mode="geometric", discount=1.5)
+    unset = pb.SampleRequest(buffer="e", batch_size=4, mode=pb.BatchMode(transitions=pb.TransitionsMode()))
+    assert convert.mode_from_request(unset).n_step == 1  # a client that sets no n_step
+    code, details = rpc_status(raw_sample, pb.BatchMode(geometric=pb.GeometricMode(discount=1.5)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "discount" in details
-    code, details = rpc_status(client.sample, "e", 5_000_000, mode="states")
+    code, details = rpc_status(raw_sample, pb.BatchMode())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "mode must be one of" in details
+    code, details = rpc_status(client.sample, "e", 5_000_000, States())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_message_bytes" in details
 
     after = {name: array.tobytes() for name, array in reader.arrays.items()}
@@ -295,7 +301,7 @@ def test_a_buffer_created_with_a_reward_field_sums_that_field(server: ReplayServ
     with grpc.insecure_channel(server.address) as channel:
         described = pb_grpc.ReplayStub(channel).DescribeBuffer(pb.DescribeBufferRequest(name="rf"), timeout=20)
     assert described.episodic.reward_field == "r"
-    batch = client.sample("rf", 64, n_step=1, seed=0)
+    batch = client.sample("rf", 64, mode=Transitions(n_step=1), seed=0)
     np.testing.assert_array_equal(batch["n_step_return"], batch["action"].astype(np.float32))  # r[t] = t
 
 
@@ -305,8 +311,9 @@ def test_a_sample_request_without_gamma_discounts_by_0_99(server: ReplayServer, 
     client.create_buffer("g", 1000, SCHEMA)
     client.insert_episode("g", terminated=False, obs=np.arange(steps + 1, dtype=np.float32)[:, None].repeat(4, 1),
                           action=np.zeros(steps, np.int64), reward=np.ones(steps, np.float32))
-    request = pb.SampleRequest(buffer="g", batch_size=256, seed=0, transitions=pb.TransitionsMode(n_step=3))
-    assert not request.transitions.HasField("gamma")
+    request = pb.SampleRequest(buffer="g", batch_size=256, seed=0,
+                               mode=pb.BatchMode(transitions=pb.TransitionsMode(n_step=3)))
+    assert not request.mode.transitions.HasField("gamma")
     with grpc.insecure_channel(server.address) as channel:
         sample = channel.unary_unary("/replayd.v1.Replay/Sample", request_serializer=pb.SampleRequest.SerializeToString,
                                      response_deserializer=pb.SampleResponse.FromString)
@@ -506,7 +513,7 @@ def test_a_stream_whose_draws_count_draws_only_the_batches_it_hands_out(server: 
     a batch only when gRPC asks for it: a batch sampled ahead and never sent, its stream cancelled, would
     have retired its steps. Driven here as gRPC drives it (the handler's generator, asked for 3 batches then
     closed), since over a socket the transport may take batches its client never reads."""
-    client.create_buffer("once", 10_000, SCHEMA, remover="max_times_sampled", max_times_sampled=1)
+    client.create_buffer("once", 10_000, SCHEMA, remover=MaxTimesSampled(1))
     client.insert_episodes("once", [episode(np.random.default_rng(5), 30) for _ in range(4)], [True] * 4)
     before = _ahead_threads()
     request = pb.SampleStreamRequest(request=ReplayClient.sample_request("once", 8, seed=1))  # until cancelled
@@ -659,7 +666,7 @@ def test_an_oversized_sample_is_refused_before_it_is_drawn() -> None:
         with ReplayClient(server.address, timeout=20, max_message_bytes=2**20) as client:
             # The step field `blob` dominates the batch; observations alone would fit many times over.
             schema = {"obs": ("float32", (1,)), "blob": ("uint8", (8192,)), "reward": ("float32", ())}
-            client.create_buffer("big", 400, schema, remover="max_times_sampled", max_times_sampled=1)
+            client.create_buffer("big", 400, schema, remover=MaxTimesSampled(1))
             length = 150
             client.insert_episodes("big", [{"obs": np.zeros((length + 1, 1), np.float32),
                                             "blob": np.zeros((length, 8192), np.uint8),
@@ -684,10 +691,10 @@ def test_the_size_check_counts_every_column_a_batch_holds(sampler: str) -> None:
     fields = [Field("obs", "float32", (3, 2), observation=True), Field("pixels", "uint8", (5,), observation=True),
               Field("action", "int64", ()), Field("reward", "float32", ()), Field("extra", "float16", (7,))]
     no_reward = [f for f in fields if f.name != "reward"]
-    requests = [pb.SampleRequest(batch_size=32, transitions=pb.TransitionsMode(n_step=1)),
-                pb.SampleRequest(batch_size=32, transitions=pb.TransitionsMode(n_step=3)),
-                pb.SampleRequest(batch_size=32, geometric=pb.GeometricMode(discount=0.9)),
-                pb.SampleRequest(batch_size=32, states=pb.StatesMode())]
+    requests = [pb.SampleRequest(batch_size=32, mode=pb.BatchMode(transitions=pb.TransitionsMode(n_step=1))),
+                pb.SampleRequest(batch_size=32, mode=pb.BatchMode(transitions=pb.TransitionsMode(n_step=3))),
+                pb.SampleRequest(batch_size=32, mode=pb.BatchMode(geometric=pb.GeometricMode(discount=0.9))),
+                pb.SampleRequest(batch_size=32, mode=pb.BatchMode(states=pb.StatesMode()))]
     for schema, reward_field in ((fields, "reward"), (no_reward, None)):
         buffer = EpisodicBuffer("sized", f"{TEST_INSTANCE}sz", schema, 200, reward_field=reward_field,
                                 sampler=PrioritizedSampler(0.6) if sampler == "prioritized" else UniformSampler())
@@ -695,11 +702,11 @@ def test_the_size_check_counts_every_column_a_batch_holds(sampler: str) -> None:
             rng = np.random.default_rng(0)
             columns = {f.name: rng.integers(0, 9, (41, *f.shape)).astype(f.dtype) for f in schema}
             buffer.insert(columns, Spans.whole_episodes(np.array([40]), np.array([1]), np.array([True])))
-            for request in [r for r in requests if reward_field or r.transitions.n_step != 3]:
+            for request in [r for r in requests if reward_field or r.mode.transitions.n_step != 3]:
                 for include_keys in (False, True):
                     request.include_keys = include_keys
-                    mode = sample_mode(request, buffer, 2**30)
-                    item_bytes = (mode.item_bytes(buffer) + buffer.sampler.extra_item_bytes
+                    mode = sample_mode(request, buffer.reader, 2**30)
+                    item_bytes = (mode.item_bytes(buffer.ring) + buffer.sampler.extra_item_bytes
                                   + (KEY_ITEM_BYTES if include_keys else 0))
                     batch = buffer.sample(32, mode, rng, include_keys=include_keys, importance_beta=0.4)
                     unique = {id(a): a.nbytes for a in batch.values()}  # an aliased column is sent once
@@ -722,9 +729,10 @@ def test_the_size_check_bounds_the_framing_of_wide_schemas() -> None:
     try:
         columns = {f.name: np.zeros((41, *f.shape), f.dtype) for f in fields}
         buffer.insert(columns, Spans.whole_episodes(np.array([40]), np.array([1]), np.array([True])))
-        request = pb.SampleRequest(batch_size=8, transitions=pb.TransitionsMode(n_step=3), include_keys=True)
-        mode = sample_mode(request, buffer, 2**30)
-        item_bytes = mode.item_bytes(buffer) + buffer.sampler.extra_item_bytes + KEY_ITEM_BYTES
+        request = pb.SampleRequest(batch_size=8, mode=pb.BatchMode(transitions=pb.TransitionsMode(n_step=3)),
+                                   include_keys=True)
+        mode = sample_mode(request, buffer.reader, 2**30)
+        item_bytes = mode.item_bytes(buffer.ring) + buffer.sampler.extra_item_bytes + KEY_ITEM_BYTES
         batch = buffer.sample(8, mode, np.random.default_rng(0), include_keys=True, importance_beta=0.4)
         framing = codec.encoded_size(codec.encode_parts(batch)) - 8 * item_bytes
         assert codec.FRAMING_BYTES < framing <= codec.framing_bytes(3 * len(fields) + 8)

@@ -13,11 +13,12 @@ from safetensors.numpy import save
 from client import ReplayClient
 from client.replay_client import episode_span, spans_requests
 from service.grpc_server.metrics import RpcMetrics
-from service.grpc_server.server import ReplayServer
 from service.http.app import loopback_hosts
+from service.server import ReplayServer
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire.components import MinSize
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -135,7 +136,7 @@ def test_metrics_rpc_latency_bytes_and_buffer_counters(http_server: ReplayServer
 def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
     base = f"http://127.0.0.1:{http_server.http.port}"
     with ReplayClient(http_server.address) as client:
-        client.create_buffer("rl", 1000, SCHEMA, rate_limiter={"min_size_to_sample": 5})
+        client.create_buffer("rl", 1000, SCHEMA, rate_limiter=MinSize(5))
         client.create_buffer("free", 1000, SCHEMA)
         # Below min_size_to_sample: a sample waits out its short deadline. The server waits the time left when
         # the call reaches it (after the first sample's describe) less a 0.2 s reply margin: 0.8 s keeps the
@@ -171,8 +172,8 @@ def test_metrics_rate_limiter_waits(http_server: ReplayServer) -> None:
     assert _value(samples, "replayd_rate_limiter_waiting", buffer="rl", side="sample") == 0
     assert _value(samples, "replayd_rate_limiter_waits_total", buffer="rl", side="insert") == 0
     assert _value(samples, "replayd_rpc_latency_seconds_count", method="Sample", buffer="rl") == 2
-    # Buffers without a rate limiter have no limiter series.
-    assert _value(samples, "replayd_rate_limiter_waits_total", buffer="free", side="sample") is None
+    # Every buffer has a rate limiter (MinSize(1) unless chosen): its series are there, and nothing waited on it.
+    assert _value(samples, "replayd_rate_limiter_waits_total", buffer="free", side="sample") == 0
 
 
 def test_an_ipv6_http_address_reaches_uvicorn_without_brackets() -> None:

@@ -9,15 +9,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from service import kernels
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.grpc_server.in_place import IN_PLACE_MIN_BYTES, InPlaceMessages
 from service.grpc_server.servicer import sample_message
-from service.samplers import kernels
-from service.samplers.geometric import GeometricMode
-from service.samplers.modes import BatchMode
+from service.modes.base import BatchMode
+from service.modes.geometric import GeometricMode
+from service.modes.states import StatesMode
+from service.modes.transitions import TransitionsMode
 from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.states import StatesMode
-from service.samplers.transitions import TransitionsMode
 from service.samplers.uniform import UniformSampler
 from service.schema import Field
 from service.wire import codec

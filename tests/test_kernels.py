@@ -15,11 +15,12 @@ import textwrap
 import numpy as np
 import pytest
 
+from service import kernels
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import RingChanged
-from service.samplers import _kernels, kernels
-from service.samplers.geometric import GeometricMode
-from service.samplers.transitions import TransitionsMode
+from service.kernels import _kernels
+from service.modes.geometric import GeometricMode
+from service.modes.transitions import TransitionsMode
 from service.samplers.uniform import UniformSampler
 from service.schema import Field
 from service.wire.codec import ALLOWED_DTYPES
@@ -405,7 +406,7 @@ def test_transition_batch_releases_its_arrays_when_a_later_gather_runs_out_of_me
     code = textwrap.dedent("""
         import gc, resource, tracemalloc
         import numpy as np
-        from service.samplers import kernels
+        from service import kernels
 
         capacity, row_bytes, count = 4, 100, 1_000_000  # a 100 MB observation gather, 1 MB per target column
         positions = np.zeros(count, np.int64)

@@ -19,11 +19,12 @@ from client.local_reader import LocalReader
 from client.polling import wait_until
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.lifetime import SharedReads
-from service.buffers.ring import EpisodicRing
+from service.buffers.reader import RingReader
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, RingChanged
+from service.modes.transitions import TransitionsMode
 from service.removers import MaxTimesSampledRemover
-from service.samplers.transitions import TransitionsMode
 from service.schema import Field
+from service.wire.components import Geometric, Prioritized, States, Transitions
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -37,10 +38,9 @@ def test_local_reader_matches_grpc_sampling(client: ReplayClient) -> None:
                                       "action": rng.integers(0, 2, n), "reward": rng.normal(size=n).astype(np.float32)}
                                      for n in rng.integers(5, 60, 40)], [True, False] * 20)
     with LocalReader(client, "local") as reader:
-        for mode, options in (("transitions", {"n_step": 3, "gamma": 0.9}), ("geometric", {"discount": 0.5}),
-                              ("states", {})):
-            local = reader.sample(128, mode, seed=11, include_keys=True, **options)
-            remote = client.sample("local", 128, mode, seed=11, include_keys=True, **options)
+        for mode in (Transitions(n_step=3, gamma=0.9), Geometric(discount=0.5), States()):
+            local = reader.sample(128, mode, seed=11, include_keys=True)
+            remote = client.sample("local", 128, mode, seed=11, include_keys=True)
             assert local.keys() == remote.keys()
             for name in local:
                 np.testing.assert_array_equal(local[name], remote[name], err_msg=f"{mode}: {name}")
@@ -95,13 +95,13 @@ def test_local_sampling_refuses_counts_the_grpc_path_refuses(client: ReplayClien
     _insert_some_episodes(client, "local")
     with LocalReader(client, "local") as reader:
         with pytest.raises(InvalidArgument, match=r"transitions.n_step must be an integer in 1..1000, got 2.9"):
-            reader.sample(8, n_step=2.9)
+            reader.sample(8, mode=Transitions(n_step=2.9))
         with pytest.raises(InvalidArgument, match=r"transitions.n_step must be an integer in 1..1000, got True"):
-            reader.sample(8, n_step=True)
+            reader.sample(8, mode=Transitions(n_step=True))
         for count in (-1, 2.5):
             with pytest.raises(InvalidArgument, match=rf"num_batches expected an integer >= 0 .*got {count}"):
                 reader.sample_stream(8, num_batches=count)
-        assert reader.sample(8, n_step=np.int64(2))["obs"].shape == (8, 4)
+        assert reader.sample(8, mode=Transitions(n_step=np.int64(2)))["obs"].shape == (8, 4)
 
 
 def test_a_closed_local_stream_yields_nothing_more(client: ReplayClient) -> None:
@@ -210,13 +210,13 @@ def test_local_reader_refuses_buffers_only_the_server_may_sample() -> None:
     buffer = EpisodicBuffer("retiring", TEST_INSTANCE, fields, 100, remover=MaxTimesSampledRemover(2))
     try:
         with pytest.raises(FailedPrecondition, match="sampled by its server only"):
-            EpisodicRing.attach(buffer.storage.header_name)
+            RingReader.attach(buffer.storage.header_name)
     finally:
         buffer.close()
 
 
 def test_local_reader_samples_prioritized_buffers_like_the_server(client: ReplayClient) -> None:
-    client.create_buffer("prio", 5000, SCHEMA, sampler="prioritized", alpha=0.7)
+    client.create_buffer("prio", 5000, SCHEMA, sampler=Prioritized(alpha=0.7))
     rng = np.random.default_rng(1)
     client.insert_episodes("prio", [{"obs": rng.normal(size=(n + 1, 4)).astype(np.float32),
                                      "action": rng.integers(0, 2, n), "reward": np.ones(n, np.float32)}
@@ -275,7 +275,7 @@ def check_batch(batch: dict[str, np.ndarray], n_step: int) -> int:
 
 
 def reader_process(header_name: str, seconds: float, results: mp.Queue) -> None:
-    ring = EpisodicRing.attach(header_name)
+    ring = RingReader.attach(header_name)
     rng = np.random.default_rng(os.getpid())
     mode = TransitionsMode(4, GAMMA)
     samples = errors = torn = 0
@@ -337,9 +337,9 @@ _CLOSE_WHILE_SAMPLING = """
 import os, sys, threading
 import numpy as np
 from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.ring import EpisodicRing
+from service.buffers.reader import RingReader
 from service.errors import NotFound
-from service.samplers.transitions import TransitionsMode
+from service.modes.transitions import TransitionsMode
 from service.schema import Field
 
 instance = sys.argv[1]
@@ -347,7 +347,7 @@ writer = EpisodicBuffer("big", instance, [Field("obs", "float32", (1024,), True)
 try:
     writer.insert({"obs": np.ones((4000, 1024), np.float32), "reward": np.ones(4000, np.float32)},
                   Spans.whole_episodes(np.full(20, 199), np.arange(20), np.ones(20, bool)))
-    ring = EpisodicRing.attach(writer.storage.header_name)
+    ring = RingReader.attach(writer.storage.header_name)
     sampled, outcome = threading.Event(), []
 
     def sample_until_closed():  # 8192 rows of 4 KiB per column: the copies run without the GIL

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from service import kernels
 from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.reader import RingReader
 from service.buffers.ring import HEAD, EpisodicRing
-from service.samplers import kernels
+from service.modes.transitions import TransitionsMode
 from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.transitions import TransitionsMode
 from tests.conftest import TEST_INSTANCE
 from tests.test_lock_free_reads import FIELDS
 
@@ -33,13 +34,13 @@ def chunk(episode: int, lo: int, hi: int, begins: bool, ends: bool, terminated: 
 
 
 def passes_checks(ring: EpisodicRing, draw) -> bool:
-    """The reader's acceptance test, exactly as EpisodicRing._sample_shared runs it (bounds, then tail)."""
+    """The reader's acceptance test, exactly as RingReader._sample_shared runs it (bounds, then tail)."""
     return bool(kernels.bounds_kept(draw.rows, draw.bounds, draw.closed, ring.row_end)
                 and kernels.drawn_live(draw.positions, draw.bounds, ring.tail_position()))
 
 
 def test_a_block_written_below_a_head_that_moved_back_is_read_whole_or_not_at_all() -> None:
-    """Closing the head episode gives its unused room back: HEAD moves back (episodic.py _plan, `head =
+    """Closing the head episode gives its unused room back: HEAD moves back (planner.py, `cursor.head =
     extent.last + 1`). A whole episode inserted next lands on positions below the HEAD a reader read a moment
     before, so HEAD does not publish its rows to that reader: the rows' bounds must, stored after their
     row_seq and extent record. The reader draws with its old HEAD at every point between the writer's stores
@@ -47,23 +48,23 @@ def test_a_block_written_below_a_head_that_moved_back_is_read_whole_or_not_at_al
     writer = EpisodicBuffer("back", f"{TEST_INSTANCE}back", FIELDS, 16)
     reader = None
     try:
-        reader = EpisodicRing.attach(writer.storage.header_name)
+        reader = RingReader.attach(writer.storage.header_name)
         writer.insert(*chunk(E1, 0, 4, begins=True, ends=False))  # rows 0..3 landed, room [0, 8)
         assert writer.head == 8
-        stale = reader.state.copy()  # the reader's draw reads tail, head (8) and sampleable_steps
+        stale = reader.ring.state.copy()  # the reader's draw reads tail, head (8) and sampleable_steps
         writer.insert(*chunk(E1, 4, 5, begins=False, ends=True, terminated=True))  # closes at 4: head 8 -> 5
         assert writer.head == 5
         mode, rng, reads = TransitionsMode(n_step=1, gamma=GAMMA), np.random.default_rng(0), []
 
         def read_with_stale_head() -> None:
-            live_state, reader.state = reader.state, stale
+            live_state, reader.ring.state = reader.ring.state, stale
             try:
                 draw = reader.draw(64, rng)  # the draw with the head it read before the close
             finally:
-                reader.state = live_state
+                reader.ring.state = live_state
             reads.append((draw, reader.batch_of(draw, mode, rng, include_keys=True)))
 
-        set_ring, rows_written = writer._set_ring, writer._rows_written
+        set_ring, rows_written = writer.writer.set_ring, writer.writer._rows_written
 
         def store(array: np.ndarray, pos: int, values: np.ndarray) -> None:  # reads before and after each
             read_with_stale_head()
@@ -74,14 +75,14 @@ def test_a_block_written_below_a_head_that_moved_back_is_read_whole_or_not_at_al
             read_with_stale_head()
             rows_written(lo, hi, bounds)
 
-        writer._set_ring, writer._rows_written = store, written
+        writer.writer.set_ring, writer.writer._rows_written = store, written
         # E2: 2 steps, terminated, at positions 5, 6, 7 (final row 7): 5 and 6 lie below the head 8 read above.
         writer.insert(rows_of(E2, 0, 3), Spans.whole_episodes(np.array([2]), np.array([E2]), np.array([True])))
-        del writer._set_ring, writer._rows_written
+        del writer.writer.set_ring, writer.writer._rows_written
         assert len(reads) >= 3
         e2_seen = False
         for draw, batch in reads:
-            if not passes_checks(reader, draw):  # checked after the writer finished, as the reader would
+            if not passes_checks(reader.ring, draw):  # checked after the writer finished, as the reader would
                 continue
             of_e2 = batch["obs"][:, 0] == E2
             e2_seen |= bool(of_e2.any())
@@ -103,27 +104,27 @@ def test_a_prioritized_draw_reports_the_probability_of_the_step_its_row_held_bef
     writer = EpisodicBuffer("prio", f"{TEST_INSTANCE}prio", FIELDS, 16, sampler=PrioritizedSampler(1.0))
     reader = None
     try:
-        reader = EpisodicRing.attach(writer.storage.header_name)
+        reader = RingReader.attach(writer.storage.header_name)
         # E1: positions 0..7 (steps 0..6); E2, inserted in the gap below, fills the whole ring (positions
         # 8..23), evicting E1 and reusing its rows 0..7 for its own steps 16..22.
         writer.insert(rows_of(E1, 0, 8), Spans.whole_episodes(np.array([7]), np.array([E1]), np.array([True])))
         writer.update_priorities(np.arange(0, 7), np.full(7, 0.01))  # E1's steps: leaf 0.01, max priority 1
         hook = {}
 
-        class Reader(type(reader)):
+        class Reader(EpisodicRing):
             @property
             def head(self) -> int:
                 if "insert" in hook:  # between the leaf read and the head read: evict E1, insert E2
                     hook.pop("insert")()
                 return self.state.item(HEAD)
 
-        reader.__class__ = Reader
+        reader.ring.__class__ = Reader
         hook["insert"] = lambda: writer.insert(
             rows_of(E2, 0, 16), Spans.whole_episodes(np.array([15]), np.array([E2]), np.array([False])))
         draw = reader.draw(32, np.random.default_rng(0), importance_beta=1.0)
-        reader.__class__ = EpisodicRing
+        reader.ring.__class__ = EpisodicRing
         batch = reader.batch_of(draw, TransitionsMode(), np.random.default_rng(0), include_keys=True)
-        assert passes_checks(reader, draw)
+        assert passes_checks(reader.ring, draw)
         of_e2 = batch["obs"][:, 0] == E2
         assert of_e2.all()  # E1 is gone: every item is E2's
         true_probability = writer.sampler.tree.get(draw.rows) / writer.sampler.tree.total

@@ -18,12 +18,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from service import kernels
 from service.buffers.episodic import EpisodicBuffer, Spans
+from service.buffers.reader import RingReader
 from service.buffers.ring import EpisodicRing
 from service.errors import FailedPrecondition, RingChanged
-from service.samplers import kernels
+from service.modes.transitions import TransitionsMode
 from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 from tests.conftest import TEST_INSTANCE
 
@@ -77,7 +78,7 @@ def wrong_items(batch: dict[str, np.ndarray]) -> list[str]:
 
 def read(header_name: str, seconds: float, results: multiprocessing.Queue) -> None:
     """The reader process: samples without the lock until `seconds` pass; reports (items, wrong, error)."""
-    ring = EpisodicRing.attach(header_name)
+    ring = RingReader.attach(header_name)
     rng = np.random.default_rng(os.getpid())
     mode = TransitionsMode(N_STEP, GAMMA)
     items, wrong, error = 0, [], None
@@ -165,7 +166,7 @@ def test_lock_free_samples_are_whole_while_episodes_move_close_and_evict(priorit
 
 
 @pytest.fixture
-def attached_ring() -> Iterator[EpisodicRing]:
+def attached_ring() -> Iterator[RingReader]:
     """A lock-free reader's ring over a buffer holding one closed episode."""
     buffer = EpisodicBuffer("one", f"{TEST_INSTANCE}one", FIELDS, CAPACITY)
     ring = None
@@ -173,7 +174,7 @@ def attached_ring() -> Iterator[EpisodicRing]:
         length = length_of(5)
         buffer.insert(episode_rows(5, 0, length + 1),
                       Spans.whole_episodes(np.array([length]), np.array([5]), np.array([True])))
-        ring = EpisodicRing.attach(buffer.storage.header_name)
+        ring = RingReader.attach(buffer.storage.header_name)
         yield ring
     finally:
         if ring is not None:
@@ -181,7 +182,7 @@ def attached_ring() -> Iterator[EpisodicRing]:
         buffer.close()
 
 
-def test_a_reader_reads_the_tail_after_the_bounds(attached_ring: EpisodicRing, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reader_reads_the_tail_after_the_bounds(attached_ring: RingReader, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check of a batch re-reads its rows' bounds first and the tail last: a row evicted and reused
     between the two reads then shows in the tail (read the other way round, it would pass both)."""
     reads = []
@@ -192,7 +193,7 @@ def test_a_reader_reads_the_tail_after_the_bounds(attached_ring: EpisodicRing, m
     assert reads[-2:] == ["bounds", "tail"]
 
 
-def test_a_draw_that_finds_its_range_emptied_is_drawn_again(attached_ring: EpisodicRing,
+def test_a_draw_that_finds_its_range_emptied_is_drawn_again(attached_ring: RingReader,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Evictions can empty the range a lock-free reader read: the uniform draw then finds no step, and the
     reader draws again instead of failing (under the writer's lock this cannot happen)."""
@@ -215,6 +216,6 @@ def test_a_lock_free_reader_is_refused_off_x86(monkeypatch: pytest.MonkeyPatch) 
     try:
         monkeypatch.setattr("platform.machine", lambda: "aarch64")
         with pytest.raises(FailedPrecondition, match=r"lock-free readers need an x86-64 host .* 'aarch64'"):
-            EpisodicRing.attach(buffer.storage.header_name)
+            RingReader.attach(buffer.storage.header_name)
     finally:
         buffer.close()

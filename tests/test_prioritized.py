@@ -12,10 +12,11 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from service.kernels import HOLE
+from service.modes.states import StatesMode
 from service.removers import MaxTimesSampledRemover
-from service.samplers.kernels import HOLE
 from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.states import StatesMode
+from service.wire.components import Prioritized
 from tests.test_episodic_buffer import FIELDS, _chi_square_critical, make_rows
 
 ALPHA = 0.7
@@ -34,7 +35,7 @@ def insert_episodes(buffer: EpisodicBuffer, rng: np.random.Generator, lengths: l
 
 def live_keys(buffer: EpisodicBuffer) -> np.ndarray:
     positions = np.arange(buffer.tail_position(), buffer.head)
-    _, bounds, _ = buffer.episode_bounds(positions)
+    _, bounds, _ = buffer.ring.episode_bounds(positions)
     return positions[positions < bounds]
 
 
@@ -195,7 +196,7 @@ def test_a_sample_that_may_wait_waits_for_a_positive_priority() -> None:
 
 def test_grpc_prioritized_sample_and_update_priorities(client) -> None:
     schema = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}
-    info = client.create_buffer("per", 1000, schema, sampler="prioritized", alpha=0.6)
+    info = client.create_buffer("per", 1000, schema, sampler=Prioritized(alpha=0.6))
     assert info["counters"]["prioritized.alpha"] == pytest.approx(0.6)
     rng = np.random.default_rng(4)
     client.insert_episode("per", True, obs=rng.normal(size=(11, 3)).astype(np.float32),

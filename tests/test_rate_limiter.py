@@ -15,15 +15,17 @@ from client.replay_client import episode_span, spans_requests
 from client.retries import server_retry_after
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from service.grpc_server.server import ReplayServer
-from service.limiters import RateLimiter, WorkerSeats
+from service.limiters import SampleToInsertRatioLimiter
+from service.modes.states import StatesMode
 from service.removers import MaxTimesSampledRemover
-from service.samplers.states import StatesMode
+from service.server import ReplayServer
+from service.wire.components import SampleToInsertRatio
+from service.worker_seats import WorkerSeats
 from tests.conftest import TEST_INSTANCE
 from tests.test_episodic_buffer import FIELDS, make_rows
 
 
-def new_buffer(limiter: RateLimiter, capacity: int = 10_000) -> EpisodicBuffer:
+def new_buffer(limiter: SampleToInsertRatioLimiter, capacity: int = 10_000) -> EpisodicBuffer:
     return EpisodicBuffer("rl", f"test{os.getpid()}", FIELDS, capacity, limiter=limiter)
 
 
@@ -33,7 +35,7 @@ def insert_episode(buffer: EpisodicBuffer, steps: int, episode_id: int, timeout:
 
 
 def test_min_size_blocks_sampling_until_reached() -> None:
-    buffer = new_buffer(RateLimiter(min_size_to_sample=10))
+    buffer = new_buffer(SampleToInsertRatioLimiter(min_size_to_sample=10))
     try:
         insert_episode(buffer, 5, 0)
         with pytest.raises(FailedPrecondition, match="min_size_to_sample=10"):
@@ -47,7 +49,7 @@ def test_min_size_blocks_sampling_until_reached() -> None:
 
 
 def test_ratio_band_blocks_each_side_and_deadlines_end_blocked_calls() -> None:
-    limiter = RateLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
+    limiter = SampleToInsertRatioLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
     buffer = new_buffer(limiter)
     try:
         insert_episode(buffer, 4, 0)  # 4 items: diff = 8 = the band's center
@@ -73,7 +75,7 @@ def test_ratio_band_blocks_each_side_and_deadlines_end_blocked_calls() -> None:
 def test_inserts_evicting_below_min_size_never_block() -> None:
     """While evictions keep the buffer under min_size_to_sample nothing can sample, so inserts must not wait
     on the ratio: they would wait for samples that can never come."""
-    limiter = RateLimiter(min_size_to_sample=15, samples_per_insert=1.0, error_buffer=1.0)
+    limiter = SampleToInsertRatioLimiter(min_size_to_sample=15, samples_per_insert=1.0, error_buffer=1.0)
     buffer = new_buffer(limiter, capacity=16)
     try:
         for episode_id in range(6):  # diff reaches max_diff = 16 by the 4th; capacity keeps 2 episodes
@@ -88,7 +90,7 @@ def test_a_sample_short_of_draws_left_lets_the_inserts_it_needs_past_the_ratio()
     """max_times_sampled=1: 6 steps with draws left, diff at max_diff. A sample of 8 passes the ratio but finds
     too few draws and waits for inserts; the insert it needs was held back by the ratio, waiting for a sample:
     both waited to their deadlines."""
-    limiter = RateLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=5.0)
+    limiter = SampleToInsertRatioLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=5.0)
     buffer = EpisodicBuffer("rl", f"test{os.getpid()}", FIELDS, 1000, limiter=limiter,
                             remover=MaxTimesSampledRemover(1))
     try:
@@ -108,11 +110,11 @@ def test_a_sample_short_of_draws_left_lets_the_inserts_it_needs_past_the_ratio()
 
 
 def test_recovery_restarts_the_limiter_at_the_centre_of_its_band() -> None:
-    limiter = RateLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
+    limiter = SampleToInsertRatioLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
     limiter.recover(20)
     assert limiter.inserts == 20 and limiter.samples == 32
     assert limiter.diff == 8 == (limiter.min_diff + limiter.max_diff) / 2
-    small = RateLimiter(min_size_to_sample=10, samples_per_insert=2.0, error_buffer=8.0)
+    small = SampleToInsertRatioLimiter(min_size_to_sample=10, samples_per_insert=2.0, error_buffer=8.0)
     small.recover(4)  # fewer steps than min size: no negative sample count
     assert small.samples == 0 and small.diff == 8
 
@@ -120,12 +122,12 @@ def test_recovery_restarts_the_limiter_at_the_centre_of_its_band() -> None:
 def test_an_insert_that_could_never_land_fails_at_once_while_inserts_are_held() -> None:
     """A continuation of an episode that is not open is refused at once, not held until its deadline (which
     clients retry) with the limiter's wait counters changed for a request that stores nothing."""
-    limiter = RateLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
+    limiter = SampleToInsertRatioLimiter(min_size_to_sample=4, samples_per_insert=2.0, error_buffer=8.0)
     buffer = new_buffer(limiter)
     try:
         insert_episode(buffer, 4, 1)
         insert_episode(buffer, 4, 2)  # diff = 16 = max_diff: inserts are held back
-        assert not limiter.can_insert(buffer)
+        assert not limiter.insert_allowed(buffer.sampleable_steps, short_of_draws=False)
         before = limiter.snapshot()
         start = time.monotonic()
         with pytest.raises(FailedPrecondition, match="continues episode 99, which is not open"):
@@ -140,7 +142,7 @@ def test_an_insert_that_could_never_land_fails_at_once_while_inserts_are_held() 
 
 def test_concurrent_inserters_and_samplers_stay_in_the_band() -> None:
     spi, error_buffer, min_size = 4.0, 40.0, 20
-    limiter = RateLimiter(min_size, spi, error_buffer)
+    limiter = SampleToInsertRatioLimiter(min_size, spi, error_buffer)
     buffer = new_buffer(limiter, capacity=100_000)
     observed: list[float] = []
     errors: list[BaseException] = []
@@ -178,19 +180,19 @@ def test_concurrent_inserters_and_samplers_stay_in_the_band() -> None:
 
 def test_config_is_validated() -> None:
     with pytest.raises(InvalidArgument, match="error_buffer"):
-        RateLimiter(1, samples_per_insert=4.0, error_buffer=1.0)
+        SampleToInsertRatioLimiter(1, samples_per_insert=4.0, error_buffer=1.0)
     with pytest.raises(InvalidArgument, match="error_buffer must be finite and >= 0"):
-        RateLimiter(1, samples_per_insert=0.0, error_buffer=-1.0)
-    RateLimiter(1, samples_per_insert=1.0, error_buffer=1.0)  # the documented boundary: 2 * 1 == 1 + 1
+        SampleToInsertRatioLimiter(1, samples_per_insert=0.0, error_buffer=-1.0)
+    SampleToInsertRatioLimiter(1, samples_per_insert=1.0, error_buffer=1.0)  # the documented boundary: 2 * 1 == 1 + 1
     # 0 was taken as 1, which also moved the band by samples_per_insert (it is centred on min size * spi)
     with pytest.raises(InvalidArgument, match=r"min_size_to_sample must be an integer >= 1 .*got 0"):
-        RateLimiter(0, samples_per_insert=2.0, error_buffer=10.0)
+        SampleToInsertRatioLimiter(0, samples_per_insert=2.0, error_buffer=10.0)
     with pytest.raises(InvalidArgument, match="samples_per_insert"):
-        RateLimiter(1, samples_per_insert=-1.0)
+        SampleToInsertRatioLimiter(1, samples_per_insert=-1.0)
     # A min size the ring can never hold would leave the buffer unsampleable forever.
     with pytest.raises(InvalidArgument, match=r"min_size_to_sample=16 can never be reached.*capacity_steps=16"):
-        new_buffer(RateLimiter(16), capacity=16)
-    new_buffer(RateLimiter(15), capacity=16).close()
+        new_buffer(SampleToInsertRatioLimiter(16), capacity=16)
+    new_buffer(SampleToInsertRatioLimiter(15), capacity=16).close()
 
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -238,7 +240,7 @@ def test_blocked_calls_never_take_every_server_worker() -> None:
             # diff = inserted - sampled items; an insert waits while diff + 1 > max_diff = 1 + 5, so after
             # two 5-step episodes (diff 10) every further one waits until samples bring diff down to 5.
             client.create_buffer("rl", 1000, SCHEMA,
-                                 rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
+                                 rate_limiter=SampleToInsertRatio(1.0, error_buffer=5.0))
             client.insert_episode("rl", True, **_episode())
             client.insert_episode("rl", True, **_episode())
             threads = [_in_thread(lambda: client.insert_episode("rl", True, **_episode()), failures)
@@ -355,7 +357,7 @@ def test_a_cancelled_call_stops_waiting_and_gives_its_worker_back() -> None:
         with ReplayClient(server.address, timeout=60) as client:
             client.create_buffer("empty", 1000, SCHEMA)
             client.create_buffer("rl", 1000, SCHEMA,
-                                 rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
+                                 rate_limiter=SampleToInsertRatio(1.0, error_buffer=5.0))
             client.insert_episode("rl", True, **_episode())
             client.insert_episode("rl", True, **_episode())
             stream = client.sample_stream("empty", 4, wait=True, timeout=60)  # waits for data
@@ -389,7 +391,7 @@ def test_a_client_without_a_default_deadline_works() -> None:
             assert client.sample("b", 4)["obs"].shape == (4, 4)
             assert len(list(client.sample_stream("b", 4, num_batches=2))) == 2
             client.create_buffer("rl", 1000, SCHEMA,
-                                 rate_limiter={"min_size_to_sample": 1, "samples_per_insert": 1.0, "error_buffer": 5.0})
+                                 rate_limiter=SampleToInsertRatio(1.0, error_buffer=5.0))
             client.insert_episode("rl", True, **_episode())
             client.insert_episode("rl", True, **_episode())
             held = _in_thread(lambda: client.insert_episode("rl", True, **_episode()), failures)

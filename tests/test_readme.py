@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -7,8 +7,8 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from service.modes.transitions import TransitionsMode
 from service.registry import BufferRegistry
-from service.samplers.transitions import TransitionsMode
 from service.schema import Field
 from service.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE

@@ -10,10 +10,10 @@ import pytest
 
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from service.modes.states import StatesMode
+from service.modes.transitions import TransitionsMode
 from service.removers import MaxTimesSampledRemover
 from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.states import StatesMode
-from service.samplers.transitions import TransitionsMode
 from tests.test_episodic_buffer import FIELDS, make_rows
 
 
@@ -89,7 +89,7 @@ def test_priorities_move_with_their_open_episode() -> None:
     buffer = EpisodicBuffer("mvp", f"test{os.getpid()}", FIELDS, 64, sampler=PrioritizedSampler(1.0))
 
     def key_of(t: int) -> int:  # episode 1's step t, wherever its (open) extent lies now
-        return buffer._open[1].start + t
+        return buffer.writer.open[1].start + t
 
     try:
         buffer.insert(*chunk(1, 3, True))  # open episode 1: steps t = 0, 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -18,9 +19,18 @@ from client.params import load_module_bytes, module_to_bytes
 from client.polling import wait_until
 from client.replay_client import Span, _SamplingCalls, episode_span, split_spans
 from service.errors import RETRY_AFTER_METADATA
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from service.wire import codec
 from service.wire import replay_pb2 as pb
+from service.wire.components import (
+    Geometric,
+    MaxTimesSampled,
+    Prioritized,
+    SampleToInsertRatio,
+    States,
+    Transitions,
+    Uniform,
+)
 from tests.conftest import rpc_status
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
@@ -117,15 +127,15 @@ def test_a_buffer_created_again_elsewhere_is_inserted_with_its_new_observation_f
 
 
 def test_fractional_priorities_are_sent_as_they_are(client: ReplayClient) -> None:
-    client.create_buffer("b", 64, SCHEMA, sampler="prioritized", alpha=1.0)
+    client.create_buffer("b", 64, SCHEMA, sampler=Prioritized(alpha=1.0))
     client.insert_episode("b", True, obs=np.zeros((5, 2), np.float32), action=np.arange(4))
-    keys = client.sample("b", 64, mode="states", include_keys=True, seed=0)["key"]
+    keys = client.sample("b", 64, mode=States(), include_keys=True, seed=0)["key"]
     keys = np.unique(keys)
     assert keys.size == 4  # every step (5 observations, 4 steps), so that all but one get priority 0
     priorities = np.zeros(keys.size)
     priorities[0] = 0.5  # only this key can be drawn
     assert client.update_priorities("b", keys, priorities) == (keys.size, 0)
-    batch = client.sample("b", 16, mode="states", include_keys=True, seed=1)
+    batch = client.sample("b", 16, mode=States(), include_keys=True, seed=1)
     assert set(batch["key"].tolist()) == {int(keys[0])}
 
 
@@ -407,24 +417,19 @@ def test_keys_a_cast_would_change_are_refused_before_any_call(client: ReplayClie
 
 
 def test_integer_keys_of_any_integer_type_are_sent(client: ReplayClient) -> None:
-    client.create_buffer("b", 64, SCHEMA, sampler="prioritized")
+    client.create_buffer("b", 64, SCHEMA, sampler=Prioritized())
     client.insert_episode("b", True, obs=np.zeros((3, 2), np.float32), action=np.arange(2))
-    keys = np.unique(client.sample("b", 32, mode="states", include_keys=True, seed=0)["key"])
+    keys = np.unique(client.sample("b", 32, mode=States(), include_keys=True, seed=0)["key"])
     for sent in (keys.astype(np.uint64), keys.astype(np.int32), [int(k) for k in keys], list(keys)):
         assert client.update_priorities("b", sent, np.ones(len(keys))) == (len(keys), 0)
     assert client.update_priorities("b", [], []) == (0, 0)
 
 
 @pytest.mark.parametrize(("call", "args", "option"), [
-    ("sample", ("b", 4), "n_step"),  # protobuf's "not set": the server would use 1
-    ("sample", ("b", 4), "gamma"),  # 0.99
     ("sample", ("b", 4), "importance_beta"),  # 0
     ("sample", ("b", None), "batch_size"),
     ("sample_stream", ("b", 4), "num_batches"),  # 0: endless
-    ("create_buffer", ("b", 64, SCHEMA), "alpha"),
-    ("create_buffer", ("b", 64, SCHEMA), "max_times_sampled"),
     ("create_buffer", ("b", None, SCHEMA), "capacity_steps"),
-    ("create_buffer", ("b", 64, SCHEMA), "rate_limiter['samples_per_insert']"),
     ("create_rollout_buffer", ("b", 4, 2, SCHEMA), "gamma"),
     ("create_rollout_buffer", ("b", 4, 2, SCHEMA), "gae_lambda"),
     ("create_rollout_buffer", ("b", None, 2, SCHEMA), "num_steps"),
@@ -437,10 +442,7 @@ def test_integer_keys_of_any_integer_type_are_sent(client: ReplayClient) -> None
 ])
 def test_numeric_options_given_as_none_are_refused_naming_them(client: ReplayClient, call: str, args: tuple,
                                                                 option: str) -> None:
-    options = {}
-    if None not in args:
-        options = ({"rate_limiter": {"min_size_to_sample": 1, "samples_per_insert": None}}
-                   if option.startswith("rate_limiter") else {option: None})
+    options = {} if None in args else {option: None}
     with pytest.raises(ValueError, match=rf"{re.escape(option)}: expected a value, got None"):
         getattr(client, call)(*args, **options)
     assert client.list_buffers() == []
@@ -470,46 +472,54 @@ def test_an_episode_longer_than_the_ring_is_refused_before_any_chunk_of_it_is_se
         assert client.describe("b")["episodes"] == 1
 
 
-@pytest.mark.parametrize(("mode", "options", "message"), [
-    ("transitions", {"discount": 0.5}, "discount: only valid with mode='geometric', got discount=0.5"),
-    ("geometric", {"discount": 0.5, "n_step": 3}, "n_step: only valid with mode='transitions', got n_step=3"),
-    ("geometric", {"discount": 0.5, "gamma": 0.9}, "gamma: only valid with mode='transitions', got gamma=0.9"),
-    ("states", {"n_step": 1}, "n_step: only valid with mode='transitions', got n_step=1 with mode='states'"),
-    ("states", {"gamma": 0.99}, "gamma: only valid with mode='transitions'"),
-    ("states", {"discount": 0.5}, "discount: only valid with mode='geometric'"),
+@pytest.mark.parametrize(("mode", "message"), [
+    ("transitions", "mode: expected a batch mode's options"),
+    ({"n_step": 3}, "mode: expected a batch mode's options"),
+    (Uniform(), "mode: expected a batch mode's options"),
 ])
-def test_an_option_the_mode_does_not_use_is_refused(client: ReplayClient, mode: str, options: dict,
-                                                     message: str) -> None:
+def test_a_mode_that_is_not_a_modes_options_is_refused(client: ReplayClient, mode: object, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        client.sample("b", 4, mode, **options)
+        client.sample("b", 4, mode)
     with pytest.raises(ValueError, match=re.escape(message)):
-        client.sample_stream("b", 4, mode, **options)
+        client.sample_stream("b", 4, mode)
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: Transitions(n_step=0), "transitions.n_step must be an integer in 1..1000, got 0"),
+    (lambda: Transitions(gamma=1.5), "transitions.gamma must be in [0, 1], got 1.5"),
+    (lambda: Geometric(discount=float("nan")), "geometric.discount must be in [0, 1], got nan"),
+    (lambda: Prioritized(alpha=-1.0), "prioritized.alpha must be finite and >= 0, got -1.0"),
+    (lambda: MaxTimesSampled(0), "max_times_sampled.max_times_sampled must be an integer >= 1, got 0"),
+    (lambda: SampleToInsertRatio(2.0, error_buffer=1.0), "rate_limiter.error_buffer=1.0 is too small"),
+    # None is no value (protobuf would take it as "not set" and the server would use the field's default)
+    (lambda: Transitions(n_step=None), "transitions.n_step must be an integer in 1..1000, got None"),
+    (lambda: Transitions(gamma=None), "transitions.gamma must be in [0, 1], got None"),
+    (lambda: Prioritized(alpha=None), "prioritized.alpha must be finite and >= 0, got None"),
+    (lambda: MaxTimesSampled(None), "max_times_sampled.max_times_sampled must be an integer >= 1, got None"),
+    (lambda: SampleToInsertRatio(None), "rate_limiter.samples_per_insert must be finite and >= 0, got None"),
+])
+def test_options_are_validated_where_they_are_constructed(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build()
 
 
 def test_mode_options_left_out_take_their_defaults() -> None:
     request = ReplayClient.sample_request("b", 4)
-    assert (request.transitions.n_step, request.transitions.gamma) == (1, pytest.approx(0.99))
-    request = ReplayClient.sample_request("b", 4, n_step=3, gamma=0.5)
-    assert (request.transitions.n_step, request.transitions.gamma) == (3, 0.5)
-    assert ReplayClient.sample_request("b", 4, "geometric", discount=0.5).geometric.discount == 0.5
-    assert ReplayClient.sample_request("b", 4, "states").WhichOneof("mode") == "states"
+    assert (request.mode.transitions.n_step, request.mode.transitions.gamma) == (1, pytest.approx(0.99))
+    request = ReplayClient.sample_request("b", 4, mode=Transitions(n_step=3, gamma=0.5))
+    assert (request.mode.transitions.n_step, request.mode.transitions.gamma) == (3, 0.5)
+    assert ReplayClient.sample_request("b", 4, Geometric(discount=0.5)).mode.geometric.discount == 0.5
+    assert ReplayClient.sample_request("b", 4, States()).mode.WhichOneof("kind") == "states"
 
 
-def test_alpha_with_the_uniform_sampler_is_refused(client: ReplayClient) -> None:
-    """It built a uniform buffer, the alpha asked for unused."""
-    with pytest.raises(ValueError, match=re.escape("alpha: only valid with sampler='prioritized', got alpha=1.0 "
-                                                   "with sampler='uniform'")):
-        client.create_buffer("b", 64, SCHEMA, alpha=1.0)
+def test_components_that_are_not_their_roles_options_are_refused(client: ReplayClient) -> None:
+    for options, message in (({"sampler": "prioritized"}, "sampler: expected Uniform() or Prioritized"),
+                             ({"remover": Prioritized()}, "remover: expected Fifo() or MaxTimesSampled"),
+                             ({"rate_limiter": {"min_size_to_sample": 5}}, "rate_limiter: expected MinSize(n)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            client.create_buffer("b", 64, SCHEMA, **options)
     assert client.list_buffers() == []
-    client.create_buffer("b", 64, SCHEMA, sampler="prioritized")
+    client.create_buffer("b", 64, SCHEMA, sampler=Prioritized())
     info = client._stub.DescribeBuffer(pb.DescribeBufferRequest(name="b"))
     assert info.episodic.sampler.prioritized.alpha == pytest.approx(0.6)  # left out: the documented default
-
-
-def test_max_times_sampled_with_another_remover_is_refused(client: ReplayClient) -> None:
-    """It built a FIFO buffer that never retired a step."""
-    with pytest.raises(ValueError, match="max_times_sampled: only valid with remover='max_times_sampled', got "
-                                         "max_times_sampled=3 with remover='fifo'"):
-        client.create_buffer("b", 64, SCHEMA, max_times_sampled=3)
-    assert client.list_buffers() == []
-    client.create_buffer("b", 64, SCHEMA, max_times_sampled=0)  # 0, the default: none given
+    assert client.describe("b")["sampler"] == Prioritized(0.6)

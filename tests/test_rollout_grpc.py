@@ -12,7 +12,7 @@ import pytest
 from client import ReplayClient
 from client.actors.ppo import PPOActorConfig, Rollout, push
 from service.gae import compute_gae
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc

@@ -18,10 +18,11 @@ import pytest
 from client import ReplayClient
 from service.errors import InvalidArgument, NotFound
 from service.grpc_server.sample_workers import WORKER_THREADS, SampleWorkers, SampleWorkerServicer
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from service.storage.instance_lock import lock_path
 from service.wire import codec
 from service.wire import replay_pb2 as pb
+from service.wire.components import MaxTimesSampled, Prioritized, Transitions
 from service.wire.frames import sample_response_batch
 from tests.conftest import TEST_INSTANCE, free_port
 
@@ -54,16 +55,16 @@ def test_workers_serve_sampling_with_the_servers_results(worker_server: ReplaySe
         again = client.describe("uniform")["sample_endpoints"]
         assert sorted(again) == sorted(info["sample_endpoints"]) and again[0] != info["sample_endpoints"][0]
         for _ in range(3):  # round-robin over both workers: same seed, same batch as the server's own
-            batch = client.sample("uniform", 64, n_step=3, seed=5, include_keys=True)
-            reference = direct.sample("uniform", 64, n_step=3, seed=5, include_keys=True)
+            batch = client.sample("uniform", 64, mode=Transitions(n_step=3), seed=5, include_keys=True)
+            reference = direct.sample("uniform", 64, mode=Transitions(n_step=3), seed=5, include_keys=True)
             for name in reference:
                 np.testing.assert_array_equal(batch[name], reference[name])
         assert len(list(client.sample_stream("uniform", 32, num_batches=4))) == 4
         # Prioritized buffers are served by the workers too; buffers whose sampling changes state are not.
-        fill(client, "prio", sampler="prioritized")
+        fill(client, "prio", sampler=Prioritized())
         assert len(client.describe("prio")["sample_endpoints"]) == 2
         assert "probability" in client.sample("prio", 8)
-        fill(client, "retiring", remover="max_times_sampled", max_times_sampled=3)
+        fill(client, "retiring", remover=MaxTimesSampled(3))
         assert client.describe("retiring")["sample_endpoints"] == []
         assert client.sample("retiring", 8)["obs"].shape == (8, 4)
 
@@ -81,8 +82,8 @@ def test_worker_streams_of_large_batches_are_the_servers_batches(worker_server: 
                                            "action": rng.integers(0, 6, n), "reward": np.ones(n, np.float32)}
                                           for n in lengths], [True] * len(lengths))
         assert client.describe("frames")["sample_endpoints"]
-        ours = list(client.sample_stream("frames", 80, num_batches=5, n_step=2, include_keys=True, seed=3))
-        reference = list(direct.sample_stream("frames", 80, num_batches=5, n_step=2, include_keys=True, seed=3))
+        ours = list(client.sample_stream("frames", 80, Transitions(n_step=2), 5, include_keys=True, seed=3))
+        reference = list(direct.sample_stream("frames", 80, Transitions(n_step=2), 5, include_keys=True, seed=3))
         for batch, expected in zip(ours, reference, strict=True):
             assert list(batch) == list(expected)
             for name in expected:
@@ -259,7 +260,7 @@ def test_a_client_routed_to_workers_samples_a_buffer_recreated_for_the_server_on
         for _ in range(2):  # both workers attach it; the client keeps their route
             assert client.sample("b", 4)["obs"].shape == (4, 4)
         admin.delete_buffer("b")
-        fill(admin, "b", remover="max_times_sampled", max_times_sampled=2)
+        fill(admin, "b", remover=MaxTimesSampled(2))
         assert admin.describe("b")["sample_endpoints"] == []
 
     with ReplayClient(worker_server.address) as admin:
@@ -394,7 +395,7 @@ def test_a_buffer_deleted_between_the_workers_look_and_its_attach_is_not_found(
     def unlinked_meanwhile(header: str) -> None:
         raise FileNotFoundError(2, "No such file or directory", f"/{header}")
 
-    monkeypatch.setattr("service.grpc_server.sample_workers.EpisodicRing.attach", unlinked_meanwhile)
+    monkeypatch.setattr("service.grpc_server.sample_workers.RingReader.attach", unlinked_meanwhile)
     with pytest.raises(NotFound, match="buffer 'racing' does not exist"):
         in_process_worker.ring("racing")
 

@@ -10,7 +10,7 @@ import numpy as np
 import safetensors.numpy
 
 from client import ReplayClient
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from tests.conftest import TEST_INSTANCE, rpc_status
 
 SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}

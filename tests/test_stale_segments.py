@@ -18,8 +18,8 @@ from client import ReplayClient
 from service.buffers.episodic import EpisodicBuffer
 from service.cli import main as cli_main
 from service.errors import FailedPrecondition, InvalidArgument
-from service.grpc_server.server import ReplayServer
 from service.schema import Field
+from service.server import ReplayServer
 from service.storage.instance_lock import InstanceLock, lock_path
 from service.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE, free_port

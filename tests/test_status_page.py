@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from client import ReplayClient
-from service.grpc_server.server import ReplayServer
+from service.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
 
 CHROMIUM = next((path for name in ("chromium", "chromium-browser", "google-chrome", "chrome")

@@ -30,6 +30,7 @@ from client.learners.common import (
 )
 from client.loader import Loader
 from client.trainers.allo import AlloTrainer
+from service.wire.components import Geometric, ModeOptions, States
 
 GRID_SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ()), "reward": ("float32", ())}
 
@@ -72,11 +73,11 @@ def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = l
     wait_for_steps(client, config.buffer, config.learning_starts, tracker)
     tracker.start_clock()  # the budget is training time
 
-    def stream(mode: str, **options: float) -> Loader:
+    def stream(mode: ModeOptions) -> Loader:
         return Loader(client.sample_stream(config.buffer, config.batch_size, mode, wait=True,
-                                           timeout=config.seconds + 60, **options), device=config.device)
+                                           timeout=config.seconds + 60), device=config.device)
 
-    loaders = [stream("geometric", discount=config.discount), stream("states"), stream("states")]
+    loaders = [stream(Geometric(discount=config.discount)), stream(States()), stream(States())]
     progress = tracker.progress
     cosine, solved = np.zeros(config.d), False
 

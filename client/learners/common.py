@@ -192,7 +192,9 @@ def write_run(run_dir: Path, summary: dict, plot: CurvePlot) -> None:
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    _replace_atomically(run_dir / "summary.json", lambda file: file.write(json.dumps(summary, indent=2).encode()))
+    """summary.json; a buffer's component options are written as their configuration dicts."""
+    text = json.dumps(summary, indent=2, default=lambda value: value.to_config())
+    _replace_atomically(run_dir / "summary.json", lambda file: file.write(text.encode()))
 
 
 def save_figure(figure: Any, path: Path) -> None:

@@ -22,6 +22,7 @@ from client.learners.common import (
 from client.loader import Loader
 from client.local_reader import LocalReader
 from client.trainers.dqn import DQNTrainer
+from service.wire.components import Transitions
 
 CARTPOLE_SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 
@@ -84,12 +85,13 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
     reader = LocalReader(client, config.buffer) if config.local else None
     loader = None
     try:
+        mode = Transitions(n_step=config.n_step, gamma=config.gamma)
         if reader is not None:
-            stream = reader.sample_stream(config.batch_size, n_step=config.n_step, gamma=config.gamma)
+            stream = reader.sample_stream(config.batch_size, mode)
         else:
             # The deadline also covers compiling on the first batch (about 15 s on a cold cache, before the clock).
-            stream = client.sample_stream(config.buffer, config.batch_size, n_step=config.n_step, gamma=config.gamma,
-                                          wait=True, timeout=config.seconds + (600 if config.compile_loss else 60))
+            stream = client.sample_stream(config.buffer, config.batch_size, mode, wait=True,
+                                          timeout=config.seconds + (600 if config.compile_loss else 60))
         loader = Loader(stream, device=config.device, prefetch=4)
         batches = iter(loader)
         first = next(batches, None) if config.compile_loss else None

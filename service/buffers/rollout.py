@@ -249,6 +249,21 @@ class RolloutBuffer(LiveBuffer):
         columns: Mapping[str, np.ndarray],
         bootstrap_value: np.ndarray | None,
     ) -> tuple[int, int]:
+        """(steps, envs) of a push every check passes; raises naming the first field that fails one."""
+        self._check_version(policy_version)
+        steps, envs = self._check_columns(columns)
+        self._check_cells(steps, envs, step_start, env_start)
+        self._check_bootstrap(bootstrap_value, steps, envs, step_start)
+        overlap = self._filled[step_start : step_start + steps, env_start : env_start + envs]
+        if overlap.any():
+            t, e = np.argwhere(overlap)[0]
+            raise FailedPrecondition(
+                f"cells: expected unpushed cells for policy_version {self._version}, got {int(overlap.sum())}"
+                f" already pushed (first: step {step_start + t}, env {env_start + e})"
+            )
+        return steps, envs
+
+    def _check_version(self, policy_version: int) -> None:
         if policy_version < self._version:
             self.counters["stale_pushes"] += 1
             raise FailedPrecondition(
@@ -259,6 +274,9 @@ class RolloutBuffer(LiveBuffer):
                 f"policy_version: expected {self._version}, got {policy_version}: the learner has not"
                 " finished the current rollout (finish_rollout) yet"
             )
+
+    def _check_columns(self, columns: Mapping[str, np.ndarray]) -> tuple[int, int]:
+        """The (steps, envs) every column shares, each of its field's dtype and cell shape."""
         expected = {spec.name: spec for spec in self.config.columns}
         unknown = sorted(set(columns) - set(expected))
         if unknown:
@@ -288,6 +306,9 @@ class RolloutBuffer(LiveBuffer):
                 t, e = np.argwhere(~finite)[0]
                 raise InvalidArgument(f"field {name!r}: expected finite values, got {float(columns[name][t, e])} "
                                       f"at (step {t}, env {e}) of the part")
+        return steps, envs
+
+    def _check_cells(self, steps: int, envs: int, step_start: int, env_start: int) -> None:
         T, N = self.config.num_steps, self.config.num_envs
         if steps < 1 or envs < 1:
             raise InvalidArgument(f"push: expected >= 1 step and env, got (steps, envs) = {(steps, envs)}")
@@ -303,34 +324,30 @@ class RolloutBuffer(LiveBuffer):
             raise InvalidArgument(
                 f"env_start: expected 0 <= env_start <= {N} - {envs} (the part's envs), got {env_start}"
             )
-        if step_start + steps == T:
-            if bootstrap_value is None:
-                raise InvalidArgument(f"bootstrap_value: required when a part reaches the last step {T - 1}")
-            if not isinstance(bootstrap_value, np.ndarray) or bootstrap_value.dtype != np.float32:
-                got = getattr(bootstrap_value, "dtype", type(bootstrap_value).__name__)
-                raise InvalidArgument(f"bootstrap_value: expected dtype float32, got {got}")
-            if bootstrap_value.shape != (envs,):
+
+    def _check_bootstrap(self, bootstrap_value: np.ndarray | None, steps: int, envs: int, step_start: int) -> None:
+        T = self.config.num_steps
+        if step_start + steps < T:
+            if bootstrap_value is not None:
                 raise InvalidArgument(
-                    f"bootstrap_value: expected shape {(envs,)}, got {bootstrap_value.shape}"
+                    f"bootstrap_value: only valid in a part reaching the last step {T - 1}, this part ends at"
+                    f" step {step_start + steps - 1}"
                 )
-            finite = np.isfinite(bootstrap_value)
-            if not finite.all():
-                e = int(np.argmin(finite))
-                raise InvalidArgument(f"bootstrap_value: expected finite values, got {float(bootstrap_value[e])} "
-                                      f"at env {e} of the part")
-        elif bootstrap_value is not None:
+            return
+        if bootstrap_value is None:
+            raise InvalidArgument(f"bootstrap_value: required when a part reaches the last step {T - 1}")
+        if not isinstance(bootstrap_value, np.ndarray) or bootstrap_value.dtype != np.float32:
+            got = getattr(bootstrap_value, "dtype", type(bootstrap_value).__name__)
+            raise InvalidArgument(f"bootstrap_value: expected dtype float32, got {got}")
+        if bootstrap_value.shape != (envs,):
             raise InvalidArgument(
-                f"bootstrap_value: only valid in a part reaching the last step {T - 1}, this part ends at"
-                f" step {step_start + steps - 1}"
+                f"bootstrap_value: expected shape {(envs,)}, got {bootstrap_value.shape}"
             )
-        overlap = self._filled[step_start : step_start + steps, env_start : env_start + envs]
-        if overlap.any():
-            t, e = np.argwhere(overlap)[0]
-            raise FailedPrecondition(
-                f"cells: expected unpushed cells for policy_version {self._version}, got {int(overlap.sum())}"
-                f" already pushed (first: step {step_start + t}, env {env_start + e})"
-            )
-        return steps, envs
+        finite = np.isfinite(bootstrap_value)
+        if not finite.all():
+            e = int(np.argmin(finite))
+            raise InvalidArgument(f"bootstrap_value: expected finite values, got {float(bootstrap_value[e])} "
+                                  f"at env {e} of the part")
 
     def finish_rollout(self, next_version: int) -> None:
         """Starts the next rollout under `next_version` (> current); the arrays are reused as they are."""

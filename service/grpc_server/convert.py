@@ -1,4 +1,8 @@
-"""Protobuf messages <-> server objects (schemas, modes, spans, buffer info)."""
+"""Protobuf messages <-> server objects (schemas, components, modes, spans, buffer info).
+
+Components go through their typed options (service/wire/components.py), the one round trip every
+encoding shares; this module only moves them in and out of messages.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,16 @@ import socket
 
 import numpy as np
 
-from service.buffers.episodic import EpisodicBuffer, Spans
+from service import components
+from service.buffers.episodic import EpisodicBuffer
+from service.buffers.planner import Spans
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.errors import InvalidArgument
 from service.limiters import RateLimiter
-from service.removers import FifoRemover, MaxTimesSampledRemover
-from service.samplers.geometric import GeometricMode
-from service.samplers.modes import BatchMode
-from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.states import StatesMode
-from service.samplers.transitions import TransitionsMode
-from service.samplers.uniform import UniformSampler
+from service.modes.base import BatchMode
+from service.removers import Remover
+from service.samplers.base import Sampler
 from service.schema import Field
+from service.wire import components as options
 from service.wire import replay_pb2 as pb
 
 HOST = socket.gethostname()
@@ -43,16 +45,7 @@ def rollout_config_from_proto(config: pb.RolloutConfig) -> RolloutConfig:
 
 
 def mode_from_request(request: pb.SampleRequest) -> BatchMode:
-    which = request.WhichOneof("mode")
-    if which == "transitions":
-        n_step = request.transitions.n_step if request.transitions.HasField("n_step") else 1
-        gamma = request.transitions.gamma if request.transitions.HasField("gamma") else 0.99
-        return TransitionsMode(n_step, gamma)
-    if which == "geometric":
-        return GeometricMode(request.geometric.discount)
-    if which == "states":
-        return StatesMode()
-    raise InvalidArgument("sample: mode must be one of transitions, geometric, states")
+    return components.build(options.from_proto("mode", request.mode))
 
 
 def spans_from_request(request: pb.InsertRequest) -> Spans:
@@ -93,56 +86,24 @@ def rollout_info(name: str, buffer: RolloutBuffer) -> pb.BufferInfo:
     )
 
 
-# ---- sampler, remover, rate limiter (prioritized replay) ----
-def components_from_config(
-    config: pb.EpisodicConfig,
-) -> tuple[UniformSampler | PrioritizedSampler, FifoRemover | MaxTimesSampledRemover, RateLimiter | None]:
-    sampler = (PrioritizedSampler(config.sampler.prioritized.alpha)
-               if config.sampler.WhichOneof("kind") == "prioritized" else UniformSampler())
-    remover = (MaxTimesSampledRemover(config.remover.max_times_sampled.max_times_sampled)
-               if config.remover.WhichOneof("kind") == "max_times_sampled" else FifoRemover())
-    limiter = None
-    if config.HasField("rate_limiter"):
-        limits = config.rate_limiter
-        limiter = RateLimiter(limits.min_size_to_sample, limits.samples_per_insert, limits.error_buffer)
-    return sampler, remover, limiter
-
-
-def components_to_proto(buffer: EpisodicBuffer) -> dict:
-    sampler = buffer.sampler
-    remover = buffer.remover
-    fields: dict = {
-        "sampler": pb.SamplerConfig(prioritized=pb.PrioritizedSampler(alpha=sampler.alpha))
-        if isinstance(sampler, PrioritizedSampler) else pb.SamplerConfig(uniform=pb.UniformSampler()),
-        "remover": pb.RemoverConfig(
-            max_times_sampled=pb.MaxTimesSampledRemover(max_times_sampled=remover.max_times_sampled))
-        if isinstance(remover, MaxTimesSampledRemover) else pb.RemoverConfig(fifo=pb.FifoRemover()),
-    }
-    if buffer.limiter is not None:
-        fields["rate_limiter"] = pb.RateLimiterConfig(**buffer.limiter.config())
-    return fields
-
-
-def components_counters(buffer: EpisodicBuffer) -> dict[str, float]:
-    counters = {f"remover.{k}": float(v) for k, v in buffer.remover.counters.items()}
-    if isinstance(buffer.sampler, PrioritizedSampler):
-        counters |= {f"prioritized.{k}": v for k, v in buffer.sampler.config().items()}
-    if buffer.limiter is not None:
-        counters |= {k: float(v) for k, v in buffer.limiter.counters().items()}
-    return counters
-# ---- end prioritized replay ----
+def components_from_config(config: pb.EpisodicConfig) -> tuple[Sampler, Remover, RateLimiter]:
+    """The components an EpisodicConfig names; unset ones are the defaults (uniform, fifo, min_size 1)."""
+    return (components.build(options.from_proto("sampler", config.sampler, options.Uniform())),
+            components.build(options.from_proto("remover", config.remover, options.Fifo())),
+            components.build(options.from_proto("rate_limiter", config.rate_limiter, options.MinSize())))
 
 
 def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
     with buffer.live():  # components read shared memory too (max priority): not while a delete unmaps it
         info = buffer.info()
-        components = components_to_proto(buffer)
-        counters = components_counters(buffer)
+        counters = buffer.component_counters()
     config = pb.EpisodicConfig(
         fields=fields_to_proto(buffer.fields),
         capacity_steps=buffer.capacity,
         reward_field=buffer.reward_field or "",
-        **components,
+        sampler=buffer.sampler.options.to_proto(),
+        remover=buffer.remover.options.to_proto(),
+        rate_limiter=buffer.limiter.options.to_proto(),
     )
     return pb.BufferInfo(
         name=info["name"],

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service.samplers import kernels
+from service import kernels
+from service.modes.base import BatchMode
 from service.samplers.draw import Draw
-from service.samplers.modes import BatchMode
 from service.wire import codec
 from service.wire.frames import SAMPLE_RESPONSE_HEAD_BYTES, sample_response_head
 

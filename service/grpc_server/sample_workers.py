@@ -26,10 +26,10 @@ import grpc
 import numpy as np
 
 from service import errors
-from service.buffers.ring import EpisodicRing, shm_name
+from service.buffers.reader import RingReader
+from service.buffers.ring import shm_name
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.in_place import InPlaceMessages
-from service.grpc_server.options import channel_options
 from service.grpc_server.servicer import (
     SAMPLE_AHEAD,
     lenient,
@@ -39,10 +39,11 @@ from service.grpc_server.servicer import (
     stream_rpc,
     wait_seconds,
 )
-from service.limiters import WorkerSeats
-from service.samplers.modes import BatchMode
+from service.modes.base import BatchMode
 from service.schema import check_buffer_name
 from service.wire import replay_pb2 as pb
+from service.wire.channel import channel_options
+from service.worker_seats import WorkerSeats
 
 log = logging.getLogger("replayd.sample_worker")
 
@@ -60,14 +61,14 @@ class SampleWorkerServicer:
         # Open streams and waiting samples may hold 3/4 of the worker threads (see WorkerSeats).
         self.worker_seats = WorkerSeats.for_workers(WORKER_THREADS)
         self.rejected: dict[str, int] = {}
-        self._rings: dict[str, tuple[int, EpisodicRing]] = {}
-        self._retired: list[weakref.ref[EpisodicRing]] = []  # dropped rings that calls may still hold
+        self._rings: dict[str, tuple[int, RingReader]] = {}
+        self._retired: list[weakref.ref[RingReader]] = []  # dropped rings that calls may still hold
         self._lock = threading.Lock()
 
     def counters_rejected(self, method: str, exc: Exception) -> None:
         self.rejected[method] = self.rejected.get(method, 0) + 1
 
-    def ring(self, buffer: str) -> EpisodicRing:
+    def ring(self, buffer: str) -> RingReader:
         # Checked as the server checks it: "b.data" would open a buffer's data segment as its header.
         header = shm_name(self.instance, check_buffer_name(buffer))
         try:
@@ -85,9 +86,11 @@ class SampleWorkerServicer:
                 self._retired.append(weakref.ref(cached[1]))
                 del self._rings[buffer]
             try:
-                ring = EpisodicRing.attach(header)
+                ring = RingReader.attach(header)
             except FileNotFoundError:  # deleted between the stat above and the attach
                 raise errors.NotFound(f"buffer {buffer!r} does not exist") from None
+            except errors.InvalidArgument:  # not an episodic buffer
+                raise
             except ValueError as exc:  # being created: its header segment is there, its JSON not written yet
                 raise errors.NotFound(f"buffer {buffer!r} does not exist (yet): {exc}") from None
             except errors.FailedPrecondition as exc:
@@ -121,12 +124,12 @@ class SampleWorkerServicer:
         if collect:
             gc.collect()
 
-    def current(self, buffer: str, ring: EpisodicRing) -> None:
+    def current(self, buffer: str, ring: RingReader) -> None:
         """NotFound once `buffer` was deleted (or deleted and created again) since `ring` was attached."""
         if self.ring(buffer) is not ring:
             raise errors.NotFound(f"buffer {buffer!r} was deleted or created again while this call sampled it")
 
-    def _message(self, ring: EpisodicRing, request: pb.SampleRequest, rng: np.random.Generator,
+    def _message(self, ring: RingReader, request: pb.SampleRequest, rng: np.random.Generator,
                  deadline: float | None, context: grpc.ServicerContext, stream: InPlaceMessages | None = None) -> bytes:
         """A sampled batch's message; a stream's (`stream`) may be gathered straight into it."""
         self.current(request.buffer, ring)
@@ -141,7 +144,7 @@ class SampleWorkerServicer:
                     if time.monotonic() >= deadline:
                         raise errors.DeadlineExceeded(
                             f"buffer {ring.name!r} got no step to draw before the deadline "
-                            f"(sampleable_steps={ring.sampleable_steps})")
+                            f"(sampleable_steps={ring.ring.sampleable_steps})")
                     time.sleep(delay)
                     delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
         def sample(mode: BatchMode) -> dict[str, np.ndarray]:

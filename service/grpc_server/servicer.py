@@ -21,19 +21,19 @@ from prometheus_client import CollectorRegistry
 
 from service import checkpoint, errors
 from service.buffers.episodic import EpisodicBuffer
-from service.buffers.ring import EpisodicRing, check_importance_beta
+from service.buffers.reader import RingReader, check_importance_beta
 from service.buffers.rollout import RolloutBuffer
 from service.grpc_server import convert
 from service.grpc_server.in_place import InPlaceMessages
 from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
-from service.limiters import WorkerSeats
+from service.modes.base import BatchMode
 from service.registry import BufferRegistry
-from service.samplers.modes import BatchMode
 from service.weights import WeightStore
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
 from service.wire.frames import InsertFrame, sample_response_batch, sample_response_bytes
+from service.worker_seats import WorkerSeats
 
 log = logging.getLogger("replayd")
 
@@ -338,7 +338,7 @@ def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> fl
     return remaining - min(_REPLY_MARGIN_SECONDS, remaining / 4)
 
 
-def sample_mode(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes: int) -> BatchMode:
+def sample_mode(request: pb.SampleRequest, reader: RingReader, max_message_bytes: int) -> BatchMode:
     """The request's batch mode, once the request is checked: a batch that could not be sent is refused
     before it is drawn (a draw counts: removers, rate limiters, the buffer's counters). Modes hold no
     state: one serves a whole stream."""
@@ -346,8 +346,9 @@ def sample_mode(request: pb.SampleRequest, ring: EpisodicRing, max_message_bytes
         raise errors.InvalidArgument(f"sample: batch_size expected 1..{MAX_BATCH_SIZE}, got {request.batch_size}")
     check_importance_beta(request.importance_beta)
     mode = convert.mode_from_request(request)
+    ring = reader.ring
     mode.check(ring)
-    item_bytes = (mode.item_bytes(ring) + ring.sampler.extra_item_bytes
+    item_bytes = (mode.item_bytes(ring) + reader.sampler.extra_item_bytes
                   + (KEY_ITEM_BYTES if request.include_keys else 0))
     # A batch holds at most each observation field thrice (obs, next, bootstrap), the step fields, two flags,
     # two targets, keys and ids, and the sampler's columns.
@@ -491,7 +492,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     @rpc
     def Insert(self, frames: Iterator[InsertFrame], context) -> pb.InsertResponse:
         requests = spans = rows = completed = duplicates = 0
-        call_end: CallEnd | None = None  # made when a rate limiter could hold an insert back
+        call_end = CallEnd(context)  # a rate limiter may hold an insert back: a cancelled call stops waiting
         for frame in frames:
             if isinstance(frame, MalformedRequest):
                 stored = f"; the {requests} before it were stored" if requests else ""
@@ -501,11 +502,8 @@ class ReplayServicer(pb_grpc.ReplayServicer):
                 buffer = self.registry.episodic(request.buffer)
                 columns = _decode(frame.steps, "insert.steps")
                 spans_of_request = convert.spans_from_request(request)
-                if buffer.limiter is not None and call_end is None:
-                    call_end = CallEnd(context)
-                ended = call_end.on(buffer) if buffer.limiter is not None else None
                 result = buffer.insert_result(columns, spans_of_request, timeout=time_remaining(context),
-                                              ended=ended)
+                                              ended=call_end.on(buffer))
             except (errors.ReplayError, codec.CodecError) as exc:
                 if requests:
                     exc.args = (f"{exc.args[0]} (request {requests} of the stream; the {requests} before it "
@@ -531,7 +529,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         buffer = self.registry.episodic(request.buffer)
         rng = np.random.default_rng(request.seed) if request.HasField("seed") else None
         ended = CallEnd(context).on(buffer) if request.wait else None
-        return self._sample_message(buffer, request, sample_mode(request, buffer, self.max_message_bytes), rng,
+        return self._sample_message(buffer, request, sample_mode(request, buffer.reader, self.max_message_bytes), rng,
                                     wait_seconds(request, context), ended)
 
     @rpc
@@ -558,7 +556,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             raise errors.InvalidArgument(f"sample_stream: num_batches expected >= 0 (0 = until cancelled), "
                                          f"got {request.num_batches}")
         buffer = self.registry.episodic(inner.buffer)
-        mode = sample_mode(inner, buffer, self.max_message_bytes)
+        mode = sample_mode(inner, buffer.reader, self.max_message_bytes)
         # One generator for the whole stream: seeded streams are reproducible batch after batch.
         rng = np.random.default_rng(inner.seed) if inner.HasField("seed") else None
         ended = CallEnd(context).on(buffer) if inner.wait else None  # a cancelled stream stops waiting

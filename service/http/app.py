@@ -17,9 +17,8 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from service.buffers.episodic import EpisodicBuffer
 from service.errors import NotFound
-from service.grpc_server.auth import token_matches
-from service.grpc_server.convert import components_counters
 from service.registry import BufferRegistry
+from service.tokens import token_matches
 
 STATUS_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>replayd</title>
@@ -109,13 +108,13 @@ def buffer_stats(registry: BufferRegistry) -> list[dict]:
             if isinstance(buffer, EpisodicBuffer):
                 with buffer.live():
                     capacity, stored = buffer.capacity, buffer.stored_steps
-                    counters, episodes = {**buffer.counters, **components_counters(buffer)}, buffer.episodes
-                    sampleable, rate_limited = buffer.sampleable_steps, buffer.limiter is not None
+                    counters, episodes = {**buffer.counters, **buffer.component_counters()}, buffer.episodes
+                    sampleable, rate_limiter = buffer.sampleable_steps, buffer.limiter.to_config()
             else:
                 info = buffer.info()
                 capacity = info["num_steps"] * info["num_envs"]
                 stored, counters, episodes = capacity - info["missing_steps"], info["counters"], 0
-                sampleable, rate_limited = None, False
+                sampleable, rate_limiter = None, None
         except NotFound:
             continue  # deleted while the stats were being read
         stats.append({
@@ -126,7 +125,7 @@ def buffer_stats(registry: BufferRegistry) -> list[dict]:
             "fill": stored / capacity,
             "sampleable_steps": sampleable,
             "episodes": episodes,
-            "rate_limited": rate_limited,
+            "rate_limiter": rate_limiter,
             "inserted_steps": int(counters.get("inserted_rows", counters.get("pushed_steps", 0))),
             "sampled_items": int(counters.get("sampled_items", counters.get("served_samples", 0))),
             "counters": {k: float(v) for k, v in counters.items()},
@@ -176,11 +175,10 @@ class BufferCollector:
             episodes.add_metric([name], stat["episodes"])
             inserted_episodes.add_metric([name], counts.get("inserted_episodes", 0))
             sampled_batches.add_metric([name], counts.get("sampled_batches", 0))
-            if stat["rate_limited"]:
-                for side in ("insert", "sample"):
-                    waits.add_metric([name, side], counts.get(f"rate_limiter.{side}_waits", 0))
-                    wait_seconds.add_metric([name, side], counts.get(f"rate_limiter.{side}_wait_seconds", 0))
-                    waiting.add_metric([name, side], counts.get(f"rate_limiter.{side}_waiting", 0))
+            for side in ("insert", "sample"):
+                waits.add_metric([name, side], counts.get(f"rate_limiter.{side}_waits", 0))
+                wait_seconds.add_metric([name, side], counts.get(f"rate_limiter.{side}_wait_seconds", 0))
+                waiting.add_metric([name, side], counts.get(f"rate_limiter.{side}_waiting", 0))
         rejected = CounterMetricFamily("replayd_rejected_calls", "Calls rejected with a client error", labels=["rpc"])
         for rpc, count in dict(self.rejected).items():
             rejected.add_metric([rpc], count)

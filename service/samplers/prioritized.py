@@ -14,15 +14,17 @@ the smallest positive probability, so w_i = (p_i^alpha / min_j p_j^alpha)^-beta 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from service import kernels
+from service.buffers.ring import EpisodicRing
 from service.errors import FailedPrecondition, InvalidArgument
-from service.samplers import kernels
+from service.samplers.base import Sampler
 from service.samplers.draw import Draw
 from service.samplers.sum_tree import SumTree
 from service.storage.shared_arrays import ArraySpec
+from service.wire.components import Prioritized
 
 # Largest leaf (priority ** alpha) accepted: a sum over any ring stays far below float64's limit, where
 # one inf leaf would make every probability nan for good (new steps get the max priority).
@@ -31,22 +33,16 @@ MAX_LEAF = 1e150
 # precision, then becomes 0, and a step given a positive priority would silently never be drawn.
 MIN_LEAF = float(np.finfo(np.float64).tiny)
 
-if TYPE_CHECKING:
-    from service.buffers.episodic import EpisodicBuffer
-
-
 # Rounds a lock-free reader draws its torn draws again before it draws the whole batch again.
 _TORN_ROUNDS = 4
 
 
-class PrioritizedSampler:
-    name = "prioritized"
+class PrioritizedSampler(Sampler):
     extra_item_bytes = 8 + 4  # columns draw adds to a batch, per item: probability (float64), weight (float32)
 
-    def __init__(self, alpha: float) -> None:
-        if not np.isfinite(alpha) or alpha < 0:
-            raise InvalidArgument(f"prioritized.alpha must be finite and >= 0, got {alpha}")
-        self.alpha = float(alpha)
+    def __init__(self, alpha: float = Prioritized.alpha) -> None:
+        self.options = Prioritized(alpha)
+        self.alpha = self.options.alpha
         self.tree: SumTree | None = None
         self._max_priority: np.ndarray | None = None
 
@@ -65,7 +61,7 @@ class PrioritizedSampler:
         self.tree = SumTree(arrays["prioritized.sum"], arrays["prioritized.min"])
         self._max_priority = arrays["prioritized.max_priority"]
 
-    def recover(self, ring: EpisodicBuffer, tail: int, head: int) -> None:
+    def recover(self, ring: EpisodicRing, tail: int, head: int) -> None:
         """Keeps the priorities of live sampleable steps and zeroes every other leaf (an interrupted
         insert may have given rows past the head their first priority), then rebuilds the tree."""
         rows = np.arange(ring.capacity, dtype=np.int64)
@@ -79,17 +75,17 @@ class PrioritizedSampler:
         return np.where(priorities > 0, np.power(priorities, self.alpha), 0.0)
 
     # ---------------------------------------------------------------- buffer hooks (under ring.lock)
-    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int, bounds: np.ndarray | int) -> None:
+    def on_rows_written(self, ring: EpisodicRing, lo: int, hi: int, bounds: np.ndarray | int) -> None:
         """Positions [lo, hi) are about to get `bounds`: the steps among them are new items (none retired).
         A lock-free reader that draws one before its bound is stored finds it no step, and draws again."""
         positions = np.arange(lo, hi, dtype=np.int64)
         fresh = self._leaf_values(self._max_priority[:1])[0]
         self.tree.update(positions % ring.capacity, np.where(positions < bounds, fresh, 0.0))
 
-    def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
+    def on_rows_cleared(self, ring: EpisodicRing, lo: int, hi: int) -> None:
         self.tree.update(np.arange(lo, hi, dtype=np.int64) % ring.capacity, 0.0)
 
-    def on_positions_cleared(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
+    def on_positions_cleared(self, ring: EpisodicRing, positions: np.ndarray) -> None:
         """Scattered positions stopped being items (a remover retired them)."""
         self.tree.update(positions % ring.capacity, 0.0)
 
@@ -97,10 +93,10 @@ class PrioritizedSampler:
         """The leaves of steps about to move with their open episode (their priorities travel along)."""
         return self.tree.get(rows)
 
-    def restore_rows(self, ring: EpisodicBuffer, rows: np.ndarray, state: np.ndarray | None) -> None:
+    def restore_rows(self, ring: EpisodicRing, rows: np.ndarray, state: np.ndarray | None) -> None:
         self.tree.update(rows, state)
 
-    def drawable(self, ring: EpisodicBuffer) -> bool:
+    def drawable(self, ring: EpisodicRing) -> bool:
         """Whether a draw can succeed now: a sampleable step with a positive priority (0: never drawn)."""
         return ring.sampleable_steps > 0 and self.tree.total > 0
 
@@ -109,7 +105,7 @@ class PrioritizedSampler:
         """The smallest positive priority now: what the weights of a draw are normalized against."""
         return self.tree.min_positive
 
-    def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
+    def draw(self, ring: EpisodicRing, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0, weight_floor: float | None = None) -> Draw:
         """Positions by priority, with `probability` and the importance `weight`, normalized against
         `weight_floor` (None: weight_floor() now). A batch drawn in rounds (a remover retiring the steps drawn,
@@ -157,7 +153,7 @@ class PrioritizedSampler:
         except ValueError:  # the levels read all zero under a positive total: a lock-free reader mid-update
             return np.full(targets.size, -1, np.int64)
 
-    def update_priorities(self, ring: EpisodicBuffer, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
+    def update_priorities(self, ring: EpisodicRing, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
         """Sets the priorities of live keys; returns (applied, ignored_stale). Call with ring.lock held.
 
         A key is stale when its position is no longer a sampleable step of the ring (evicted, moved,
@@ -206,5 +202,5 @@ class PrioritizedSampler:
             self.tree.update(rows[live], leaves[live])
         return applied, keys.size - applied
 
-    def config(self) -> dict[str, float]:
+    def counters(self) -> dict[str, float]:
         return {"alpha": self.alpha, "max_priority": float(self._max_priority[0])}

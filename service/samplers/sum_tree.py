@@ -29,7 +29,7 @@ import itertools
 
 import numpy as np
 
-from service.samplers import _kernels
+from service.kernels import _kernels
 from service.storage.shared_arrays import ArraySpec
 
 K = 8  # children per node; one row of K float64 children is one 64-byte cache line

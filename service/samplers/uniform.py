@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from service import kernels
+from service.buffers.ring import EpisodicRing
 from service.errors import RingChanged
-from service.samplers import kernels
+from service.samplers.base import Sampler
 from service.samplers.draw import Draw
-from service.storage.shared_arrays import ArraySpec
-
-if TYPE_CHECKING:
-    from service.buffers.episodic import EpisodicBuffer
+from service.wire.components import Uniform
 
 # Below this fraction of sampleable positions in the live range, rejection would take many rounds,
 # so the sampler enumerates the sampleable positions instead (only tiny-episode or hole-ridden rings).
@@ -23,23 +20,11 @@ _DENSE_ENOUGH = 1 / 16
 _MAX_ROUNDS = 64
 
 
-class UniformSampler:
-    name = "uniform"
-    extra_item_bytes = 0  # columns draw adds to a batch, per item
+class UniformSampler(Sampler):
+    def __init__(self) -> None:
+        self.options = Uniform()
 
-    def array_specs(self, capacity: int) -> list[ArraySpec]:
-        return []  # no per-row state: validity comes from the ring's bounds
-
-    def bind(self, arrays: dict[str, np.ndarray]) -> None:
-        pass
-
-    def attach(self, arrays: dict[str, np.ndarray]) -> None:
-        pass
-
-    def recover(self, ring: EpisodicBuffer, tail: int, head: int) -> None:
-        pass
-
-    def draw(self, ring: EpisodicBuffer, batch_size: int, rng: np.random.Generator,
+    def draw(self, ring: EpisodicRing, batch_size: int, rng: np.random.Generator,
              importance_beta: float = 0.0, weight_floor: float | None = None) -> Draw:
         """Every weight would be 1, so `importance_beta` and `weight_floor` add no column."""
         low, high, sampleable = ring.live_range()
@@ -66,25 +51,3 @@ class UniformSampler:
                 f"[{low}, {high}) (sampleable_steps={sampleable}); the ring changed under the draw"
             )
         return Draw(*drawn)
-
-    def drawable(self, ring: EpisodicBuffer) -> bool:
-        """Whether a draw can succeed now."""
-        return ring.sampleable_steps > 0
-
-    def weight_floor(self) -> None:
-        """No weights to normalize."""
-
-    def on_rows_written(self, ring: EpisodicBuffer, lo: int, hi: int, bounds: np.ndarray | int) -> None:
-        """Positions [lo, hi) are about to get `bounds` (new rows, or rows that just got a successor)."""
-
-    def on_rows_cleared(self, ring: EpisodicBuffer, lo: int, hi: int) -> None:
-        """Positions [lo, hi) no longer hold sampleable steps."""
-
-    def on_positions_cleared(self, ring: EpisodicBuffer, positions: np.ndarray) -> None:
-        """Scattered positions no longer hold sampleable steps (retired by a remover)."""
-
-    def state_of_rows(self, rows: np.ndarray) -> None:
-        """No per-row state: every step is equally likely."""
-
-    def restore_rows(self, ring: EpisodicBuffer, rows: np.ndarray, state: None) -> None:
-        pass

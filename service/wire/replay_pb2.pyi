@@ -54,7 +54,13 @@ class RemoverConfig(_message.Message):
     max_times_sampled: MaxTimesSampledRemover
     def __init__(self, fifo: _Optional[_Union[FifoRemover, _Mapping]] = ..., max_times_sampled: _Optional[_Union[MaxTimesSampledRemover, _Mapping]] = ...) -> None: ...
 
-class RateLimiterConfig(_message.Message):
+class MinSizeLimiter(_message.Message):
+    __slots__ = ("min_size_to_sample",)
+    MIN_SIZE_TO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    min_size_to_sample: int
+    def __init__(self, min_size_to_sample: _Optional[int] = ...) -> None: ...
+
+class SampleToInsertRatioLimiter(_message.Message):
     __slots__ = ("min_size_to_sample", "samples_per_insert", "error_buffer")
     MIN_SIZE_TO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_INSERT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +69,14 @@ class RateLimiterConfig(_message.Message):
     samples_per_insert: float
     error_buffer: float
     def __init__(self, min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ...) -> None: ...
+
+class RateLimiterConfig(_message.Message):
+    __slots__ = ("min_size", "sample_to_insert_ratio")
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TO_INSERT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    min_size: MinSizeLimiter
+    sample_to_insert_ratio: SampleToInsertRatioLimiter
+    def __init__(self, min_size: _Optional[_Union[MinSizeLimiter, _Mapping]] = ..., sample_to_insert_ratio: _Optional[_Union[SampleToInsertRatioLimiter, _Mapping]] = ...) -> None: ...
 
 class EpisodicConfig(_message.Message):
     __slots__ = ("fields", "capacity_steps", "reward_field", "sampler", "remover", "rate_limiter")
@@ -223,27 +237,33 @@ class StatesMode(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class SampleRequest(_message.Message):
-    __slots__ = ("buffer", "batch_size", "transitions", "geometric", "states", "seed", "include_keys", "importance_beta", "wait")
-    BUFFER_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+class BatchMode(_message.Message):
+    __slots__ = ("transitions", "geometric", "states")
     TRANSITIONS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRIC_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    transitions: TransitionsMode
+    geometric: GeometricMode
+    states: StatesMode
+    def __init__(self, transitions: _Optional[_Union[TransitionsMode, _Mapping]] = ..., geometric: _Optional[_Union[GeometricMode, _Mapping]] = ..., states: _Optional[_Union[StatesMode, _Mapping]] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("buffer", "batch_size", "mode", "seed", "include_keys", "importance_beta", "wait")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_KEYS_FIELD_NUMBER: _ClassVar[int]
     IMPORTANCE_BETA_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     batch_size: int
-    transitions: TransitionsMode
-    geometric: GeometricMode
-    states: StatesMode
+    mode: BatchMode
     seed: int
     include_keys: bool
     importance_beta: float
     wait: bool
-    def __init__(self, buffer: _Optional[str] = ..., batch_size: _Optional[int] = ..., transitions: _Optional[_Union[TransitionsMode, _Mapping]] = ..., geometric: _Optional[_Union[GeometricMode, _Mapping]] = ..., states: _Optional[_Union[StatesMode, _Mapping]] = ..., seed: _Optional[int] = ..., include_keys: _Optional[bool] = ..., importance_beta: _Optional[float] = ..., wait: _Optional[bool] = ...) -> None: ...
+    def __init__(self, buffer: _Optional[str] = ..., batch_size: _Optional[int] = ..., mode: _Optional[_Union[BatchMode, _Mapping]] = ..., seed: _Optional[int] = ..., include_keys: _Optional[bool] = ..., importance_beta: _Optional[float] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("batch", "alignment")

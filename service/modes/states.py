@@ -3,25 +3,23 @@ batches from a uniform buffer)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from service.samplers import kernels
+from service import kernels
+from service.buffers.ring import EpisodicRing
+from service.modes.base import BatchMode
 from service.samplers.draw import Draw
-
-if TYPE_CHECKING:
-    from service.buffers.episodic import EpisodicBuffer
+from service.wire.components import States
 
 
-class StatesMode:
-    def check(self, ring: EpisodicBuffer) -> None:
-        """Any episodic ring has states."""
+class StatesMode(BatchMode):
+    def __init__(self) -> None:
+        self.options = States()
 
-    def item_bytes(self, ring: EpisodicBuffer) -> int:
+    def item_bytes(self, ring: EpisodicRing) -> int:
         return ring.observation_row_bytes
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator,
+    def build(self, ring: EpisodicRing, draw: Draw, rng: np.random.Generator,
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         batch = {} if batch is None else batch
         kernels.gather_columns(batch, draw.rows, ring.observation_columns)

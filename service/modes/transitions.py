@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from service import kernels
+from service.buffers.ring import EpisodicRing
 from service.errors import InvalidArgument
-from service.samplers import kernels
+from service.modes.base import BatchMode
 from service.samplers.draw import Draw
-
-if TYPE_CHECKING:
-    from service.buffers.episodic import EpisodicBuffer
-
-MAX_N_STEP = 1000
+from service.wire.components import Transitions
 
 
-class TransitionsMode:
+class TransitionsMode(BatchMode):
     """obs, step fields, next_obs, 1-step terminated/truncated, and n-step targets.
 
     n_eff = min(n, steps left to the episode's bound). `n_step_return` = sum_{k<n_eff} gamma^k r_{t+k};
@@ -26,19 +22,15 @@ class TransitionsMode:
     """
 
     def __init__(self, n_step: int = 1, gamma: float = 0.99) -> None:
-        if isinstance(n_step, bool) or not isinstance(n_step, int | np.integer) or not 1 <= n_step <= MAX_N_STEP:
-            raise InvalidArgument(f"transitions.n_step must be an integer in 1..{MAX_N_STEP}, got {n_step!r}")
-        if not 0.0 <= gamma <= 1.0:
-            raise InvalidArgument(f"transitions.gamma must be in [0, 1], got {gamma}")
-        self.n_step = int(n_step)
-        self.gamma = float(gamma)
+        self.options = Transitions(n_step, gamma)
+        self.n_step, self.gamma = self.options.n_step, self.options.gamma
         self._powers = self.gamma ** np.arange(self.n_step + 1)  # (n + 1,): gamma^0 .. gamma^n
 
-    def check(self, ring: EpisodicBuffer) -> None:
+    def check(self, ring: EpisodicRing) -> None:
         if ring.reward_field is None and self.n_step > 1:
             raise InvalidArgument("transitions.n_step > 1 needs a reward field; the buffer has none")
 
-    def item_bytes(self, ring: EpisodicBuffer) -> int:
+    def item_bytes(self, ring: EpisodicRing) -> int:
         observations = ring.observation_row_bytes
         steps = sum(f.row_bytes for f in ring.step_fields)
         flags = 2  # terminated, truncated (bool)
@@ -47,7 +39,7 @@ class TransitionsMode:
         # bootstrap obs is next obs when n = 1 (sent once); n_step_return and bootstrap_discount are float32
         return (2 if self.n_step == 1 else 3) * observations + steps + flags + 2 * 4
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator,
+    def build(self, ring: EpisodicRing, draw: Draw, rng: np.random.Generator,
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         batch = {} if batch is None else batch
         columns, observations = ring.observation_and_step_columns, ring.observation_columns.names

@@ -13,16 +13,16 @@ from prometheus_client import CollectorRegistry
 
 from service.checkpoint import check_writable, has_checkpoint, restore_checkpoint, write_checkpoint
 from service.grpc_server.auth import TokenAuthInterceptor
-from service.grpc_server.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.grpc_server.sample_workers import SampleWorkers
 from service.grpc_server.servicer import ReplayServicer, lenient
-from service.limiters import WorkerSeats
 from service.recovery import recover_instance
 from service.registry import BufferRegistry
 from service.schema import check_instance_name
 from service.storage.instance_lock import InstanceLock
 from service.wire import replay_pb2 as pb
+from service.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from service.wire.frames import InsertFrame
+from service.worker_seats import WorkerSeats
 
 log = logging.getLogger("replayd")
 

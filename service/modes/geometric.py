@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from service.errors import InvalidArgument
-from service.samplers import kernels
+from service import kernels
+from service.buffers.ring import EpisodicRing
+from service.modes.base import BatchMode
 from service.samplers.draw import Draw
-
-if TYPE_CHECKING:
-    from service.buffers.episodic import EpisodicBuffer
+from service.wire.components import Geometric
 
 
-class GeometricMode:
+class GeometricMode(BatchMode):
     """Observation at t, observation at t + d, and the offset d: P(d) proportional to discount^(d-1) for
     d in 1..M, M = steps to the episode's bound (drawn in kernels.geometric_batch)."""
 
     def __init__(self, discount: float) -> None:
-        if not 0.0 <= discount <= 1.0:
-            raise InvalidArgument(f"geometric.discount must be in [0, 1], got {discount}")
-        self.discount = float(discount)
+        self.options = Geometric(discount)
+        self.discount = self.options.discount
 
-    def check(self, ring: EpisodicBuffer) -> None:
-        """Any episodic ring has observations to pair."""
-
-    def item_bytes(self, ring: EpisodicBuffer) -> int:
+    def item_bytes(self, ring: EpisodicRing) -> int:
         return 2 * ring.observation_row_bytes + np.dtype(np.int64).itemsize  # offset
 
-    def build(self, ring: EpisodicBuffer, draw: Draw, rng: np.random.Generator,
+    def build(self, ring: EpisodicRing, draw: Draw, rng: np.random.Generator,
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         batch = {} if batch is None else batch
         columns = ring.observation_columns

@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service.samplers import _kernels
-from service.samplers._kernels import (
+from service.kernels import _kernels
+from service.kernels._kernels import (
     bounds_kept,
     draw_uniform,
     drawn_live,

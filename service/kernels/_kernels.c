@@ -1,4 +1,4 @@
-/* The sampling hot path's per-sample loops (service/samplers/kernels.py wraps them; the samplers and batch
+/* The sampling hot path's per-sample loops (service/kernels/__init__.py wraps them; the samplers and batch
  * modes call them).
  *
  * Each array argument's item type, length, contiguity and alignment are checked on entry (a mismatch raises
