@@ -40,8 +40,9 @@ import torch
 from bench.baselines.seed003_qloss import SeedMLP, single_forward_qloss, two_forward_qloss
 from client.trainers.allo import AlloEncoder, allo_loss
 from client.trainers.compiled import CompiledFunction
-from client.trainers.dqn import QNetwork, q_loss
+from client.trainers.dqn import q_loss
 from client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
+from client.trainers.q_network import QNetwork
 
 OBS_DIM, N_ACTIONS = 4, 2  # CartPole
 

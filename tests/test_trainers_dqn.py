@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from client.trainers.compiled import CompiledFunction
-from client.trainers.dqn import DQNTrainer, QNetwork, q_loss, update_target
+from client.trainers.dqn import DQNTrainer, q_loss, update_target
 from client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
+from client.trainers.q_network import QNetwork
 
 OBS_DIM, N_ACTIONS, GAMMA = 4, 3, 0.9
 

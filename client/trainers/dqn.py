@@ -13,13 +13,12 @@ Target: ``y = n_step_return + bootstrap_discount * Q_target(bootstrap_obs, a*)``
 ``a* = argmax_a Q_target(bootstrap_obs, a)`` (DQN) or ``argmax_a Q_online(bootstrap_obs, a)`` (Double DQN).
 
 ``DQNTrainer(loss_strategy=...)`` chooses how a step gets the gradient of this loss: ``q_loss`` and
-``loss.backward()``, or the same numbers from client/trainers/dqn_manual_grad.py.
+``loss.backward()``, or the same numbers from client/trainers/dqn_manual_grad.py.  The network it
+builds when given none is ``QNetwork`` (client/trainers/q_network.py).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -28,71 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from client.trainers.dqn_manual_grad import CompiledManualGradLoss, ManualGradLoss
+from client.trainers.q_network import QNetwork, as_dtype, check_action, check_loss
 from client.trainers.settings import check_max_grad_norm, check_positive
 
-__all__ = ["LOSS_STRATEGIES", "AutogradLoss", "DQNTrainer", "LossStrategy", "QNetwork", "q_loss", "update_target"]
+__all__ = ["LOSS_STRATEGIES", "AutogradLoss", "DQNTrainer", "LossStrategy", "q_loss", "update_target"]
 
 LOSS_STRATEGIES = ("auto", "autograd", "manual", "compiled")
-
-
-class QNetwork(nn.Module):
-    """MLP obs (B, obs_dim) -> Q (B, n_actions); default obs_dim -> 64 -> 64 -> n_actions.
-
-    ``forward`` runs ``F.linear``/``relu`` directly on a cached tuple of the layers' (weight, bias):
-    the same math as an ``nn.Sequential``, without the per-submodule ``__call__`` and attribute
-    lookups that dominate at batch 32.  The cache holds the Parameter objects themselves and is
-    refreshed after ``.to()``/``.cuda()``/``.double()`` (``_apply``) and ``load_state_dict``.
-    """
-
-    def __init__(self, obs_dim: int, n_actions: int, hidden: Sequence[int] = (64, 64)) -> None:
-        super().__init__()
-        if obs_dim < 1 or n_actions < 1:
-            raise ValueError(f"obs_dim and n_actions must be >= 1, got {obs_dim}, {n_actions}")
-        dims = [obs_dim, *hidden, n_actions]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
-        self.obs_dim, self.n_actions = obs_dim, n_actions
-        self._refresh_cache()
-        # load_state_dict(..., assign=True) puts new Parameter objects in the layers.
-        self.register_load_state_dict_post_hook(_refresh_after_load)
-
-    def _refresh_cache(self) -> None:
-        self.weights_and_biases = tuple((layer.weight, layer.bias) for layer in self.layers)
-        self._transposed: tuple[tuple[Tensor, Tensor], ...] = ()
-        self._weight_views: tuple[Tensor, ...] = ()
-        self._transposed_storage: tuple[int, ...] = ()
-
-    def transposed_layers(self) -> tuple[tuple[Tensor, Tensor], ...]:
-        """Per layer (W^T (in, out), b (out,)): detached views of the parameters, for graph-free passes.
-
-        ``torch.addmm(b, x, W^T)`` is ``F.linear(x, W, b)`` without its per-call transpose and
-        dispatch (~2 us per layer at CartPole sizes).  The views follow in-place updates (the
-        optimizer, ``load_state_dict``) and are rebuilt when a parameter's storage changes
-        (``p.data = ...``, ``.to()``).
-        """
-        storage = tuple(p.data_ptr() for layer in self.weights_and_biases for p in layer)
-        if storage != self._transposed_storage:
-            self._transposed = tuple((w.detach().t(), b.detach()) for w, b in self.weights_and_biases)
-            self._weight_views = tuple(itertools.chain.from_iterable(self._transposed))
-            self._transposed_storage = storage
-        return self._transposed
-
-    def weight_views(self) -> tuple[Tensor, ...]:
-        """``transposed_layers()`` flat: (W_1^T, b_1, ..., W_L^T, b_L), the same tuple object until a
-        parameter's storage changes, so that a caller tells a new layout by the tuple's identity."""
-        self.transposed_layers()
-        return self._weight_views
-
-    def _apply(self, fn, recurse=True):  # nn.Module's signature
-        out = super()._apply(fn, recurse)
-        self._refresh_cache()
-        return out
-
-    def forward(self, obs: Tensor) -> Tensor:
-        wb = self.weights_and_biases
-        x = _flat(obs, wb[0][0].dtype)  # (B, obs_dim)
-        for w, b in wb[:-1]:
-            x = torch.relu(F.linear(x, w, b))  # (B, hidden)
-        return F.linear(x, *wb[-1])  # (B, n_actions)
 
 
 def q_loss(
@@ -109,10 +50,10 @@ def q_loss(
     function ("huber", delta ``huber_delta``); w_i = batch["weight"] when present, else 1.
     Gradient flows only through Q_online(s, a).
     """
-    _check_loss(loss_type, huber_delta)
+    check_loss(loss_type, huber_delta)
     obs, boot_obs = batch["obs"], batch["bootstrap_obs"]  # (B, *S) each
     action = batch["action"]  # (B,) int64
-    _check_action(action)
+    check_action(action)
     B = obs.shape[0]
 
     if double and isinstance(online, QNetwork):
@@ -129,9 +70,9 @@ def q_loss(
                 boot_action = online(boot_obs).argmax(1, keepdim=True)  # (B, 1)
     q_taken = q_online.gather(1, action.long().unsqueeze(1)).squeeze(1)  # (B,)
     dtype = q_taken.dtype  # the batch's float fields (float32 from the server) in the network's dtype
-    n_step_return = _as(batch["n_step_return"], dtype)  # (B,)
-    discount = _as(batch["bootstrap_discount"], dtype)  # (B,)
-    weight = _as(batch.get("weight"), dtype)  # (B,) or None
+    n_step_return = as_dtype(batch["n_step_return"], dtype)  # (B,)
+    discount = as_dtype(batch["bootstrap_discount"], dtype)  # (B,)
+    weight = as_dtype(batch.get("weight"), dtype)  # (B,) or None
 
     with torch.no_grad():
         q_boot = target(boot_obs)  # (B, A)
@@ -206,7 +147,7 @@ class DQNTrainer:
             raise ValueError(f"target_update_every must be an integer >= 1, got {target_update_every!r}")
         check_positive("lr", lr)
         check_max_grad_norm(max_grad_norm)
-        _check_loss(loss_type, huber_delta)
+        check_loss(loss_type, huber_delta)
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         if loss_strategy not in LOSS_STRATEGIES:
@@ -300,39 +241,7 @@ def _make_loss_strategy(name: str, online: nn.Module, device: torch.device) -> L
         name = "manual" if isinstance(online, QNetwork) else "autograd"
     if name == "autograd":
         return AutogradLoss()
-    # The hand-derived gradients build on this module's QNetwork, so their module imports this one.
-    from client.trainers.dqn_manual_grad import CompiledManualGradLoss, ManualGradLoss
-
     return ManualGradLoss(online) if name == "manual" else CompiledManualGradLoss(online, device)
-
-
-def _refresh_after_load(network: QNetwork, incompatible_keys: object) -> None:
-    network._refresh_cache()
-
-
-def _check_loss(loss_type: str, huber_delta: float) -> None:
-    if loss_type not in ("mse", "huber"):
-        raise ValueError(f"loss_type must be 'mse' or 'huber', got {loss_type!r}")
-    if not (math.isfinite(huber_delta) and huber_delta > 0):
-        raise ValueError(f"huber_delta must be finite and > 0, got {huber_delta!r}")
-
-
-def _check_action(action: Tensor) -> None:
-    """Refuses float (or bool) actions: ``.long()`` would truncate 1.7 to action 1 without a word."""
-    if action.dtype.is_floating_point or action.dtype.is_complex or action.dtype == torch.bool:
-        raise ValueError(f"batch['action']: expected an integer dtype, got {str(action.dtype).removeprefix('torch.')}")
-
-
-def _as(x: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """The batch's float fields in the network's dtype (the server sends float32; no copy when equal)."""
-    return x if x is None or x.dtype == dtype else x.to(dtype)
-
-
-def _flat(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, *S) -> (B, obs_dim) in the network's dtype (no copy when already so)."""
-    if x.dim() != 2:
-        x = x.reshape(x.shape[0], -1)
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _clone_module(module: nn.Module) -> nn.Module:

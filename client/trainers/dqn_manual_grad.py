@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from client.trainers.compiled import CompiledFunction
-from client.trainers.dqn import QNetwork, _as, _check_action, _check_loss, _flat
+from client.trainers.q_network import QNetwork, as_dtype, check_action, check_loss, flat_obs
 
 __all__ = ["CompiledManualGradLoss", "ManualGradLoss", "q_loss_grads", "q_loss_grads_flat", "q_loss_manual_grad"]
 
@@ -80,17 +80,17 @@ def q_loss_manual_grad(
     ``CompiledFunction(q_loss_grads_flat)`` to run the math through (one graph per batch signature
     and loss setting; ``CompiledManualGradLoss`` keeps one).
     """
-    _check_loss(loss_type, huber_delta)
+    check_loss(loss_type, huber_delta)
     if not (isinstance(online, QNetwork) and isinstance(target, QNetwork)):
         raise TypeError(f"q_loss_manual_grad needs QNetworks, got {type(online).__name__} and {type(target).__name__}")
-    obs = _flat(batch["obs"], online.weights_and_biases[0][0].dtype)  # (B, obs_dim)
-    boot_obs = _flat(batch["bootstrap_obs"], obs.dtype)  # (B, obs_dim)
+    obs = flat_obs(batch["obs"], online.weights_and_biases[0][0].dtype)  # (B, obs_dim)
+    boot_obs = flat_obs(batch["bootstrap_obs"], obs.dtype)  # (B, obs_dim)
     action = batch["action"]
-    _check_action(action)
+    check_action(action)
     action = (action if action.dtype == torch.int64 else action.long()).view(-1, 1)  # (B, 1)
-    n_step_return = _as(batch["n_step_return"], obs.dtype)  # (B,)
-    discount = _as(batch["bootstrap_discount"], obs.dtype)  # (B,)
-    weight = _as(batch.get("weight"), obs.dtype)  # (B,) or None
+    n_step_return = as_dtype(batch["n_step_return"], obs.dtype)  # (B,)
+    discount = as_dtype(batch["bootstrap_discount"], obs.dtype)  # (B,)
+    weight = as_dtype(batch.get("weight"), obs.dtype)  # (B,) or None
     if compiled is None:
         with torch.no_grad():  # the weights enter as detached views; a batch tensor might not
             loss, td, q_taken, *grads = q_loss_grads(online.transposed_layers(), target.transposed_layers(), obs,
