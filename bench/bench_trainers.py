@@ -13,16 +13,17 @@ shared 2-core machine 2 threads made every variant slower when tried (seed and o
 
 Q-loss cases: the same MLP 4-64-64-2, the same batch tensors reused by every variant, MSE, no
 importance weights.  Ours ("manual grad") is ``q_loss_manual_grad``, the path ``DQNTrainer`` uses by
-default: target network + n-step targets (DQN) or online-argmax targets (Double DQN), gradient written
-by hand.  What bounds it at batch 256 (timed op by op, 1 thread): the four 256x64x64 GEMMs any form
-of this loss needs (online and target forward of the hidden layer, dW and dX of its backward; Double
-DQN adds a fifth for the online pass over s_boot) run at ~85-90% of the core's fp32 peak (~25 us
-each), and the seven thin GEMMs (4-wide input, 2-wide output) cost 5-9 us each in MKL: ~155 us of
-GEMMs in a ~250 us DQN call.  The seed's two-forward form runs the same four big GEMMs (~175 us of
-GEMMs in ~450 us), so 2x at batch 256 would leave ours ~70 us for its ~25 other ops, which cost
-~3 us each in place on this machine.  "compiled manual grad" (``DQNTrainer(compile_loss=True)``) runs
-the same math compiled ahead by inductor (client/trainers/compiled.py): the GEMMs stay MKL calls, the
-other ops fuse into a few C++ loops, and the graph is called from C++ with a dict lookup for a guard.
+default (``loss_strategy="manual"``): target network + n-step targets (DQN) or online-argmax targets
+(Double DQN), gradient written by hand.  What bounds it at batch 256 (timed op by op, 1 thread): the
+four 256x64x64 GEMMs any form of this loss needs (online and target forward of the hidden layer, dW
+and dX of its backward; Double DQN adds a fifth for the online pass over s_boot) run at ~85-90% of
+the core's fp32 peak (~25 us each), and the seven thin GEMMs (4-wide input, 2-wide output) cost 5-9
+us each in MKL: ~155 us of GEMMs in a ~250 us DQN call.  The seed's two-forward form runs the same
+four big GEMMs (~175 us of GEMMs in ~450 us), so 2x at batch 256 would leave ours ~70 us for its ~25
+other ops, which cost ~3 us each in place on this machine.  "compiled manual grad"
+(``DQNTrainer(loss_strategy="compiled")``) runs the same math compiled ahead by inductor
+(client/trainers/compiled.py): the GEMMs stay MKL calls, the other ops fuse into a few C++ loops, and
+the graph is called from C++ with a dict lookup for a guard.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ import torch
 from bench.baselines.seed003_qloss import SeedMLP, single_forward_qloss, two_forward_qloss
 from client.trainers.allo import AlloEncoder, allo_loss
 from client.trainers.compiled import CompiledFunction
-from client.trainers.dqn import QNetwork, q_loss, q_loss_grads_flat, q_loss_manual_grad
+from client.trainers.dqn import q_loss
+from client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
+from client.trainers.q_network import QNetwork
 
 OBS_DIM, N_ACTIONS = 4, 2  # CartPole
 
@@ -120,10 +123,10 @@ def _qloss_fns(B: int) -> dict[str, Callable[[], None]]:
         "ours dqn, manual grad (DQNTrainer default)": _manual_step(online, target, batch, False),
         "ours double dqn, manual grad (DQNTrainer default)": _manual_step(online, target, batch, True),
         # The same math compiled ahead by inductor (compiled in the warm-up calls: seconds per variant).
-        "ours dqn, compiled manual grad (DQNTrainer(compile_loss=True))": _manual_step(
+        "ours dqn, compiled manual grad (DQNTrainer(loss_strategy='compiled'))": _manual_step(
             online, target, batch, False, CompiledFunction(q_loss_grads_flat)
         ),
-        "ours double dqn, compiled manual grad (DQNTrainer(compile_loss=True))": _manual_step(
+        "ours double dqn, compiled manual grad (DQNTrainer(loss_strategy='compiled'))": _manual_step(
             online, target, batch, True, CompiledFunction(q_loss_grads_flat)
         ),
     }

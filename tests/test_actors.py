@@ -22,8 +22,8 @@ from client.actors.ppo import PPOActorConfig, Rollout, collect, run_ppo_actor
 from client.learners.dqn import CARTPOLE_SCHEMA
 from client.params import module_to_bytes
 from client.polling import wait_until
-from client.trainers.dqn import QNetwork
 from client.trainers.ppo import ActorCritic
+from client.trainers.q_network import QNetwork
 from service.wire.components import States, Transitions
 from tests.test_episode_writer import unreachable_for_first_inserts
 

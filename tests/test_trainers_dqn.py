@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from client.trainers.compiled import CompiledFunction
-from client.trainers.dqn import DQNTrainer, QNetwork, q_loss, q_loss_grads_flat, q_loss_manual_grad, update_target
+from client.trainers.dqn import DQNTrainer, q_loss, update_target
+from client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
+from client.trainers.q_network import QNetwork
 
 OBS_DIM, N_ACTIONS, GAMMA = 4, 3, 0.9
 
@@ -294,13 +296,13 @@ def test_manual_grad_rejects_other_networks():
 def test_trainer_manual_and_autograd_paths_agree(double):
     batch = make_batch(weighted=True)
     trainers = []
-    for manual in (True, False):
+    for strategy in ("manual", "autograd"):
         torch.manual_seed(0)
         trainers.append(
-            DQNTrainer(OBS_DIM, N_ACTIONS, lr=1e-3, double=double, target_update_every=2, manual_grad=manual)
+            DQNTrainer(OBS_DIM, N_ACTIONS, lr=1e-3, double=double, target_update_every=2, loss_strategy=strategy)
         )
-    assert trainers[0].manual_grad and not trainers[1].manual_grad
-    assert DQNTrainer(OBS_DIM, N_ACTIONS).manual_grad  # the default for QNetwork is the fast path
+    assert trainers[0].loss_strategy.name == "manual" and trainers[1].loss_strategy.name == "autograd"
+    assert DQNTrainer(OBS_DIM, N_ACTIONS).loss_strategy.name == "manual"  # the default for QNetwork is the fast path
     for _ in range(5):
         outs = [tr.step(batch) for tr in trainers]
         torch.testing.assert_close(outs[0]["loss"], outs[1]["loss"], atol=1e-6, rtol=1e-6)
@@ -313,12 +315,12 @@ def test_a_frozen_layer_stays_frozen_on_both_paths():
     leaves it out; the manual path used to write its gradient all the same."""
     batch = make_batch(weighted=True)
     trainers = []
-    for manual in (True, False):
+    for strategy in ("manual", "autograd"):
         torch.manual_seed(0)
         network = QNetwork(OBS_DIM, N_ACTIONS, (8, 8))
         network.layers[0].requires_grad_(False)
         trainers.append(DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, max_grad_norm=0.05,
-                                   network=network, manual_grad=manual))
+                                   network=network, loss_strategy=strategy))
     frozen = copy.deepcopy(trainers[0].online.layers[0])
     for _ in range(3):
         for trainer in trainers:
@@ -477,11 +479,11 @@ def _hand_run_steps(online, target, batches, lr, max_grad_norm):
     return online
 
 
-@pytest.mark.parametrize("manual", [False, True])
-def test_trainer_steps_are_adam_at_lr_on_gradients_clipped_to_max_grad_norm(manual):
+@pytest.mark.parametrize("strategy", ["autograd", "manual"])
+def test_trainer_steps_are_adam_at_lr_on_gradients_clipped_to_max_grad_norm(strategy):
     torch.manual_seed(0)
     tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, max_grad_norm=0.05, target_update_every=100,
-                    manual_grad=manual)
+                    loss_strategy=strategy)
     start, target = copy.deepcopy(tr.online), copy.deepcopy(tr.target)
     batches = [make_batch(seed=seed) for seed in range(3)]
     for batch in batches:
@@ -623,11 +625,12 @@ def test_compiled_loss_first_called_with_one_tensor_in_two_slots_stays_right_for
         torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0)
 
 
-def test_trainer_compile_loss_steps_like_the_eager_trainer():
+def test_trainer_compiled_loss_strategy_steps_like_the_eager_trainer():
     torch.manual_seed(0)
     eager = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, target_update_every=2)
     torch.manual_seed(0)
-    compiled = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, target_update_every=2, compile_loss=True)
+    compiled = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), lr=1e-2, target_update_every=2,
+                          loss_strategy="compiled")
     for step in range(4):  # double DQN, Huber (the defaults), through a target update
         batch = make_batch(seed=step)
         out, ref = compiled.step(batch), eager.step(batch)
@@ -635,21 +638,36 @@ def test_trainer_compile_loss_steps_like_the_eager_trainer():
         torch.testing.assert_close(out["td_error"], ref["td_error"], atol=1e-5, rtol=1e-5)
     for p, r in zip(compiled.online.parameters(), eager.online.parameters(), strict=True):
         torch.testing.assert_close(p, r, atol=1e-5, rtol=1e-5)
-    assert compiled.compiled_loss.compiled_graphs == 1
+    assert compiled.loss_strategy.compiled.compiled_graphs == 1
     # compile_for compiles a new signature without touching the networks or their gradients.
     before = [(p.detach().clone(), p.grad.clone()) for p in compiled.online.parameters()]
     compiled.compile_for(make_batch(B=12))
-    assert compiled.compiled_loss.compiled_graphs == 2
+    assert compiled.loss_strategy.compiled.compiled_graphs == 2
     for p, (value, grad) in zip(compiled.online.parameters(), before, strict=True):
         torch.testing.assert_close(p, value, atol=0, rtol=0)
         torch.testing.assert_close(p.grad, grad, atol=0, rtol=0)
     with pytest.raises(ValueError, match="compile_for needs DQNTrainer"):
         eager.compile_for(make_batch())
-    with pytest.raises(ValueError, match="compile_loss=True needs the manual-gradient path"):
-        DQNTrainer(OBS_DIM, N_ACTIONS, network=torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS)),
-                   compile_loss=True)
-    with pytest.raises(ValueError, match="compile_loss=True needs the manual-gradient path"):
-        DQNTrainer(OBS_DIM, N_ACTIONS, manual_grad=False, compile_loss=True)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"loss_strategy": "fast"},
+     r"loss_strategy must be one of 'auto', 'autograd', 'manual', 'compiled', got 'fast'"),
+    ({"loss_strategy": "manual", "network": torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS))},
+     r"loss_strategy='manual' needs a QNetwork, got Sequential"),
+    ({"loss_strategy": "compiled", "network": torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS))},
+     r"loss_strategy='compiled' needs a QNetwork, got Sequential"),
+    ({"loss_strategy": "compiled", "device": "meta"},
+     r"loss_strategy='compiled' runs on the CPU only, got device meta"),
+])
+def test_bad_loss_strategies_raise(settings, message):
+    with pytest.raises(ValueError, match=message):
+        DQNTrainer(OBS_DIM, N_ACTIONS, **settings)
+
+
+def test_auto_loss_strategy_takes_autograd_for_other_networks():
+    network = torch.nn.Sequential(torch.nn.Linear(OBS_DIM, N_ACTIONS))
+    assert DQNTrainer(OBS_DIM, N_ACTIONS, network=network).loss_strategy.name == "autograd"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
@@ -662,8 +680,8 @@ def test_non_integer_actions_are_refused_not_truncated(dtype):
     for loss in (q_loss, q_loss_manual_grad):
         with pytest.raises(ValueError, match=message):
             loss(online, target, batch)
-    for manual in (False, True):
-        tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), manual_grad=manual)
+    for strategy in ("autograd", "manual"):
+        tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), loss_strategy=strategy)
         before = [p.detach().clone() for p in tr.online.parameters()]
         with pytest.raises(ValueError, match=message):
             tr.step(batch)
@@ -671,12 +689,12 @@ def test_non_integer_actions_are_refused_not_truncated(dtype):
 
 
 def test_compiled_trainer_refuses_non_integer_actions_before_compiling():
-    tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), compile_loss=True)
+    tr = DQNTrainer(OBS_DIM, N_ACTIONS, hidden=(8, 8), loss_strategy="compiled")
     batch = dict(make_batch(), action=make_batch()["action"].float() + 0.5)
     for call in (tr.step, tr.compile_for):
         with pytest.raises(ValueError, match=r"batch\['action'\]: expected an integer dtype, got float32"):
             call(batch)
-    assert tr.compiled_loss.compiled_graphs == 0
+    assert tr.loss_strategy.compiled.compiled_graphs == 0
 
 
 @pytest.mark.parametrize(("settings", "message"), [

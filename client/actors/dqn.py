@@ -17,7 +17,7 @@ from client.actors.common import (
     refresh_weights,
     stop_condition,
 )
-from client.trainers.dqn import QNetwork
+from client.trainers.q_network import QNetwork
 
 
 @dataclass

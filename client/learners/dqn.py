@@ -59,7 +59,7 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
     tracker, client = start_learner(config, "eval_return", report, waiting)
     trainer = DQNTrainer(4, 2, hidden=config.hidden, lr=config.lr, double=True,
                          target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device,
-                         compile_loss=config.compile_loss)
+                         loss_strategy="compiled" if config.compile_loss else "auto")
     weights = WeightsPublisher(client, config.weights)
     weights.publish(trainer.online)  # before the buffer: actors wait for it, then fetch the weights
     try:

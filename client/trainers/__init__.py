@@ -1,8 +1,10 @@
 """Torch learners that consume replayd batches (dicts of tensors): DQN / Double DQN, ALLO, PPO."""
 
 from client.trainers.allo import AlloEncoder, AlloTrainer, allo_loss, update_duals_and_barrier
-from client.trainers.dqn import DQNTrainer, QNetwork, q_loss, q_loss_manual_grad, update_target
+from client.trainers.dqn import DQNTrainer, q_loss, update_target
+from client.trainers.dqn_manual_grad import q_loss_manual_grad
 from client.trainers.ppo import ActorCritic, PPOTrainer, ppo_loss
+from client.trainers.q_network import QNetwork
 
 __all__ = [
     "ActorCritic",
