@@ -81,8 +81,8 @@ def run(quick: bool = False) -> list[dict]:
 
         def step() -> None:
             with buffer.lock:
-                keys = sampler.draw(buffer, BATCH, rng, 0.4).positions
-                sampler.update_priorities(buffer, keys, rng.random(BATCH))
+                keys = sampler.draw(buffer.ring, BATCH, rng, 0.4).positions
+                sampler.update_priorities(buffer.ring, keys, rng.random(BATCH))
 
         step_us = time_calls({"step": step}, calls)["step"][0]
         records.append(record("buffer_1M", "draw_then_update_the_drawn_256", step_us, "us", PYTHON_SUM_TREE,
