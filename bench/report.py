@@ -133,8 +133,11 @@ def number(value: float) -> str:
     return f"{value:.3g}"
 
 
+UNITS = {"us": "µs"}  # as records spell them -> as the page shows them
+
+
 def figure(value: float, unit: str) -> str:
-    return f"{number(value)} {unit}".strip()
+    return f"{number(value)} {UNITS.get(unit, unit)}".strip()
 
 
 def ratio(record: dict) -> str:
@@ -142,7 +145,7 @@ def ratio(record: dict) -> str:
     speedup = record.get("speedup") or 0.0
     if not record.get("baseline") or speedup <= 0:
         return ""
-    return f"{speedup:.0f}x" if speedup >= 10 else f"{speedup:.2f}x"
+    return f"{speedup:,.0f}x" if speedup >= 10 else f"{speedup:.2f}x"
 
 
 def hardware_line(machine: dict | None) -> str:
@@ -165,18 +168,17 @@ def _cell(text: str) -> str:
 
 
 def section(records: list[dict]) -> str:
-    """One bench's records as a table: case, metric, our figure, the baseline's figure beside it, the ratio,
-    and the target a case states (when any does)."""
+    """One bench's records as a table: case, metric, our figure, the baseline's figure from the same run beside
+    it, what that baseline is, the ratio, and the target a case states (when any does)."""
     targets = [_TARGET.search(r["case"]) for r in records]
     with_target = any(targets)
-    head = "| case | metric | ours | baseline, same run | ratio |" + (" target |" if with_target else "")
-    lines = [head, "|---|---|---:|---|---:|" + ("---|" if with_target else "")]
+    head = "| case | metric | ours | baseline | baseline, same run | ratio |" + (" target |" if with_target else "")
+    lines = [head, "|---|---|---:|---:|---|---:|" + ("---|" if with_target else "")]
     for record, target in zip(records, targets, strict=True):
         case = _TARGET.sub("", record["case"])
-        baseline = ""
-        if record.get("baseline"):
-            baseline = f"{record['baseline']}: {figure(record.get('baseline_value', 0.0), record['unit'])}"
-        row = [case, f"`{record['metric']}`", figure(record["value"], record["unit"]), baseline, ratio(record)]
+        beside = figure(record.get("baseline_value", 0.0), record["unit"]) if record.get("baseline") else ""
+        row = [case, f"`{record['metric']}`", figure(record["value"], record["unit"]), beside,
+               record.get("baseline", ""), ratio(record)]
         if with_target:
             row.append(target.group(1) if target else "")
         lines.append("| " + " | ".join(_cell(cell) for cell in row) + " |")
@@ -209,14 +211,14 @@ def render_page(path: Path = RESULTS, level: int = 2) -> str:
 def summary(path: Path = RESULTS) -> str:
     """The README's headline table: each headline's figure beside its baseline, and the ratio."""
     machine, records = load(path)
-    lines = ["| measured | replayd | baseline, same run | ratio |", "|---|---:|---|---:|"]
+    lines = ["| measured | replayd | baseline | baseline, same run | ratio |", "|---|---:|---:|---|---:|"]
     for headline in HEADLINES:
         record = headline.find(records)
         if record is None:
             continue
-        baseline = f"{record['baseline']}: {figure(record['baseline_value'], record['unit'])}"
-        lines.append("| " + " | ".join(_cell(c) for c in (headline.what, figure(record["value"], record["unit"]),
-                                                          baseline, ratio(record))) + " |")
+        cells = (headline.what, figure(record["value"], record["unit"]),
+                 figure(record["baseline_value"], record["unit"]), record["baseline"], ratio(record))
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + f"\n\n{hardware_line(machine)}"
 
 
