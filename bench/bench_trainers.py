@@ -7,20 +7,20 @@ Each record: bench, case, metric, value, unit, baseline, baseline_value, speedup
 for times).  Timing: warm-up, then the median over many repeats of a timed block of calls, the
 variants timed round-robin so background load hits them alike.
 
-Threads: ``--threads 1`` (default) because that is how the DQN learner runs torch
-(client/learner.py sets 1 thread; the actors and the server use the other core), and because on this
-shared 2-core machine 2 threads make every variant slower (SLM Lab's and ours alike).
+Threads: ``--threads 1`` (default) because that is how the DQN learner runs torch (client/learner.py
+sets 1 thread; the actors and the server use the other cores), and because at these sizes more threads
+make every variant slower on a machine whose cores are busy (SLM Lab's and ours alike).
 
 Q-loss cases: the same MLP 4-64-64-2, the same batch tensors reused by every variant, MSE, no
 importance weights.  Ours ("manual grad") is ``q_loss_manual_grad``, the path ``DQNTrainer`` uses by
 default (``loss_strategy="manual"``): target network + n-step targets (DQN) or online-argmax targets
 (Double DQN), gradient written by hand.  What bounds it at batch 256 (timed op by op, 1 thread): the
 four 256x64x64 GEMMs any form of this loss needs (online and target forward of the hidden layer, dW
-and dX of its backward; Double DQN adds a fifth for the online pass over s_boot) run at ~85-90% of
-the core's fp32 peak (~25 us each), and the seven thin GEMMs (4-wide input, 2-wide output) cost 5-9
-us each in MKL: ~155 us of GEMMs in a ~250 us DQN call.  SLM Lab's two-forward form runs the same
-four big GEMMs (~175 us of GEMMs in ~450 us), so 2x at batch 256 would leave ours ~70 us for its ~25
-other ops, which cost ~3 us each in place on this machine.  "compiled manual grad"
+and dX of its backward; Double DQN adds a fifth for the online pass over s_boot) run near the core's
+fp32 peak, and the seven thin GEMMs (4-wide input, 2-wide output) cost a few microseconds each in MKL:
+GEMMs are most of a DQN call.  SLM Lab's two-forward form runs the same four big GEMMs, so twice its
+speed at batch 256 leaves ours little time for its ~25 other ops, each a few microseconds of
+dispatch.  "compiled manual grad"
 (``DQNTrainer(loss_strategy="compiled")``) runs the same math compiled ahead by inductor
 (client/trainers/compiled.py): the GEMMs stay MKL calls, the other ops fuse into a few C++ loops, and
 the graph is called from C++ with a dict lookup for a guard.
