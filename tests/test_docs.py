@@ -9,6 +9,7 @@ import functools
 import http.server
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -20,10 +21,11 @@ import pytest
 
 from bench import report
 from service.server import ReplayServer
-from tests.test_status_page import CHROMIUM
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+CHROMIUM = next((path for name in ("chromium", "chromium-browser", "google-chrome", "chrome")
+                 if (path := shutil.which(name))), None)
 
 
 @pytest.fixture(scope="module")
