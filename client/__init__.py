@@ -1,8 +1,9 @@
-"""replayd client library: ReplayClient, EpisodeWriter and the typed options of buffers and batch modes;
-torch only in client.trainers and the loader."""
+"""replayd client library: ReplayClient, ShardedReplayClient (one client over many servers), EpisodeWriter and the
+typed options of buffers and batch modes; torch only in client.trainers and the loader."""
 
 from client.episode_writer import EpisodeWriter
 from client.replay_client import ReplayClient
+from client.sharded import ShardedReplayClient
 from service.wire.components import (
     Fifo,
     Geometric,
@@ -16,4 +17,4 @@ from service.wire.components import (
 )
 
 __all__ = ["EpisodeWriter", "Fifo", "Geometric", "MaxTimesSampled", "MinSize", "Prioritized", "ReplayClient",
-           "SampleToInsertRatio", "States", "Transitions", "Uniform"]
+           "SampleToInsertRatio", "ShardedReplayClient", "States", "Transitions", "Uniform"]
