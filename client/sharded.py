@@ -152,9 +152,9 @@ class ShardedReplayClient:
         if unexpected:
             raise unexpected[0]
         if not holders:
-            missing = [e for e in errors if e.code() == grpc.StatusCode.NOT_FOUND]
-            if missing:
-                raise missing[0]
+            for code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED):  # as one server would say
+                if any(error.code() == code for error in errors):
+                    raise next(error for error in errors if error.code() == code)
             raise ShardError(grpc.StatusCode.UNAVAILABLE, f"buffer {name!r}: no shard answered ({errors[0].details()})")
         with self._lock:
             self._holders[name] = (time.monotonic(), self.shards.generation, holders)
