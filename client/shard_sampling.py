@@ -1,8 +1,9 @@
 """Sampling over shards: which shards hold a buffer and how much of it (Holder), how a batch is split between them
 and made global (Split), and a stream that keeps one server stream per shard in flight (ShardedBatchStream).
 
-Staleness. A split uses the shards' sizes from their last descriptions, taken at most `refresh_seconds` before
-(ShardedReplayClient), and again at once after a shard fails, comes back, joins or leaves. While no step is
+Staleness. A split uses the shards' sizes from their last descriptions, at most `refresh_seconds` and one describe's
+round trip old (ShardedReplayClient.holders: taken again in the background, so a stream never waits for them), and
+taken again at once after a shard fails, comes back, joins or leaves. While no step is
 inserted, evicted or reprioritized (the tests' steady state, and a long run's full rings under FIFO eviction for
 the uniform sizes) those sizes are the shards' sizes at the draw, so a batch follows one server's law over the
 union exactly; otherwise a shard's share lags its size by what changed within the interval. A stream's sub-batches
@@ -56,16 +57,20 @@ class Split:
 
     def __init__(self, holders: list[Holder]) -> None:
         self.holders = holders
+        if len(holders) == 1:  # its batch is the batch: nothing to split, nothing to rescale
+            self.shares, self._floor = (1.0,), holders[0].floor
+            return
         masses = np.array([holder.mass for holder in holders], dtype=np.float64)
         total = float(masses.sum())
         self.shares = masses / total if total > 0 else np.ones(len(holders))
         floors = [holder.floor for holder in holders if holder.floor > 0]
         self._floor = min(floors, default=0.0)
 
-    def counts(self, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    def counts(self, batch_size: int, rng: np.random.Generator) -> list[int]:
+        """Items per holder of a batch (a multinomial draw over the shares)."""
         if len(self.holders) == 1:
-            return np.array([batch_size])
-        return split_batch(batch_size, self.shares, rng)
+            return [batch_size]
+        return split_batch(batch_size, self.shares, rng).tolist()
 
     def globalize(self, piece: dict[str, np.ndarray], k: int, importance_beta: float) -> dict[str, np.ndarray]:
         """Holder k's sub-batch as part of the union's batch: keys tagged, probabilities and weights global."""

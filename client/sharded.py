@@ -87,6 +87,8 @@ class ShardedReplayClient:
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="replayd-shards")
         self._holders: dict[str, tuple[float, int, list[Holder]]] = {}  # buffer -> (time, generation, holders)
         self._rollout_homes: dict[str, Shard] = {}
+        self._unseeded = np.random.default_rng()
+        self._refreshing: set[str] = set()  # buffers described again in the background now
         self._lock = threading.Lock()
 
         def connect(address: str) -> ReplayClient:
@@ -144,6 +146,7 @@ class ShardedReplayClient:
     def _describe_all(self, name: str, timeout: float | None) -> list[Holder]:
         """Every shard up that holds `name`, with its description now. The NOT_FOUND of the shards when none holds
         it; ShardError UNAVAILABLE when none answers."""
+        generation = self.shards.generation  # a change of the shards while they answer makes these old at once
         results = self._on_up_shards(lambda shard: shard.client.describe(name, timeout))
         holders = [Holder(shard, info) for shard, info in results if not isinstance(info, grpc.RpcError)]
         errors = [error for _, error in results if isinstance(error, grpc.RpcError)]
@@ -157,17 +160,33 @@ class ShardedReplayClient:
                     raise next(error for error in errors if error.code() == code)
             raise ShardError(grpc.StatusCode.UNAVAILABLE, f"buffer {name!r}: no shard answered ({errors[0].details()})")
         with self._lock:
-            self._holders[name] = (time.monotonic(), self.shards.generation, holders)
+            self._holders[name] = (time.monotonic(), generation, holders)
         return holders
 
     def holders(self, name: str, timeout: float | None = None) -> list[Holder]:
-        """The shards up that hold `name`, as described at most `refresh_seconds` ago and since the last change of
-        the shards (one failing, coming back, joining or leaving)."""
+        """The shards up that hold `name`, with their descriptions: described again at once after a change of the
+        shards (one failing, coming back, joining or leaving); otherwise, once `refresh_seconds` old, described
+        again in the background while the last ones serve, so that a stream never waits for it (they are then at
+        most `refresh_seconds` and one describe's round trip old)."""
         cached = self._holders.get(name)
-        if (cached is not None and cached[1] == self.shards.generation
-                and time.monotonic() - cached[0] <= self.refresh_seconds):
-            return cached[2]
-        return self._describe_all(name, self._deadline(timeout))
+        if cached is None or cached[1] != self.shards.generation:
+            return self._describe_all(name, self._deadline(timeout))
+        if time.monotonic() - cached[0] > self.refresh_seconds:
+            with self._lock:
+                due = name not in self._refreshing
+                self._refreshing.add(name)
+            if due:
+                self._pool.submit(self._refresh, name)
+        return cached[2]
+
+    def _refresh(self, name: str) -> None:
+        try:
+            self._describe_all(name, self.timeout)
+        except grpc.RpcError as exc:  # the last descriptions serve on; shards that failed are marked down
+            log.warning("buffer %r: describing its shards again failed (%s %s)", name, exc.code().name, exc.details())
+        finally:
+            with self._lock:
+                self._refreshing.discard(name)
 
     # ---------------------------------------------------------------- buffers
     def create_buffer(self, name: str, capacity_steps: int, schema: Schema,
@@ -337,6 +356,11 @@ class ShardedReplayClient:
         except TimeoutError as exc:
             raise ShardError(grpc.StatusCode.DEADLINE_EXCEEDED, f"buffer {buffer!r}: {exc}") from exc
 
+    def _rng(self, seed: int | None) -> np.random.Generator:
+        """What splits a request's batches: its own generator when it is seeded, else this client's (numpy's
+        generators lock their state: threads may share it)."""
+        return self._unseeded if seed is None else np.random.default_rng(seed)
+
     @staticmethod
     def _shard_options(shard: Shard, request_options: dict[str, Any]) -> dict[str, Any]:
         seed = request_options.get("seed")
@@ -347,13 +371,12 @@ class ShardedReplayClient:
         """One batch over the union of the shards: split by a multinomial draw over their masses, the sub-batches
         fetched concurrently and merged one array per column (one shard's batch is returned as it came). A shard
         that fails is left out and the batch drawn again from the others, within `timeout`."""
-        ReplayClient.sample_request(buffer, batch_size, mode, **request_options)  # refuses bad options first
         give_up = _give_up(self._deadline(timeout))
-        rng = np.random.default_rng(request_options.get("seed"))
+        rng = self._rng(request_options.get("seed"))
         beta = request_options.get("importance_beta", 0.0)
         while True:
             split = self._split(buffer, request_options.get("wait", False), give_up)
-            counts = {split.holders[k].shard.index: (k, int(count))
+            counts = {split.holders[k].shard.index: (k, count)
                       for k, count in enumerate(split.counts(batch_size, rng)) if count}
 
             def sub_batch(shard: Shard, counts: dict[int, tuple[int, int]] = counts) -> dict[str, np.ndarray]:
@@ -373,7 +396,7 @@ class ShardedReplayClient:
         """Batches over the union from one server stream per shard (client/shard_sampling.py ShardedBatchStream);
         `num_batches=0` streams until closed. A shard that fails is left out of the split (log line and metric)
         until it answers again; `timeout` bounds the whole stream, and the wait for a shard while none is up."""
-        ReplayClient.sample_request(buffer, batch_size, mode, **request_options)
+        ReplayClient.sample_request(buffer, batch_size, mode, **request_options)  # refused here, not at the first batch
         give_up = _give_up(timeout)
         wait = request_options.get("wait", False)
 
@@ -382,7 +405,7 @@ class ShardedReplayClient:
                                               **self._shard_options(shard, request_options))
 
         return ShardedBatchStream(lambda: self._split(buffer, wait, give_up), open_stream, self.shards, batch_size,
-                                  num_batches, np.random.default_rng(request_options.get("seed")),
+                                  num_batches, self._rng(request_options.get("seed")),
                                   request_options.get("importance_beta", 0.0))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
