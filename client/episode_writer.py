@@ -88,7 +88,7 @@ class EpisodeWriter:
             self._pending_rows += len(self._steps)
             self._pending.append(self._chunk(ends=False, terminated=False))
         self.flush()
-        self._sink.close()
+        self.deliver_held()
         self.closed = True
 
     def _check_open(self) -> None:
@@ -177,6 +177,11 @@ class EpisodeWriter:
         self._rows_sent += len(self._steps)
         self._steps = []
         return span
+
+    def deliver_held(self) -> None:
+        """Delivers the spans the sink holds for shards that were down (later flushes send them too); raises
+        grpc.RpcError UNAVAILABLE while a shard they wait for is still down. One server's sink holds none."""
+        self._sink.deliver_held()
 
     @property
     def pending_rows(self) -> int:

@@ -338,8 +338,9 @@ class SpanSink(Protocol):
         """Whether the open episode `episode_id` cannot go on where its spans went (the writer then goes on with
         a new episode)."""
 
-    def close(self) -> None:
-        """Raises grpc.RpcError UNAVAILABLE while spans the sink holds cannot be delivered."""
+    def deliver_held(self) -> None:
+        """Delivers the spans the sink holds for servers that were down; grpc.RpcError UNAVAILABLE while some of
+        those are still down."""
 
 
 class ServerSink:
@@ -356,7 +357,7 @@ class ServerSink:
     def stranded(self, episode_id: int) -> bool:
         return False
 
-    def close(self) -> None:
+    def deliver_held(self) -> None:
         return None
 
 

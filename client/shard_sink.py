@@ -122,11 +122,11 @@ class ShardedSink:
     def _hold(self, shard: Shard, spans: list[Span]) -> None:
         self._held.setdefault(shard.index, (shard, []))[1].extend(spans)
 
-    def close(self) -> None:
+    def deliver_held(self) -> None:
         """Delivers the held spans of shards that are back; ShardError UNAVAILABLE while some are still held."""
         self._deliver_held()
         if self._held:
             waiting = {shard.address: sum(span.rows for span in spans) for shard, spans in self._held.values()}
             raise ShardError(grpc.StatusCode.UNAVAILABLE,
-                             f"buffer {self.buffer!r}: rows held for shards that are down (sent when they are back; "
-                             f"close again): {waiting}")
+                             f"buffer {self.buffer!r}: rows held for shards that are down (delivered by a flush or "
+                             f"close once they are back): {waiting}")

@@ -65,6 +65,19 @@ log = logging.getLogger("replayd.client")
 T = TypeVar("T")
 
 
+SHARDS_PREFIX = "shards:"
+
+
+def connect(address: str, timeout: float = 30.0) -> ReplayClient | ShardedReplayClient:
+    """A client for an address as command lines take it: "host:port" is one server (ReplayClient); "shards:name:port"
+    every server the name resolves to, and "host:port,host:port,..." those servers (ShardedReplayClient)."""
+    if address.startswith(SHARDS_PREFIX):
+        return ShardedReplayClient(address.removeprefix(SHARDS_PREFIX), timeout=timeout)
+    if "," in address:
+        return ShardedReplayClient(address.split(","), timeout=timeout)
+    return ReplayClient(address, timeout=timeout)
+
+
 class ShardedReplayClient:
     """ReplayClient's methods over shards. `target`: "name:port" (every A/AAAA record of the name is a shard,
     resolved again every `resolve_every` seconds and when a shard fails) or a sequence of "host:port" addresses.

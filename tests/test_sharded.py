@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from client import MinSize, Prioritized, SampleToInsertRatio, ShardedReplayClient, States, Transitions
+from client import MinSize, Prioritized, ReplayClient, SampleToInsertRatio, ShardedReplayClient, States, Transitions
 from client.shard_set import resolve
+from client.sharded import connect
 from tests import shard_cluster
 from tests.conftest import TEST_INSTANCE, free_port, rpc_status
 from tests.shard_cluster import SCHEMA, ShardCluster, ShardServer, created
@@ -121,6 +122,15 @@ def test_a_shard_killed_while_sampling_and_inserting_is_left_out_and_rejoins() -
             ShardedReplayClient(cluster.addresses, timeout=30) as client:
         client.wait_ready(60)
         shard_cluster.check_kill_and_rejoin(client, cluster)
+
+
+def test_command_lines_name_one_server_a_name_for_every_shard_or_a_list() -> None:
+    with connect("127.0.0.1:1") as one:
+        assert isinstance(one, ReplayClient)
+    with connect("127.0.0.1:1,127.0.0.1:2") as listed:
+        assert [shard.address for shard in listed.shards.members()] == ["127.0.0.1:1", "127.0.0.1:2"]
+    with connect("shards:localhost:3") as named:
+        assert [shard.address for shard in named.shards.members()] == resolve("localhost:3")
 
 
 def test_a_name_resolves_to_every_address_it_has() -> None:
