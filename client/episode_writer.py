@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from client.polling import RECONNECT
-from client.replay_client import ReplayClient, Span, is_int, new_episode_id
+from client.replay_client import ReplayClient, Span, SpanSink, is_int, new_episode_id
 
 if TYPE_CHECKING:
     from client.sharded import ShardedReplayClient
@@ -49,7 +49,7 @@ class EpisodeWriter:
         self.chunk_rows = chunk_rows
         self.batch_rows = batch_rows
         self.auto_flush = auto_flush  # False: the caller flushes (e.g. to retry while a server restarts)
-        self._sink = client.span_sink(buffer)
+        self._sink: SpanSink = client.span_sink(buffer)
         fields = client.describe(buffer)["fields"]
         self.observation_fields = {name for name, (_, _, observation) in fields.items() if observation}
         self.dtypes = {name: np.dtype(dtype) for name, (dtype, _, _) in fields.items()}

@@ -133,9 +133,6 @@ class ShardSet:
         with self._lock:
             return next((shard for shard in self._known.values() if shard.index == index), None)
 
-    def listed(self, shard: Shard) -> bool:
-        return shard in self._members
-
     def _resolve_again(self) -> None:
         with self._lock:
             self._resolved_at = time.monotonic()

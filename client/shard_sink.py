@@ -25,13 +25,15 @@ from client.shard_set import Shard, ShardError, ShardSet
 
 log = logging.getLogger("replayd.client")
 
-# An insert that ends with these left its spans in doubt on its shard.
+# An insert that ends with these (past its retries) left its spans in doubt on its shard; UNAVAILABLE also says the
+# shard is down (DEADLINE_EXCEEDED may be a shard that answers but whose rate limiter held the inserts back).
 IN_DOUBT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class ShardedSink:
-    """Spans of one writer (`writer_id`) into buffer `buffer` over `shards`. `place(episode_id)` picks a new
-    episode's shard; `run_all(calls)` runs calls concurrently and returns each one's result or exception."""
+    """One writer's spans into buffer `buffer` over `shards`. `place(episode_id)` picks a new episode's shard (by
+    the writer's id and the episode's); `run_all(calls)` runs calls concurrently and returns each one's result or
+    exception."""
 
     def __init__(self, buffer: str, shards: ShardSet, place: Callable[[int], Shard],
                  run_all: Callable[[Sequence[Callable[[], Any]]], list[Any]], stranded: Counter) -> None:
@@ -84,15 +86,15 @@ class ShardedSink:
                 self._delivered(group)
 
     def _deliver(self, groups: list[tuple[Shard, list[Span]]]) -> list[grpc.RpcError | None]:
-        """Streams each group to its shard, concurrently; each group's gRPC error (None: stored). A shard whose
-        insert ended in doubt is reported down."""
+        """Streams each group to its shard, concurrently; each group's gRPC error (None: stored). A shard found
+        unreachable is reported down."""
         lives = [shard.life for shard, _ in groups]
         results = self._run_all([partial(self._insert, shard, group) for shard, group in groups])
         errors = []
         for (shard, _), life, result in zip(groups, lives, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, grpc.RpcError):
                 raise result
-            if isinstance(result, grpc.RpcError) and result.code() in IN_DOUBT:
+            if isinstance(result, grpc.RpcError) and result.code() == grpc.StatusCode.UNAVAILABLE:
                 self._shards.failed(shard, result, life)
             errors.append(result)
         return errors

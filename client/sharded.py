@@ -104,11 +104,11 @@ class ShardedReplayClient:
         self._refreshing: set[str] = set()  # buffers described again in the background now
         self._lock = threading.Lock()
 
-        def connect(address: str) -> ReplayClient:
+        def shard_client(address: str) -> ReplayClient:
             return ReplayClient(address, timeout=timeout, retries=retries, token=token,
                                 root_certificates=root_certificates, **client_options)
 
-        self.shards = ShardSet(target, connect, resolve_every, self.metrics)
+        self.shards = ShardSet(target, shard_client, resolve_every, self.metrics)
 
     # ---------------------------------------------------------------- plumbing
     def _deadline(self, timeout: float | None) -> float | None:
@@ -313,8 +313,8 @@ class ShardedReplayClient:
                        **columns: np.ndarray) -> int:
         """Inserts one whole episode on its shard (see insert_episodes)."""
         episode_id = new_episode_id() if episode_id is None else episode_id
-        return self._place(buffer, self.writer_id, episode_id).client.insert_episode(buffer, terminated, episode_id,
-                                                                                    **columns)
+        self.insert_episodes(buffer, [columns], [terminated], [episode_id])
+        return episode_id
 
     def insert_episodes(self, buffer: str, episodes: Sequence[dict[str, np.ndarray]], terminated: Sequence[bool],
                         episode_ids: Sequence[int] | None = None) -> None:
