@@ -353,6 +353,8 @@ def check_kill_and_rejoin(client: ShardedReplayClient, cluster: ShardCluster, vi
         down = traffic.counts()
         wait_until(lambda: traffic.flowing(down), deadline, "traffic flowing on while the shard is down")
         assert not shard.up
+        unary = client.sample("kill", 256, States(), include_keys=True)
+        assert shard.index not in set((unary["key"] >> SHARD_SHIFT).tolist())
         cluster.start(victim)
         wait_until(lambda: shard.up, deadline, "the restarted shard rejoining")
         rejoined = time.monotonic()

@@ -6,6 +6,7 @@ SIGKILLed while a writer inserts and a learner samples (tests/shard_cluster.py h
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -14,8 +15,10 @@ import pytest
 import safetensors.numpy
 
 from client import MinSize, Prioritized, ReplayClient, SampleToInsertRatio, ShardedReplayClient, States, Transitions
+from client.polling import wait_until
 from client.shard_set import resolve
 from client.sharded import connect
+from service.server import ReplayServer
 from tests import shard_cluster
 from tests.conftest import TEST_INSTANCE, free_port, rpc_status
 from tests.shard_cluster import SCHEMA, ShardCluster, ShardServer, created
@@ -122,6 +125,33 @@ def test_a_shard_killed_while_sampling_and_inserting_is_left_out_and_rejoins() -
             ShardedReplayClient(cluster.addresses, timeout=30) as client:
         client.wait_ready(60)
         shard_cluster.check_kill_and_rejoin(client, cluster)
+
+
+def test_a_shard_restored_from_a_checkpoint_rejoins_without_a_new_client(tmp_path) -> None:
+    """One of two in-process servers stops; the client samples the other; the server started again on its port
+    with --restore (restore_from) holds its steps again, and the client draws them without being made anew."""
+    directories = [tmp_path / "a", tmp_path / "b"]
+    servers = [ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}restore{k}", checkpoint_dir=str(directory))
+               .start() for k, directory in enumerate(directories)]
+    try:
+        with ShardedReplayClient([server.address for server in servers], timeout=30) as client:
+            client.create_buffer("restored", 200, SCHEMA)
+            a, b = client.shards.members()
+            for shard, number in ((a, 1), (b, 2)):
+                shard.client.insert_episode("restored", True, episode_id=number, **shard_cluster.episode(number, 9))
+            assert len(client.checkpoint()) == 2
+            servers[1].stop(grace=0)
+            only_a = client.sample("restored", 64, States())  # finds b down, and draws the batch from a alone
+            assert not b.up and set(only_a["obs"][:, 0].tolist()) == {1.0}
+            servers[1] = ReplayServer(b.address, instance=f"{TEST_INSTANCE}restore1",
+                                      restore_from=str(directories[1])).start()
+            wait_until(lambda: b.up, time.monotonic() + 60, "the restored shard rejoining")
+            episodes = set(client.sample("restored", 256, States(), include_keys=True)["obs"][:, 0].tolist())
+            assert episodes == {1.0, 2.0}
+            client.delete_buffer("restored")
+    finally:
+        for server in servers:
+            server.stop(grace=0)
 
 
 def test_command_lines_name_one_server_a_name_for_every_shard_or_a_list() -> None:
