@@ -1,8 +1,10 @@
 """An EpisodeWriter over shards, step by step against fake shard clients: a shard failing mid-episode, spans in doubt
-held for their shard until it is back, new episodes on the shards up, and old failures of a shard that came back."""
+held for their shard until it is back, new episodes on the shards up, old failures of a shard that came back, and
+the shards a name resolves to as its records change."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -170,3 +172,28 @@ def test_a_failure_from_before_a_shard_came_back_leaves_it_up(shards: ShardSet) 
     assert a.up and a.life == life + 1
     shards.failed(a, "a call of its earlier life", life)
     assert a.up
+
+
+def test_a_name_resolved_again_adds_and_drops_shards_and_a_shard_listed_again_keeps_its_index(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    records = [["10.0.0.1:5", "10.0.0.2:5"], ["10.0.0.2:5", "10.0.0.3:5"], ["10.0.0.1:5", "10.0.0.3:5"]]
+    monkeypatch.setattr("client.shard_set.resolve", lambda target: records[0])
+    shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 1e-9, CollectorRegistry())  # due at every look
+    assert [(s.index, s.address) for s in shards.members()] == [(0, "10.0.0.1:5"), (1, "10.0.0.2:5")]
+    generation = shards.generation
+    records.pop(0)
+    assert [(s.index, s.address) for s in shards.members()] == [(1, "10.0.0.2:5"), (2, "10.0.0.3:5")]
+    assert shards.generation > generation and shards.by_index(0).address == "10.0.0.1:5"  # its keys still route
+    records.pop(0)
+    assert [(s.index, s.address) for s in shards.members()] == [(0, "10.0.0.1:5"), (2, "10.0.0.3:5")]
+
+
+def test_a_name_that_stops_resolving_keeps_the_shards_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("client.shard_set.resolve", lambda target: ["10.0.0.1:5"])
+    shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 1e-9, CollectorRegistry())
+
+    def fails(target: str) -> list[str]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr("client.shard_set.resolve", fails)
+    assert [s.address for s in shards.members()] == ["10.0.0.1:5"]
