@@ -104,10 +104,11 @@ def slice_batch(batch: Mapping[str, np.ndarray], lo: int, hi: int) -> dict[str, 
     return out
 
 
-def merge_pieces(pieces: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """One array per column holding the pieces' rows in order (a single piece is returned as it is). Columns that
-    are one array in the first piece stay one array."""
-    if len(pieces) == 1:
+def merge_pieces(pieces: Sequence[Mapping[str, np.ndarray]], order: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """One array per column holding the pieces' rows, in order, or taken in `order` (indices into the rows in order);
+    a single piece without an order is returned as it is. Columns that are one array in the first piece stay one
+    array."""
+    if len(pieces) == 1 and order is None:
         return dict(pieces[0])
     first = pieces[0]
     merged: dict[int, np.ndarray] = {}
@@ -115,7 +116,8 @@ def merge_pieces(pieces: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.nda
     for name, array in first.items():
         column = merged.get(id(array))
         if column is None:
-            column = merged[id(array)] = np.concatenate([piece[name] for piece in pieces])
+            column = np.concatenate([piece[name] for piece in pieces])
+            column = merged[id(array)] = column if order is None else column.take(order, axis=0)
         out[name] = column
     return out
 

@@ -72,6 +72,13 @@ class Split:
             return [batch_size]
         return split_batch(batch_size, self.shares, rng).tolist()
 
+    @staticmethod
+    def order(counts: list[int], rng: np.random.Generator) -> np.ndarray | None:
+        """The order a batch of `counts` rows per holder (grouped by holder) is taken in: a random permutation when
+        more than one holder gave rows, so that each row, wherever it stands, is an independent draw over the union
+        as in one server's batch (grouped, row 0 would come from the first holder); None otherwise."""
+        return rng.permutation(sum(counts)) if sum(1 for count in counts if count) > 1 else None
+
     def globalize(self, piece: dict[str, np.ndarray], k: int, importance_beta: float) -> dict[str, np.ndarray]:
         """Holder k's sub-batch as part of the union's batch: keys tagged, probabilities and weights global."""
         floor = self.holders[k].floor
@@ -159,7 +166,7 @@ class ShardedBatchStream:
                 self._shards.failed(failure.shard, failure.error, failure.life)
                 continue
             self._served += 1
-            return merge_pieces(pieces)
+            return merge_pieces(pieces, split.order(counts, self._rng))
 
     def _queue(self, shard: Shard) -> _ShardQueue:
         """The shard's queue; a stream of an earlier life of the shard (it failed and came back since) is

@@ -389,8 +389,8 @@ class ShardedReplayClient:
         beta = request_options.get("importance_beta", 0.0)
         while True:
             split = self._split(buffer, request_options.get("wait", False), give_up)
-            counts = {split.holders[k].shard.index: (k, count)
-                      for k, count in enumerate(split.counts(batch_size, rng)) if count}
+            drawn = split.counts(batch_size, rng)
+            counts = {split.holders[k].shard.index: (k, count) for k, count in enumerate(drawn) if count}
 
             def sub_batch(shard: Shard, counts: dict[int, tuple[int, int]] = counts) -> dict[str, np.ndarray]:
                 return shard.client.sample(buffer, counts[shard.index][1], mode, timeout=_left(give_up),
@@ -402,7 +402,8 @@ class ShardedReplayClient:
             if any(error.code() not in SHARD_DOWN for error in errors):
                 raise next(error for error in errors if error.code() not in SHARD_DOWN)
             if not errors:  # else the shards that failed are down now: the batch is drawn again without them
-                return merge_pieces([split.globalize(batch, counts[shard.index][0], beta) for shard, batch in results])
+                return merge_pieces([split.globalize(batch, counts[shard.index][0], beta) for shard, batch in results],
+                                    split.order(drawn, rng))
 
     def sample_stream(self, buffer: str, batch_size: int, mode: ModeOptions = Transitions(), num_batches: int = 0, *,
                       timeout: float | None = None, **request_options: Any) -> ShardedBatchStream:

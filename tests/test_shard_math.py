@@ -111,6 +111,23 @@ def test_merged_pieces_keep_rows_in_order_and_aliases_as_one_array() -> None:
     assert merged["bootstrap_obs"] is merged["next_obs"] and merged["next_obs"].shape == (5, 2)
 
 
+def test_every_row_of_a_merged_batch_is_a_draw_over_the_union_wherever_it_stands() -> None:
+    """Sub-batches arrive grouped by shard; the merged batch takes them in a random order, so that its first row, as
+    any other, comes from a shard with the shard's share."""
+    split = Split([Holder(Shard(k, f"10.0.0.{k}:1", client=None), {"counters": {}, "sampleable_steps": steps})
+                   for k, steps in enumerate((10, 30))])
+    rng = np.random.default_rng(3)
+    first_rows = []
+    for _ in range(2000):
+        counts = split.counts(8, rng)
+        pieces = [{"shard": np.full(count, k)} for k, count in enumerate(counts)]
+        first_rows.append(int(merge_pieces(pieces, split.order(counts, rng))["shard"][0]))
+    observed = np.bincount(first_rows, minlength=2)
+    expected = 2000 * np.array([0.25, 0.75])
+    assert float(((observed - expected) ** 2 / expected).sum()) < chi_square_critical(1), observed
+    assert split.order([8, 0], rng) is None  # rows of one shard are in the order it drew them
+
+
 def test_rendezvous_spreads_keys_evenly_and_moves_only_a_leaving_candidates_keys() -> None:
     candidates = [f"10.0.0.{k}:50051" for k in range(4)]
     chosen = [rendezvous(f"writer|{episode}", candidates) for episode in range(4000)]
