@@ -3,7 +3,8 @@
 1. One shard: the sharded client's stream and unary sample against the plain ReplayClient's on the same server
    (cartpole transitions, batch 256), in alternating rounds (medians). Target: the sharded path costs at most
    10 % (speedup >= 0.9).
-2. K = 1, 2, 3 shards on this machine, K sampling processes (bench/shards_scaling.py): aggregate transitions/s
+2. The client's own work per merged batch for K = 1..8 shards, without network (median µs).
+3. K = 1, 2, 3 shards on this machine, K sampling processes (bench/shards_scaling.py): aggregate transitions/s
    and the cores each server and client process used. On this 2-core machine the processes share the cores, so
    the aggregate cannot grow with K; the cores per shard say what K shards need where cores are free.
 
@@ -18,9 +19,14 @@ import sys
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from bench.bench_replay import ServerProcess
 from bench.shards_scaling import BATCH, PROFILE, fill, record, records
+from bench.timing import time_calls
 from client.replay_client import ReplayClient
+from client.shard_sampling import Holder, ShardedBatchStream, Split
+from client.shard_set import Shard
 from client.sharded import ShardedReplayClient
 from service.wire.components import Transitions
 
@@ -74,9 +80,46 @@ def one_shard_overhead(quick: bool) -> list[dict]:
             for how, (base, ours) in (("sample_stream", stream_rates), ("sample", unary_rates))]
 
 
+class _Repeating:
+    """A shard's stream that hands out one prepared batch forever (no network): what the merge costs alone."""
+
+    def __init__(self, batch: dict) -> None:
+        self.batch = batch
+
+    def __next__(self) -> dict:
+        return self.batch
+
+    def close(self) -> None:
+        return None
+
+
+def merge_cost(quick: bool) -> list[dict]:
+    """The client's own work per merged batch (split, slices, keys, merge, order) over K = 1..8 shards of equal
+    size, each handing out the same decoded cartpole batch of 256 transitions: what a sampling process spends
+    beyond receiving and decoding its shards' batches, which grows with K."""
+    server = ServerProcess()
+    try:
+        with ShardedReplayClient([server.address], timeout=600) as client:
+            client.wait_ready(60)
+            fill(client, PROFILE.quick_capacity // 8)
+            batch = client.sample(PROFILE.name, BATCH, Transitions(), include_keys=True)
+    finally:
+        server.stop()
+    out, calls = [], 300 if quick else 3000
+    for k in (1, 2, 3, 4, 8):
+        holders = [Holder(Shard(index, f"shard{index}:1", client=None), {"counters": {}, "sampleable_steps": 1000})
+                   for index in range(k)]
+        stream = ShardedBatchStream(lambda holders=holders: Split(holders), lambda shard: _Repeating(batch), None,
+                                    BATCH, 0, np.random.default_rng(0), 0.0)
+        median_us, _ = time_calls({"merge": stream.__next__}, calls)["merge"]
+        out.append(record(f"client work per merged batch, K={k} shards, cartpole transitions batch {BATCH} (keys "
+                          "included, no network)", "merge_us_per_batch", median_us, "us"))
+    return out
+
+
 def run(quick: bool = False) -> list[dict]:
     capacity = PROFILE.quick_capacity // 4 if quick else PROFILE.quick_capacity // 2
-    return one_shard_overhead(quick) + records([1, 2, 3], 3.0 if quick else 6.0, capacity)
+    return one_shard_overhead(quick) + merge_cost(quick) + records([1, 2, 3], 3.0 if quick else 6.0, capacity)
 
 
 if __name__ == "__main__":

@@ -47,16 +47,6 @@ def shard_seed(seed: int, shard_index: int) -> int:
     return int(np.random.SeedSequence([seed, shard_index]).generate_state(1, np.uint64)[0])
 
 
-def tag_keys(keys: np.ndarray, shard_index: int) -> np.ndarray:
-    """A shard's keys (positions in its ring) with the shard's index in bits 48..62."""
-    if not 0 <= shard_index < MAX_SHARDS:
-        raise ValueError(f"shard_index: expected 0..{MAX_SHARDS - 1}, got {shard_index}")
-    if keys.size and int(keys.max()) > POSITION_MASK:
-        raise ValueError(f"key: expected positions below 2**{SHARD_SHIFT} from shard {shard_index}, got "
-                         f"{int(keys.max())}")
-    return keys if shard_index == 0 else keys | np.int64(shard_index << SHARD_SHIFT)
-
-
 def keys_by_shard(keys: np.ndarray) -> dict[int, np.ndarray]:
     """Indices into `keys` (int64, >= 0) of each shard's keys, by shard index."""
     shards = keys >> SHARD_SHIFT
@@ -77,46 +67,56 @@ def weight_factor(beta: float, shard_floor: float, global_floor: float) -> float
     return math.exp(-beta * (math.log(shard_floor) - math.log(global_floor)))
 
 
-def globalize(piece: dict[str, np.ndarray], shard_index: int, share: float, factor: float) -> dict[str, np.ndarray]:
-    """A shard's sub-batch as part of a batch over the union: keys tagged with the shard, `probability` (the
-    server's p / m_k) times the shard's share m_k / M, `weight` times `factor` (weight_factor). Columns that do
+def _checked_keys(keys: np.ndarray) -> np.ndarray:
+    if keys.size and int(keys.max()) > POSITION_MASK:
+        raise ValueError(f"key: expected positions below 2**{SHARD_SHIFT} from a shard, got {int(keys.max())}")
+    return keys
+
+
+def globalize(batch: dict[str, np.ndarray], shard_index: int, share: float, factor: float) -> dict[str, np.ndarray]:
+    """One shard's sub-batch as part of a batch over the union: keys tagged with the shard's index, `probability`
+    (the server's p / m_k) times the shard's share m_k / M, `weight` times `factor` (weight_factor). Columns that do
     not change stay the arrays they are."""
-    out = dict(piece)
-    if "key" in piece:
-        out["key"] = tag_keys(piece["key"], shard_index)
-    if "probability" in piece and share != 1.0:
-        out["probability"] = piece["probability"] * share
-    if "weight" in piece and factor != 1.0:
-        out["weight"] = (piece["weight"].astype(np.float64) * factor).astype(np.float32)
+    out = dict(batch)
+    if "key" in batch:
+        keys = _checked_keys(batch["key"])
+        out["key"] = keys | np.int64(shard_index << SHARD_SHIFT) if shard_index else keys
+    if "probability" in batch and share != 1.0:
+        out["probability"] = batch["probability"] * share
+    if "weight" in batch and factor != 1.0:
+        out["weight"] = (batch["weight"].astype(np.float64) * factor).astype(np.float32)
     return out
 
 
-def slice_batch(batch: Mapping[str, np.ndarray], lo: int, hi: int) -> dict[str, np.ndarray]:
-    """Rows [lo, hi) of every column; columns that are one array (bootstrap_obs is next_obs in 1-step
-    transitions) stay one array."""
-    views: dict[int, np.ndarray] = {}
-    out = {}
-    for name, array in batch.items():
-        view = views.get(id(array))
-        if view is None:
-            view = views[id(array)] = array[lo:hi]
-        out[name] = view
-    return out
+def globalize_rows(batch: dict[str, np.ndarray], shard_index: np.ndarray, share: np.ndarray,
+                   factor: np.ndarray) -> dict[str, np.ndarray]:
+    """globalize with one shard index, share and factor per row: for a batch merged from several shards. Its
+    columns are its own (merge_rows made them), so they change in place."""
+    if "key" in batch:
+        batch["key"] = _checked_keys(batch["key"]) | (shard_index << SHARD_SHIFT)
+    if "probability" in batch:
+        batch["probability"] *= share
+    if "weight" in batch:
+        batch["weight"] = (batch["weight"].astype(np.float64) * factor).astype(np.float32)
+    return batch
 
 
-def merge_pieces(pieces: Sequence[Mapping[str, np.ndarray]], order: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """One array per column holding the pieces' rows, in order, or taken in `order` (indices into the rows in order);
-    a single piece without an order is returned as it is. Columns that are one array in the first piece stay one
-    array."""
-    if len(pieces) == 1 and order is None:
-        return dict(pieces[0])
-    first = pieces[0]
+Rows = tuple[Mapping[str, np.ndarray], int, int]  # a decoded batch and the range [lo, hi) of its rows taken
+
+
+def merge_rows(pieces: Sequence[Rows], order: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """One array per column holding each piece's rows in turn, or taken in `order` (indices into them in turn); a
+    piece that is a whole batch, without an order, is returned as it is. Columns that are one array in the first
+    batch (bootstrap_obs is next_obs in 1-step transitions) stay one array."""
+    first, lo, hi = pieces[0]
+    if len(pieces) == 1 and order is None and lo == 0 and hi == len(next(iter(first.values()))):
+        return dict(first)
     merged: dict[int, np.ndarray] = {}
     out = {}
     for name, array in first.items():
         column = merged.get(id(array))
         if column is None:
-            column = np.concatenate([piece[name] for piece in pieces])
+            column = np.concatenate([batch[name][lo:hi] for batch, lo, hi in pieces])
             column = merged[id(array)] = column if order is None else column.take(order, axis=0)
         out[name] = column
     return out

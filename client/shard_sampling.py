@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from client.batch_stream import BatchStream
-from client.shard_math import globalize, merge_pieces, slice_batch, split_batch, weight_factor
+from client.shard_math import Rows, globalize, globalize_rows, merge_rows, split_batch, weight_factor
 from client.shard_set import Shard, ShardSet
 
 log = logging.getLogger("replayd.client")
@@ -79,11 +79,25 @@ class Split:
         as in one server's batch (grouped, row 0 would come from the first holder); None otherwise."""
         return rng.permutation(sum(counts)) if sum(1 for count in counts if count) > 1 else None
 
-    def globalize(self, piece: dict[str, np.ndarray], k: int, importance_beta: float) -> dict[str, np.ndarray]:
-        """Holder k's sub-batch as part of the union's batch: keys tagged, probabilities and weights global."""
+    def _factor(self, k: int, importance_beta: float) -> float:
         floor = self.holders[k].floor
-        factor = weight_factor(importance_beta, floor, self._floor) if floor > 0 and importance_beta else 1.0
-        return globalize(piece, self.holders[k].shard.index, float(self.shares[k]), factor)
+        return weight_factor(importance_beta, floor, self._floor) if floor > 0 and importance_beta else 1.0
+
+    def merge(self, pieces: list[tuple[int, Rows]], order: np.ndarray | None,
+              importance_beta: float) -> dict[str, np.ndarray]:
+        """Rows of the holders (k, rows) as one batch over the union, taken in `order`: keys tagged with their
+        shard, probabilities and importance weights global (client/shard_math.py globalize)."""
+        batch = merge_rows([rows for _, rows in pieces], order)
+        ks = [k for k, _ in pieces]
+        if len(set(ks)) == 1:
+            k = ks[0]
+            shard_index, share = self.holders[k].shard.index, float(self.shares[k])
+            return globalize(batch, shard_index, share, self._factor(k, importance_beta))
+        holder = np.repeat(ks, [hi - lo for _, (_, lo, hi) in pieces])
+        holder = holder if order is None else holder[order]
+        shard_indices = np.array([h.shard.index for h in self.holders], dtype=np.int64)
+        factors = np.array([self._factor(k, importance_beta) for k in range(len(self.holders))])
+        return globalize_rows(batch, shard_indices[holder], np.asarray(self.shares)[holder], factors[holder])
 
 
 class _ShardFailed(Exception):
@@ -102,15 +116,14 @@ class _ShardQueue:
         self._batch: dict[str, np.ndarray] = {}
         self._cursor = self._rows = 0
 
-    def take(self, count: int) -> list[dict[str, np.ndarray]]:
-        """`count` rows as pieces: whole batches where they fit (no copy), slices otherwise."""
+    def take(self, count: int) -> list[Rows]:
+        """`count` rows, as ranges of the batches they are in."""
         pieces = []
         while count:
             if self._cursor == self._rows:
                 self._next_batch()
             rows = min(count, self._rows - self._cursor)
-            whole = self._cursor == 0 and rows == self._rows
-            pieces.append(self._batch if whole else slice_batch(self._batch, self._cursor, self._cursor + rows))
+            pieces.append((self._batch, self._cursor, self._cursor + rows))
             self._cursor += rows
             count -= rows
         return pieces
@@ -157,8 +170,8 @@ class ShardedBatchStream:
             split = self._split()
             counts = split.counts(self._batch_size, self._rng)
             try:
-                pieces = [split.globalize(piece, k, self._beta) for k, count in enumerate(counts) if count
-                          for piece in self._queue(split.holders[k].shard).take(int(count))]
+                pieces = [(k, rows) for k, count in enumerate(counts) if count
+                          for rows in self._queue(split.holders[k].shard).take(count)]
             except _ShardFailed as failure:
                 if self._closed:
                     raise StopIteration from None
@@ -166,7 +179,7 @@ class ShardedBatchStream:
                 self._shards.failed(failure.shard, failure.error, failure.life)
                 continue
             self._served += 1
-            return merge_pieces(pieces, split.order(counts, self._rng))
+            return split.merge(pieces, split.order(counts, self._rng), self._beta)
 
     def _queue(self, shard: Shard) -> _ShardQueue:
         """The shard's queue; a stream of an earlier life of the shard (it failed and came back since) is

@@ -91,6 +91,7 @@ class ShardSet:
         self._lock = threading.Lock()
         self._known: dict[str, Shard] = {}  # every address ever listed: a shard listed again keeps its index
         self._members: list[Shard] = []
+        self._closed = False  # calls failing on closed channels say nothing about the shards
         self.generation = 0
         self._failures = Counter("replayd_client_shard_failures", "Shards found down by a call (log line each)",
                                  ["shard"], registry=registry)
@@ -150,7 +151,7 @@ class ShardSet:
         """`shard` did not answer (`error`): it is down until its channel connects again. Logged and counted.
         `life`: the shard's life the failed call began in (None: now); a failure of an earlier life is old news."""
         with self._lock:
-            if not shard.up or (life is not None and life != shard.life):
+            if self._closed or not shard.up or (life is not None and life != shard.life):
                 return
             shard.up = False
             self.generation += 1
@@ -178,6 +179,7 @@ class ShardSet:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             shards = list(self._known.values())
         for shard in shards:
             if shard._back is not None:

@@ -40,7 +40,6 @@ from client.replay_client import (
 from client.shard_math import (
     keys_by_shard,
     merge_descriptions,
-    merge_pieces,
     positions,
     rendezvous,
     shard_seed,
@@ -286,8 +285,10 @@ class ShardedReplayClient:
         return [path for _, path in results]
 
     def close(self) -> None:
+        """Closes every shard's channel, once the calls running on this client's threads (a background describe,
+        say) have ended."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.shards.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> ShardedReplayClient:
         return self
@@ -402,8 +403,8 @@ class ShardedReplayClient:
             if any(error.code() not in SHARD_DOWN for error in errors):
                 raise next(error for error in errors if error.code() not in SHARD_DOWN)
             if not errors:  # else the shards that failed are down now: the batch is drawn again without them
-                return merge_pieces([split.globalize(batch, counts[shard.index][0], beta) for shard, batch in results],
-                                    split.order(drawn, rng))
+                pieces = [(counts[shard.index][0], (batch, 0, counts[shard.index][1])) for shard, batch in results]
+                return split.merge(pieces, split.order(drawn, rng), beta)
 
     def sample_stream(self, buffer: str, batch_size: int, mode: ModeOptions = Transitions(), num_batches: int = 0, *,
                       timeout: float | None = None, **request_options: Any) -> ShardedBatchStream:

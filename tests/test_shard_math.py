@@ -10,17 +10,16 @@ import numpy as np
 import pytest
 
 from client.shard_math import (
+    globalize,
     keys_by_shard,
     merge_descriptions,
-    merge_pieces,
+    merge_rows,
     positions,
     rendezvous,
     shard_seed,
-    slice_batch,
     split_batch,
     split_capacity,
     split_rate_limiter,
-    tag_keys,
 )
 from client.shard_sampling import Holder, Split
 from client.shard_set import Shard
@@ -48,19 +47,23 @@ def test_seeds_differ_between_shards_and_repeat_for_one() -> None:
     assert shard_seed(7, 1) == shard_seed(7, 1) < 2**64
 
 
+def tagged(keys: np.ndarray, shard_index: int) -> np.ndarray:
+    return globalize({"key": keys}, shard_index, 1.0, 1.0)["key"]
+
+
 def test_tagged_keys_name_their_shard_and_position() -> None:
     keys = np.array([0, 5, 2**48 - 1], np.int64)
-    tagged = np.concatenate([tag_keys(keys, 0), tag_keys(keys, 3), tag_keys(keys, 2**15 - 1)])
-    assert (tagged >= 0).all()
-    np.testing.assert_array_equal(positions(tagged), np.tile(keys, 3))
-    assert {shard: idx.tolist() for shard, idx in keys_by_shard(tagged).items()} == {
+    tags = np.concatenate([tagged(keys, 0), tagged(keys, 3), tagged(keys, 2**15 - 1)])
+    assert (tags >= 0).all()
+    np.testing.assert_array_equal(positions(tags), np.tile(keys, 3))
+    assert {shard: idx.tolist() for shard, idx in keys_by_shard(tags).items()} == {
         0: [0, 1, 2], 3: [3, 4, 5], 2**15 - 1: [6, 7, 8]}
-    assert tag_keys(keys, 0) is keys  # shard 0's keys are one server's keys
+    assert tagged(keys, 0) is keys  # shard 0's keys are one server's keys
 
 
 def test_a_position_beyond_the_tag_bits_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"key: expected positions below 2\*\*48 from shard 2, got 281474976710656"):
-        tag_keys(np.array([2**48], np.int64), 2)
+    with pytest.raises(ValueError, match=r"key: expected positions below 2\*\*48 from a shard, got 281474976710656"):
+        tagged(np.array([2**48], np.int64), 2)
 
 
 def prioritized_holder(index: int, leaves: np.ndarray) -> Holder:
@@ -76,39 +79,42 @@ def server_columns(leaves: np.ndarray, drawn: np.ndarray, beta: float) -> dict[s
 
 
 def test_shard_probabilities_and_weights_become_one_servers_over_the_union() -> None:
+    """Every step of three shards, merged in a random order: each row's probability and weight are those a server
+    holding the union gives the same step."""
     rng = np.random.default_rng(0)
     shards = [rng.uniform(0.5, 3.0, 40) ** 0.6, rng.uniform(1e-3, 1.0, 25) ** 0.6, rng.uniform(2.0, 9.0, 10) ** 0.6]
-    union = np.concatenate(shards)
+    starts = np.cumsum([0] + [leaves.size for leaves in shards])
     split = Split([prioritized_holder(k, leaves) for k, leaves in enumerate(shards)])
-    offset = 0
-    for k, leaves in enumerate(shards):
-        drawn = np.arange(leaves.size)
-        merged = split.globalize(server_columns(leaves, drawn, 0.4), k, 0.4)
-        reference = server_columns(union, drawn + offset, 0.4)
-        np.testing.assert_allclose(merged["probability"], reference["probability"], rtol=1e-12)
-        np.testing.assert_allclose(merged["weight"], reference["weight"], rtol=1e-6)
-        np.testing.assert_array_equal(positions(merged["key"]), drawn)
-        assert (merged["key"] >> 48 == k).all()
-        offset += leaves.size
+    pieces = [(k, (server_columns(leaves, np.arange(leaves.size), 0.4), 0, leaves.size))
+              for k, leaves in enumerate(shards)]
+    merged = split.merge(pieces, rng.permutation(starts[-1]), 0.4)
+    union = server_columns(np.concatenate(shards), starts[merged["key"] >> 48] + positions(merged["key"]), 0.4)
+    np.testing.assert_allclose(merged["probability"], union["probability"], rtol=1e-12)
+    np.testing.assert_allclose(merged["weight"], union["weight"], rtol=1e-6)
+    assert sorted(merged["key"].tolist()) == sorted(k << 48 | p for k, leaves in enumerate(shards)
+                                                    for p in range(leaves.size))
+    for k, leaves in enumerate(shards):  # one shard's rows alone come out alike
+        alone = split.merge([pieces[k]], None, 0.4)
+        reference = server_columns(np.concatenate(shards), starts[k] + np.arange(leaves.size), 0.4)
+        np.testing.assert_allclose(alone["probability"], reference["probability"], rtol=1e-12)
+        np.testing.assert_allclose(alone["weight"], reference["weight"], rtol=1e-6)
 
 
 def test_one_shards_batch_is_returned_as_it_came() -> None:
     leaves = np.array([1.0, 2.0])
     split = Split([prioritized_holder(0, leaves)])
     columns = server_columns(leaves, np.array([0, 1, 1]), 0.5)
-    merged = split.globalize(columns, 0, 0.5)
+    merged = split.merge([(0, (columns, 0, 3))], None, 0.5)
     assert all(merged[name] is columns[name] for name in columns)
-    assert merge_pieces([merged]) == merged
 
 
-def test_merged_pieces_keep_rows_in_order_and_aliases_as_one_array() -> None:
+def test_merged_rows_keep_their_order_and_aliases_as_one_array() -> None:
     first = {"next_obs": np.arange(6.0).reshape(3, 2), "reward": np.arange(3.0)}
     first["bootstrap_obs"] = first["next_obs"]
-    second = slice_batch(first, 1, 3)
-    assert second["bootstrap_obs"] is second["next_obs"]
-    merged = merge_pieces([first, second])
+    merged = merge_rows([(first, 0, 3), (first, 1, 3)])
     np.testing.assert_array_equal(merged["reward"], [0.0, 1.0, 2.0, 1.0, 2.0])
     assert merged["bootstrap_obs"] is merged["next_obs"] and merged["next_obs"].shape == (5, 2)
+    np.testing.assert_array_equal(merge_rows([(first, 1, 3)], np.array([1, 0]))["reward"], [2.0, 1.0])
 
 
 def test_every_row_of_a_merged_batch_is_a_draw_over_the_union_wherever_it_stands() -> None:
@@ -120,8 +126,8 @@ def test_every_row_of_a_merged_batch_is_a_draw_over_the_union_wherever_it_stands
     first_rows = []
     for _ in range(2000):
         counts = split.counts(8, rng)
-        pieces = [{"shard": np.full(count, k)} for k, count in enumerate(counts)]
-        first_rows.append(int(merge_pieces(pieces, split.order(counts, rng))["shard"][0]))
+        pieces = [({"shard": np.full(count, k)}, 0, count) for k, count in enumerate(counts)]
+        first_rows.append(int(merge_rows(pieces, split.order(counts, rng))["shard"][0]))
     observed = np.bincount(first_rows, minlength=2)
     expected = 2000 * np.array([0.25, 0.75])
     assert float(((observed - expected) ** 2 / expected).sum()) < chi_square_critical(1), observed
