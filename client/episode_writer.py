@@ -36,7 +36,8 @@ class EpisodeWriter:
 
     Spans go through the client's span sink (`client.span_sink(buffer)`): one server's, or a
     ShardedReplayClient's, which keeps each episode on one shard; an open episode whose shard went down goes
-    on as a new episode (on a live shard) from its unsent steps.
+    on as a new episode (on a live shard) from its unsent steps (one with none but its final observation ends
+    where it is: the sink holds the end until that shard is back).
     """
 
     def __init__(self, client: ReplayClient | ShardedReplayClient, buffer: str, chunk_rows: int = 1000,
@@ -83,7 +84,8 @@ class EpisodeWriter:
         cannot deliver (for a shard that is down)."""
         if self.closed:
             return
-        self._go_on_if_stranded()
+        if len(self._steps) >= 2:  # fewer go where the episode is (a new episode needs two rows)
+            self._go_on_if_stranded()
         if len(self._steps) >= 2 or (self._steps and self._rows_sent):
             self._pending_rows += len(self._steps)
             self._pending.append(self._chunk(ends=False, terminated=False))
@@ -142,7 +144,8 @@ class EpisodeWriter:
         """Closes the episode with its final observation (the state after the last step)."""
         self._check_open()
         final_row = self._row(final_observation, self.observation_fields, "end_episode")
-        self._go_on_if_stranded()
+        if self._steps:  # with none, the end goes where the episode is (held there while that shard is down)
+            self._go_on_if_stranded()
         if not self._steps and self._rows_sent == 0:
             if self._restarted_episode_ends:  # its steps all went with the earlier spans: nothing to store
                 self._restarted_episode_ends = False
@@ -161,7 +164,7 @@ class EpisodeWriter:
 
     def _go_on_if_stranded(self) -> None:
         """An open episode whose spans went to a shard that is down now goes on as a new episode from its unsent
-        steps (its sent spans stay on that shard, an open episode there)."""
+        steps (called when there are some; its sent spans stay on that shard, an open episode there)."""
         if self._rows_sent and self._sink.stranded(self._episode_id):
             self._go_on_as_new_episode()
 

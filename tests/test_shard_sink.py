@@ -141,6 +141,23 @@ def test_an_open_episode_whose_shard_fails_goes_on_as_a_new_episode_elsewhere(sh
     assert len(b.client.stored) == 1
 
 
+def test_an_open_episode_with_nothing_unsent_but_its_end_ends_on_its_shard(shards: ShardSet) -> None:
+    writer = writer_over(shards, CollectorRegistry(), chunk_rows=4)
+    a, b = shards.members()
+    steps(writer, 4)
+    a.client.fail = True
+    steps(writer, 4)  # held for a; every step is sent, none is left for a new episode
+    writer.end_episode(True, obs=np.zeros(2, np.float32))
+    writer.flush()
+    assert b.client.stored == []
+    a.client.fail = False
+    a.client.comeback.resolve()
+    writer.close()
+    episode = a.client.stored[0][0]
+    assert a.client.stored == [(episode, 0, 4, True, False), (episode, 4, 4, False, False),
+                               (episode, 8, 1, False, True)]
+
+
 def test_whole_episodes_in_doubt_wait_for_their_shard_while_new_ones_go_to_the_others(shards: ShardSet) -> None:
     writer = writer_over(shards, CollectorRegistry(), auto_flush=False)
     a, b = shards.members()
