@@ -204,7 +204,8 @@ class ShardedReplayClient:
     def create_buffer(self, name: str, capacity_steps: int, schema: Schema,
                       observation_fields: Sequence[str] = ("obs",), reward_field: str | None = None,
                       sampler: SamplerOptions = Uniform(), remover: RemoverOptions = Fifo(),
-                      rate_limiter: RateLimiterOptions = MinSize()) -> dict[str, Any]:
+                      rate_limiter: RateLimiterOptions = MinSize(),
+                      goal_fields: tuple[str, str] | None = None) -> dict[str, Any]:
         """Creates the buffer on every shard up, `capacity_steps` split between them (an episode must fit one
         shard's part), and the rate limiter's sizes too (client/shard_math.py split_rate_limiter); a shard's
         remover and limiter act on its own steps. Raises the first shard's refusal (the others keep theirs)."""
@@ -213,7 +214,7 @@ class ShardedReplayClient:
         limiter = split_rate_limiter(rate_limiter, len(shards))
         results = self._on_up_shards(
             lambda shard: shard.client.create_buffer(name, capacities[shards.index(shard)], schema, observation_fields,
-                                                     reward_field, sampler, remover, limiter), shards)
+                                                     reward_field, sampler, remover, limiter, goal_fields), shards)
         error = self._first_error(results)
         if error is not None:
             raise error
