@@ -56,6 +56,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
                       "clients against 0, 1 and 2 sample workers."),
     "load": ("Load", "Many inserting and sampling clients against one server at once: rates, latencies, "
              "errors, and what was acknowledged beside what is stored."),
+    "shards": ("Sharded client", "ShardedReplayClient on one shard beside ReplayClient on the same server, the "
+               "client's own work per merged batch, and K shards with K sampling processes."),
 }
 
 

@@ -18,7 +18,8 @@ from bench import report
 from bench.machine import machine_record
 
 MODULES = ["bench.bench_replay", "bench.bench_sequences", "bench.bench_gae", "bench.bench_rollout_grpc",
-           "bench.bench_trainers", "bench.bench_prioritized", "bench.bench_shared_memory", "bench.bench_load"]
+           "bench.bench_trainers", "bench.bench_prioritized", "bench.bench_shared_memory", "bench.bench_load",
+           "bench.bench_shards"]
 RESULTS = report.RESULTS
 
 
