@@ -6,14 +6,16 @@ from client.replay_client import ReplayClient
 from service.wire.components import (
     Fifo,
     Geometric,
+    Hindsight,
     MaxTimesSampled,
     MinSize,
     Prioritized,
     SampleToInsertRatio,
+    Sequences,
     States,
     Transitions,
     Uniform,
 )
 
-__all__ = ["EpisodeWriter", "Fifo", "Geometric", "MaxTimesSampled", "MinSize", "Prioritized", "ReplayClient",
-           "SampleToInsertRatio", "States", "Transitions", "Uniform"]
+__all__ = ["EpisodeWriter", "Fifo", "Geometric", "Hindsight", "MaxTimesSampled", "MinSize", "Prioritized",
+           "ReplayClient", "SampleToInsertRatio", "Sequences", "States", "Transitions", "Uniform"]

@@ -153,7 +153,9 @@ def _episodic_components(config: pb.EpisodicConfig) -> dict[str, Any]:
     remover = options.from_proto("remover", config.remover, Fifo())
     rate_limiter = options.from_proto("rate_limiter", config.rate_limiter, MinSize())
     # A sample that counts draws (max_times_sampled) or moves a limiter's balance is no idempotent call.
+    goals = (config.achieved_goal_field, config.desired_goal_field)
     return {"sampler": sampler, "remover": remover, "rate_limiter": rate_limiter,
+            "goal_fields": None if goals == ("", "") else goals,
             "sampling_changes_state": options.sampling_changes_state(remover, rate_limiter)}
 
 
@@ -517,6 +519,7 @@ class ReplayClient:
         sampler: SamplerOptions = Uniform(),
         remover: RemoverOptions = Fifo(),
         rate_limiter: RateLimiterOptions = MinSize(),
+        goal_fields: tuple[str, str] | None = None,
     ) -> dict[str, Any]:
         """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape).
 
@@ -524,6 +527,8 @@ class ReplayClient:
         sampler: Uniform() or Prioritized(alpha=0.6). remover: Fifo() or MaxTimesSampled(k) (a step is retired
         after k draws). rate_limiter: MinSize(n) or SampleToInsertRatio(samples_per_insert, min_size_to_sample,
         error_buffer) (Reverb's limiters). All from `replayd`'s options (service/wire/components.py).
+        goal_fields: (achieved, desired), the observation fields of goal-conditioned episodes that the
+        Hindsight mode relabels.
         """
         _refuse_none(capacity_steps=capacity_steps)
         _expect("sampler", sampler, SamplerOptions, "Uniform() or Prioritized(alpha=...)")
@@ -536,9 +541,11 @@ class ReplayClient:
             pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape), observation=n in observation_fields)
             for n, (dtype, shape) in schema.items()
         ]
+        achieved, desired = ("", "") if goal_fields is None else goal_fields
         config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field or "",
                                    sampler=sampler.to_proto(), remover=remover.to_proto(),
-                                   rate_limiter=rate_limiter.to_proto())
+                                   rate_limiter=rate_limiter.to_proto(), achieved_goal_field=achieved,
+                                   desired_goal_field=desired)
         info = _info_to_dict(self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config),
                                                      timeout=self.timeout))
         self._observation_fields[name] = tuple(observation_fields)

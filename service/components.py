@@ -14,6 +14,8 @@ from service.configured import Configured
 from service.limiters import MinSizeLimiter, RateLimiter, SampleToInsertRatioLimiter
 from service.modes.base import BatchMode
 from service.modes.geometric import GeometricMode
+from service.modes.hindsight import HindsightMode
+from service.modes.sequences import SequencesMode
 from service.modes.states import StatesMode
 from service.modes.transitions import TransitionsMode
 from service.removers import FifoRemover, MaxTimesSampledRemover, Remover
@@ -33,6 +35,8 @@ IMPLEMENTATIONS: dict[type[Options], type[Configured]] = {
     options.Transitions: TransitionsMode,
     options.Geometric: GeometricMode,
     options.States: StatesMode,
+    options.Sequences: SequencesMode,
+    options.Hindsight: HindsightMode,
 }
 ROLES: dict[str, type[Configured]] = {"sampler": Sampler, "remover": Remover, "rate_limiter": RateLimiter,
                                       "mode": BatchMode}

@@ -22,7 +22,7 @@ from service.server import ReplayServer
 from service.storage.instance_lock import lock_path
 from service.wire import codec
 from service.wire import replay_pb2 as pb
-from service.wire.components import MaxTimesSampled, Prioritized, Transitions
+from service.wire.components import Hindsight, MaxTimesSampled, Prioritized, Sequences, Transitions
 from service.wire.frames import sample_response_batch
 from tests.conftest import TEST_INSTANCE, free_port
 
@@ -67,6 +67,30 @@ def test_workers_serve_sampling_with_the_servers_results(worker_server: ReplaySe
         fill(client, "retiring", remover=MaxTimesSampled(3))
         assert client.describe("retiring")["sample_endpoints"] == []
         assert client.sample("retiring", 8)["obs"].shape == (8, 4)
+
+
+def test_workers_serve_sequences_and_hindsight_batches_as_the_server_does(worker_server: ReplayServer) -> None:
+    schema = {"obs": ("float32", (4,)), "achieved": ("float32", (2,)), "goal": ("float32", (2,)),
+              "action": ("int64", ()), "reward": ("float32", ())}
+    rng = np.random.default_rng(2)
+    with ReplayClient(worker_server.address) as client, \
+            ReplayClient(worker_server.address, use_sample_workers=False) as direct:
+        client.create_buffer("goals", 10_000, schema, observation_fields=("obs", "achieved", "goal"),
+                             goal_fields=("achieved", "goal"))
+        lengths = rng.integers(5, 60, 30)
+        client.insert_episodes("goals", [{"obs": rng.normal(size=(n + 1, 4)).astype(np.float32),
+                                          "achieved": rng.normal(size=(n + 1, 2)).astype(np.float32),
+                                          "goal": rng.normal(size=(n + 1, 2)).astype(np.float32),
+                                          "action": rng.integers(0, 2, n), "reward": np.ones(n, np.float32)}
+                                         for n in lengths], [True] * 30)
+        assert client.describe("goals")["sample_endpoints"]
+        for mode in (Sequences(20, burn_in=10, period=5, n_step=3), Hindsight("geometric", discount=0.7)):
+            for _ in range(2):  # both workers
+                batch = client.sample("goals", 64, mode, seed=9, include_keys=True)
+                reference = direct.sample("goals", 64, mode, seed=9, include_keys=True)
+                assert list(batch) == list(reference)
+                for name in reference:
+                    np.testing.assert_array_equal(batch[name], reference[name], err_msg=f"{mode}: {name}")
 
 
 def test_worker_streams_of_large_batches_are_the_servers_batches(worker_server: ReplayServer) -> None:

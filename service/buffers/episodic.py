@@ -69,6 +69,26 @@ def ring_specs(fields: tuple[Field, ...], capacity: int) -> list[ArraySpec]:
     ]
 
 
+def check_goal_fields(fields: tuple[Field, ...], goal_fields: tuple[str, str] | None) -> tuple[str, str] | None:
+    """Refuses goal fields that are not two distinct observation fields of one dtype and shape."""
+    if goal_fields is None:
+        return None
+    by_name = {f.name: f for f in fields}
+    if len(goal_fields) != 2 or goal_fields[0] == goal_fields[1]:
+        raise InvalidArgument(f"goal_fields: expected two distinct field names (achieved, desired), "
+                              f"got {goal_fields!r}")
+    for role, name in zip(("achieved", "desired"), goal_fields, strict=True):
+        if name not in by_name or not by_name[name].observation:
+            raise InvalidArgument(f"goal_fields: the {role} goal {name!r} is not an observation field of the schema "
+                                  f"(observation fields: {sorted(f.name for f in fields if f.observation)})")
+    achieved, desired = (by_name[name] for name in goal_fields)
+    if (achieved.dtype, achieved.shape) != (desired.dtype, desired.shape):
+        raise InvalidArgument(f"goal_fields: expected one dtype and shape, got {achieved.name} "
+                              f"{achieved.dtype}{list(achieved.shape)} and {desired.name} "
+                              f"{desired.dtype}{list(desired.shape)}")
+    return (achieved.name, desired.name)
+
+
 def check_schema(fields: tuple[Field, ...], capacity_steps: Any, reward_field: str | None,
                  limiter: RateLimiter) -> str | None:
     """Refuses a schema, capacity or limiter the buffer could not serve; returns the reward field."""
@@ -112,16 +132,19 @@ class EpisodicBuffer(LiveBuffer):
         limiter: RateLimiter | None = None,
         max_bytes: int | None = None,
         dedup_window: int = DEFAULT_WINDOW,
+        goal_fields: tuple[str, str] | None = None,
     ) -> None:
         sampler, remover = sampler or UniformSampler(), remover or FifoRemover()
         limiter = limiter or MinSizeLimiter()
         fields = check_fields(fields)
         reward_field = check_schema(fields, capacity_steps, reward_field, limiter)
+        goal_fields = check_goal_fields(fields, goal_fields)
         capacity = int(capacity_steps)
         config = {
             "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in fields],
             "capacity_steps": capacity,
             "reward_field": reward_field,
+            "goal_fields": None if goal_fields is None else list(goal_fields),
             "sampler": sampler.to_config(),
             "remover": remover.to_config(),
             "rate_limiter": limiter.to_config(),
@@ -129,7 +152,8 @@ class EpisodicBuffer(LiveBuffer):
         }
         # `config` is everything needed to build this buffer again (crash recovery, readers attaching).
         meta = {"kind": self.kind, "name": check_buffer_name(name), "capacity": capacity,
-                "reward_field": reward_field, "fields": config["fields"], "config": config}
+                "reward_field": reward_field, "goal_fields": config["goal_fields"], "fields": config["fields"],
+                "config": config}
         specs = ring_specs(fields, capacity) + sampler.array_specs(capacity) + remover.array_specs(capacity)
         storage = SharedArrays.create(shm_name(instance, name), specs, meta, max_bytes)
         remover.bind(storage.arrays)
@@ -166,7 +190,8 @@ class EpisodicBuffer(LiveBuffer):
                    sampler=components.from_config("sampler", config["sampler"]),
                    remover=components.from_config("remover", config["remover"]),
                    limiter=components.from_config("rate_limiter", config["rate_limiter"]), max_bytes=max_bytes,
-                   dedup_window=int(config["dedup_window"]))
+                   dedup_window=int(config["dedup_window"]),
+                   goal_fields=None if config["goal_fields"] is None else tuple(config["goal_fields"]))
 
     @classmethod
     def recover(cls, header_name: str) -> EpisodicBuffer:
@@ -238,6 +263,10 @@ class EpisodicBuffer(LiveBuffer):
     @property
     def reward_field(self) -> str | None:
         return self.ring.reward_field
+
+    @property
+    def goal_fields(self) -> tuple[str, str] | None:
+        return self.ring.goal_fields
 
     @property
     def row_bytes(self) -> int:
@@ -443,9 +472,9 @@ class EpisodicBuffer(LiveBuffer):
 
     # ------------------------------------------------------------------ sampling
     def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0,
-             weight_floor: float | None = None) -> Draw:
+             weight_floor: float | None = None, mode: BatchMode | None = None) -> Draw:
         """Sampleable positions from the sampler (see RingReader.draw); call inside `live()`."""
-        return self.reader.draw(batch_size, rng, importance_beta, weight_floor)
+        return self.reader.draw(batch_size, rng, importance_beta, weight_floor, mode)
 
     def sample(self, batch_size: int, mode: BatchMode, rng: np.random.Generator | None = None,
                include_keys: bool = False, wait_seconds: float | None = None,
@@ -511,7 +540,7 @@ class EpisodicBuffer(LiveBuffer):
         weight_floor = self.sampler.weight_floor()  # as before any round retired a step of the batch
         try:
             while need:
-                draw = self.draw(need, rng, importance_beta, weight_floor)
+                draw = self.draw(need, rng, importance_beta, weight_floor, mode)
                 counted = self.remover.count_draws(self.ring, draw.positions)
                 self.ring.state[SAMPLEABLE] -= counted.retired.size
                 retired_rows = counted.retired % self.capacity

@@ -26,6 +26,9 @@ from service.wire import components as options
 
 # A reader gives up after this many torn draws in a row (each needs an eviction during one gather).
 MAX_TORN_DRAWS = 100
+# A draw whose mode admits only some steps draws again for the rest; it gives up once it drew this many
+# candidates per item asked for without admitting one (the mode then says why no step is admitted).
+MAX_CANDIDATES_PER_ITEM = 256
 
 
 def lock_free_host() -> bool:
@@ -90,8 +93,8 @@ class RingReader:
 
     # ------------------------------------------------------------------ drawing
     def draw(self, batch_size: int, rng: np.random.Generator, importance_beta: float = 0.0,
-             weight_floor: float | None = None) -> Draw:
-        """Draws sampleable positions with the configured sampler.
+             weight_floor: float | None = None, mode: BatchMode | None = None) -> Draw:
+        """Draws sampleable positions with the configured sampler, among the steps `mode` admits.
 
         `importance_beta` is the prioritized sampler's importance-weight exponent, `weight_floor` the priority
         its weights are normalized against (None: the smallest now; see PrioritizedSampler.draw). Others
@@ -105,13 +108,38 @@ class RingReader:
             raise FailedPrecondition(
                 f"buffer {self.name!r} has no sampleable steps yet (stored_steps={ring.stored_steps})"
             )
-        return self.sampler.draw(ring, batch_size, rng, importance_beta, weight_floor)
+        draw = self.sampler.draw(ring, batch_size, rng, importance_beta, weight_floor)
+        admitted = None if mode is None else mode.admit(ring, draw)
+        if admitted is None or admitted.all():
+            return draw
+        floor = self.sampler.weight_floor() if weight_floor is None else weight_floor  # one for every round
+        return self._admitted(draw, admitted, batch_size, rng, importance_beta, floor, mode)
+
+    def _admitted(self, draw: Draw, admitted: np.ndarray, batch_size: int, rng: np.random.Generator,
+                  importance_beta: float, weight_floor: float | None, mode: BatchMode) -> Draw:
+        """The first `batch_size` admitted draws of independent rounds: the sampler's law restricted to the
+        admitted steps. Each round draws as many candidates as the admission rate so far predicts it needs."""
+        parts, kept, drawn = [draw.select(admitted)], int(np.count_nonzero(admitted)), draw.positions.size
+        asked = False  # whether the mode was asked if any step is admitted at all
+        while kept < batch_size:
+            if drawn >= MAX_CANDIDATES_PER_ITEM * batch_size and kept == 0 and not asked:
+                reason, asked = mode.refusal(self.ring), True
+                if reason is not None:
+                    raise FailedPrecondition(f"sample: {reason}")
+            need = batch_size - kept
+            candidates = min(int(need * 1.25 * drawn / max(kept, 1)) + 8, MAX_CANDIDATES_PER_ITEM * batch_size)
+            draw = self.sampler.draw(self.ring, candidates, rng, importance_beta, weight_floor)
+            admitted = mode.admit(self.ring, draw)
+            parts.append(draw.select(admitted))
+            kept += int(np.count_nonzero(admitted))
+            drawn += candidates
+        return Draw.concatenate(parts).head(batch_size)
 
     def gather(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
                importance_beta: float = 0.0) -> tuple[Draw, dict[str, np.ndarray]]:
         """(draw, batch): indices from the sampler, columns from the mode. The callers (the writer's sample,
         sample_shared) ensure consistency and have the mode check the ring."""
-        draw = self.draw(batch_size, rng, importance_beta)
+        draw = self.draw(batch_size, rng, importance_beta, mode=mode)
         return draw, self.batch_of(draw, mode, rng, include_keys)
 
     def batch_of(self, draw: Draw, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False

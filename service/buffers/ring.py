@@ -81,6 +81,8 @@ class EpisodicRing:
         self.observation_fields = tuple(f for f in self.fields if f.observation)
         self.step_fields = tuple(f for f in self.fields if not f.observation)
         self.reward_field: str | None = meta["reward_field"]
+        # (achieved, desired): the observation fields of goal-conditioned episodes, or None
+        self.goal_fields: tuple[str, str] | None = tuple(meta["goal_fields"]) if meta["goal_fields"] else None
         self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
         arrays = storage.arrays
         self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
@@ -148,7 +150,23 @@ class EpisodicRing:
         flags = self.extent_flags.take(self.row_seq.take(rows) % self.extent_slots)
         return (flags & TERMINATED) != 0
 
-    def episode_ids_of(self, rows: np.ndarray, open_seq: np.ndarray) -> np.ndarray:
-        """Episode ids of drawn rows; `open_seq` is the extent read for a row of an open episode (see Draw)."""
+    def extent_slots_of(self, rows: np.ndarray, open_seq: np.ndarray) -> np.ndarray:
+        """Extent-table slots of drawn rows; `open_seq` is the extent read for a row of an open episode (see
+        Draw), which may move (and its rows' sequence numbers go) after the draw."""
         seqs = np.where(open_seq >= 0, open_seq, self.row_seq.take(rows))
-        return self.extent_episode_id.take(seqs % self.extent_slots)
+        return seqs % self.extent_slots
+
+    def episode_ids_of(self, rows: np.ndarray, open_seq: np.ndarray) -> np.ndarray:
+        return self.extent_episode_id.take(self.extent_slots_of(rows, open_seq))
+
+    def episode_starts_of(self, rows: np.ndarray, open_seq: np.ndarray) -> np.ndarray:
+        """Absolute position of the first row of each drawn row's episode."""
+        return self.extent_start.take(self.extent_slots_of(rows, open_seq))
+
+    def longest_episode(self) -> int:
+        """Steps of the longest live episode (an open one's landed so far); 0 when none is stored."""
+        tail_seq, next_seq = self.state.item(TAIL_SEQ), self.state.item(NEXT_SEQ)
+        slots = np.arange(tail_seq, next_seq, dtype=np.int64) % self.extent_slots
+        alive = (self.extent_flags.take(slots) & ALIVE) != 0
+        steps = self.extent_last.take(slots) - self.extent_start.take(slots)
+        return int(steps[alive].max(initial=0))

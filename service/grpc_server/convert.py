@@ -86,6 +86,12 @@ def rollout_info(name: str, buffer: RolloutBuffer) -> pb.BufferInfo:
     )
 
 
+def goal_fields_from_proto(config: pb.EpisodicConfig) -> tuple[str, str] | None:
+    """(achieved, desired) goal fields, or None when neither is named."""
+    named = (config.achieved_goal_field, config.desired_goal_field)
+    return None if named == ("", "") else named
+
+
 def components_from_config(config: pb.EpisodicConfig) -> tuple[Sampler, Remover, RateLimiter]:
     """The components an EpisodicConfig names; unset ones are the defaults (uniform, fifo, min_size 1)."""
     return (components.build(options.from_proto("sampler", config.sampler, options.Uniform())),
@@ -101,6 +107,8 @@ def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
         fields=fields_to_proto(buffer.fields),
         capacity_steps=buffer.capacity,
         reward_field=buffer.reward_field or "",
+        achieved_goal_field=buffer.goal_fields[0] if buffer.goal_fields else "",
+        desired_goal_field=buffer.goal_fields[1] if buffer.goal_fields else "",
         sampler=buffer.sampler.options.to_proto(),
         remover=buffer.remover.options.to_proto(),
         rate_limiter=buffer.limiter.options.to_proto(),

@@ -459,6 +459,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             remover=remover,
             limiter=limiter,
             max_bytes=self.max_buffer_bytes,
+            goal_fields=convert.goal_fields_from_proto(config),
         )
         self.registry.add(buffer.name, buffer)
         log.info(

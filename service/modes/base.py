@@ -23,6 +23,16 @@ class BatchMode(Configured, ABC):
     def check(self, ring: EpisodicRing) -> None:
         """Raises InvalidArgument when this mode cannot sample `ring` (called before any wait for data)."""
 
+    def admit(self, ring: EpisodicRing, draw: Draw) -> np.ndarray | None:
+        """Which drawn steps this mode can start an item at (a bool mask), or None: any step. The reader draws
+        again for those it refuses, so items are drawn by the sampler among the admitted steps alone."""
+        return None
+
+    def refusal(self, ring: EpisodicRing) -> str | None:
+        """Why no stored step can be admitted, for the error a sample then gets; None when some can (a draw
+        that admitted none of many candidates met a rare admitted step, and draws on)."""
+        return None
+
     @abstractmethod
     def item_bytes(self, ring: EpisodicRing) -> int:
         """Bytes per item of the columns `build` returns (an aliased column once), to size a batch before

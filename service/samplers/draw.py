@@ -24,6 +24,12 @@ class Draw:
         return Draw(self.positions[kept], self.rows[kept], self.bounds[kept], self.closed[kept], self.open_seq[kept],
                     extra)
 
+    def head(self, count: int) -> Draw:
+        """The first `count` draws."""
+        if self.positions.size == count:
+            return self
+        return self.select(slice(0, count))
+
     @staticmethod
     def concatenate(parts: list[Draw]) -> Draw:
         """The draws of several rounds as one batch, in order."""

@@ -27,8 +27,10 @@ from service.wire import replay_pb2 as pb
 __all__ = [
     "BOUNDARIES",
     "MAX_N_STEP",
+    "STRATEGIES",
     "Fifo",
     "Geometric",
+    "Hindsight",
     "MaxTimesSampled",
     "MinSize",
     "ModeOptions",
@@ -38,6 +40,7 @@ __all__ = [
     "RemoverOptions",
     "SampleToInsertRatio",
     "SamplerOptions",
+    "Sequences",
     "States",
     "Transitions",
     "Uniform",
@@ -48,7 +51,8 @@ __all__ = [
 ]
 
 MAX_N_STEP = 1000
-BOUNDARIES = ("pad", "fit")
+BOUNDARIES = ("pad", "fit")  # how a sequence meets its episode's end
+STRATEGIES = ("final", "future", "episode", "geometric")  # where a hindsight goal comes from
 
 # role -> the proto message holding one component of that role in its `oneof kind`
 _CONTAINERS: dict[str, type] = {
@@ -105,6 +109,11 @@ class Options:
             span = f"in {least}..{most}" if most is not None else f">= {least}"
             raise InvalidArgument(f"{self._field(name)} must be an integer {span}, got {value!r}")
         object.__setattr__(self, name, int(value))
+
+    def _choice(self, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise InvalidArgument(f"{self._field(name)} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
     def _real(self, name: str, least: float = -math.inf, most: float = math.inf, *, above: bool = False,
               expected: str | None = None) -> None:
@@ -295,3 +304,49 @@ class States(ModeOptions):
     """The observation fields of sampled steps."""
 
     kind = "states"
+
+
+@dataclass(frozen=True)
+class Sequences(ModeOptions):
+    """Sequences of `burn_in + length` consecutive steps of one episode, for recurrent learners
+    (service/modes/sequences.py). `period`: starts only at every period-th step of an episode (1: any step).
+    `boundary`: "pad" zero-pads and masks a sequence that reaches its episode's end; "fit" starts only where a
+    whole sequence fits. `n_step` >= 1 adds each step's n-step targets (0: none)."""
+
+    kind = "sequences"
+    length: int
+    burn_in: int = 0
+    period: int = 1
+    boundary: str = "pad"
+    n_step: int = 0
+    gamma: float = 0.99
+
+    def __post_init__(self) -> None:
+        self._integer("length", 1)
+        self._integer("burn_in", 0)
+        self._integer("period", 1)
+        self._choice("boundary", BOUNDARIES)
+        self._integer("n_step", 0, MAX_N_STEP)
+        self._real("gamma", 0.0, 1.0, expected="in [0, 1]")
+
+    @property
+    def steps(self) -> int:
+        """Rows per sequence: burn_in + length."""
+        return self.burn_in + self.length
+
+
+@dataclass(frozen=True)
+class Hindsight(ModeOptions):
+    """Transitions of goal-conditioned episodes whose desired goal is, with probability `relabel_ratio`, a goal
+    achieved later in the same episode (service/modes/hindsight.py). `strategy`: "final", "future", "episode"
+    or "geometric" (offsets drawn as in the geometric mode, with `discount`)."""
+
+    kind = "hindsight"
+    strategy: str = "future"
+    relabel_ratio: float = 0.8
+    discount: float = 0.9
+
+    def __post_init__(self) -> None:
+        self._choice("strategy", STRATEGIES)
+        self._real("relabel_ratio", 0.0, 1.0, expected="in [0, 1]")
+        self._real("discount", 0.0, 1.0, expected="in [0, 1]")

@@ -79,20 +79,24 @@ class RateLimiterConfig(_message.Message):
     def __init__(self, min_size: _Optional[_Union[MinSizeLimiter, _Mapping]] = ..., sample_to_insert_ratio: _Optional[_Union[SampleToInsertRatioLimiter, _Mapping]] = ...) -> None: ...
 
 class EpisodicConfig(_message.Message):
-    __slots__ = ("fields", "capacity_steps", "reward_field", "sampler", "remover", "rate_limiter")
+    __slots__ = ("fields", "capacity_steps", "reward_field", "sampler", "remover", "rate_limiter", "achieved_goal_field", "desired_goal_field")
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_STEPS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     REMOVER_FIELD_NUMBER: _ClassVar[int]
     RATE_LIMITER_FIELD_NUMBER: _ClassVar[int]
+    ACHIEVED_GOAL_FIELD_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_GOAL_FIELD_FIELD_NUMBER: _ClassVar[int]
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
     capacity_steps: int
     reward_field: str
     sampler: SamplerConfig
     remover: RemoverConfig
     rate_limiter: RateLimiterConfig
-    def __init__(self, fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., capacity_steps: _Optional[int] = ..., reward_field: _Optional[str] = ..., sampler: _Optional[_Union[SamplerConfig, _Mapping]] = ..., remover: _Optional[_Union[RemoverConfig, _Mapping]] = ..., rate_limiter: _Optional[_Union[RateLimiterConfig, _Mapping]] = ...) -> None: ...
+    achieved_goal_field: str
+    desired_goal_field: str
+    def __init__(self, fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., capacity_steps: _Optional[int] = ..., reward_field: _Optional[str] = ..., sampler: _Optional[_Union[SamplerConfig, _Mapping]] = ..., remover: _Optional[_Union[RemoverConfig, _Mapping]] = ..., rate_limiter: _Optional[_Union[RateLimiterConfig, _Mapping]] = ..., achieved_goal_field: _Optional[str] = ..., desired_goal_field: _Optional[str] = ...) -> None: ...
 
 class RolloutConfig(_message.Message):
     __slots__ = ("fields", "num_steps", "num_envs", "gamma", "gae_lambda")
@@ -237,15 +241,45 @@ class StatesMode(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SequencesMode(_message.Message):
+    __slots__ = ("length", "burn_in", "period", "boundary", "n_step", "gamma")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BURN_IN_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    N_STEP_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    burn_in: int
+    period: int
+    boundary: str
+    n_step: int
+    gamma: float
+    def __init__(self, length: _Optional[int] = ..., burn_in: _Optional[int] = ..., period: _Optional[int] = ..., boundary: _Optional[str] = ..., n_step: _Optional[int] = ..., gamma: _Optional[float] = ...) -> None: ...
+
+class HindsightMode(_message.Message):
+    __slots__ = ("strategy", "relabel_ratio", "discount")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    RELABEL_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DISCOUNT_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    relabel_ratio: float
+    discount: float
+    def __init__(self, strategy: _Optional[str] = ..., relabel_ratio: _Optional[float] = ..., discount: _Optional[float] = ...) -> None: ...
+
 class BatchMode(_message.Message):
-    __slots__ = ("transitions", "geometric", "states")
+    __slots__ = ("transitions", "geometric", "states", "sequences", "hindsight")
     TRANSITIONS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRIC_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    HINDSIGHT_FIELD_NUMBER: _ClassVar[int]
     transitions: TransitionsMode
     geometric: GeometricMode
     states: StatesMode
-    def __init__(self, transitions: _Optional[_Union[TransitionsMode, _Mapping]] = ..., geometric: _Optional[_Union[GeometricMode, _Mapping]] = ..., states: _Optional[_Union[StatesMode, _Mapping]] = ...) -> None: ...
+    sequences: SequencesMode
+    hindsight: HindsightMode
+    def __init__(self, transitions: _Optional[_Union[TransitionsMode, _Mapping]] = ..., geometric: _Optional[_Union[GeometricMode, _Mapping]] = ..., states: _Optional[_Union[StatesMode, _Mapping]] = ..., sequences: _Optional[_Union[SequencesMode, _Mapping]] = ..., hindsight: _Optional[_Union[HindsightMode, _Mapping]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("buffer", "batch_size", "mode", "seed", "include_keys", "importance_beta", "wait")

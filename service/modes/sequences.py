@@ -1,0 +1,119 @@
+"""Sequences of consecutive steps of one episode, for recurrent learners (R2D2, DRQN, world models).
+
+A sequence starts at a step the buffer's sampler draws (uniform, or by the start step's priority) and holds
+the T = burn_in + length rows from there, never past its episode's final observation: the precomputed
+bound of the start row says where the episode ends, so a batch costs one draw, one bound lookup and one
+gather of T rows per sequence and column, whatever the ring holds. `period` restricts starts to every
+period-th step of an episode (R2D2's overlapping sequences); `boundary="fit"` to the steps where a whole
+sequence fits. Restricted starts are drawn by rejection (RingReader.draw): the sampler's law among the
+admitted steps.
+
+Columns, batch-major (B, T, ...): every observation and step field; `mask`: the row is a step of the
+episode (it has a successor); `is_first`: the row is its episode's first; `terminated`, `truncated`: the
+step's transition ends the episode. The row holding the episode's final observation, when within the T
+rows, holds it (mask False there: no step starts at it); rows after it are zeros. With `n_step` >= 1,
+each step's n-step targets as the transitions mode computes them: `n_step_return`, `bootstrap_discount`,
+and `bootstrap_step` = t + n_eff, the index of the bootstrap observation within the sequence (>= T: past
+the sequence's rows, so the batch holds no target for that step). A recurrent state an actor stored per
+step is a step field like any other: the learner takes its first row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.buffers.ring import EpisodicRing
+from service.errors import InvalidArgument
+from service.modes.base import BatchMode
+from service.samplers.draw import Draw
+from service.wire.components import Sequences
+
+FLAGS = ("mask", "is_first", "terminated", "truncated")
+
+
+class SequencesMode(BatchMode):
+    def __init__(self, length: int, burn_in: int = 0, period: int = 1, boundary: str = "pad", n_step: int = 0,
+                 gamma: float = 0.99) -> None:
+        self.options = Sequences(length, burn_in, period, boundary, n_step, gamma)
+        self.steps = self.options.steps
+        self.offsets = np.arange(self.steps, dtype=np.int64)  # (T,)
+        self.powers = self.options.gamma ** np.arange(self.options.n_step + 1)  # (n + 1,)
+
+    def check(self, ring: EpisodicRing) -> None:
+        if self.steps > ring.capacity:
+            raise InvalidArgument(f"sequences: burn_in + length = {self.steps} rows, more than the ring holds "
+                                  f"(capacity_steps={ring.capacity})")
+        if self.options.n_step and ring.reward_field is None:
+            raise InvalidArgument("sequences.n_step >= 1 needs a reward field; the buffer has none")
+
+    def item_bytes(self, ring: EpisodicRing) -> int:
+        targets = 4 + 4 + 4 if self.options.n_step else 0  # n_step_return, bootstrap_discount, bootstrap_step
+        return self.steps * (ring.row_bytes + len(FLAGS) + targets)
+
+    def admit(self, ring: EpisodicRing, draw: Draw) -> np.ndarray | None:
+        period, fit = self.options.period, self.options.boundary == "fit"
+        if period == 1 and not fit:
+            return None
+        admitted = np.ones(draw.positions.size, dtype=bool)
+        if period > 1:
+            admitted &= (draw.positions - ring.episode_starts_of(draw.rows, draw.open_seq)) % period == 0
+        if fit:
+            admitted &= draw.positions + self.steps <= draw.bounds
+        return admitted
+
+    def refusal(self, ring: EpisodicRing) -> str | None:
+        longest = ring.longest_episode()
+        if self.options.boundary == "fit" and longest < self.steps:
+            return (f"sequences.boundary='fit': no stored episode holds a whole sequence of burn_in + length = "
+                    f"{self.steps} steps; the longest stored episode has {longest}")
+        return None  # every episode's first step starts a sequence
+
+    def build(self, ring: EpisodicRing, draw: Draw, rng: np.random.Generator,
+              batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        batch = {} if batch is None else batch
+        positions = draw.positions[:, None] + self.offsets  # (B, T)
+        bounds = draw.bounds[:, None]  # (B, 1)
+        held = positions <= bounds  # (B, T) rows of the episode, its final observation included
+        rows = np.where(held, positions, draw.positions[:, None]) % ring.capacity  # (B, T), in the ring
+        for name, column in ring.columns.items():
+            gathered = _output(batch, name, held.shape + column.shape[1:], column.dtype)  # (B, T, ...)
+            np.take(column, rows.ravel(), axis=0, out=gathered.reshape(-1, *column.shape[1:]))
+            gathered[~held] = 0
+        step = positions < bounds  # (B, T): the row has a successor in the episode
+        ended = draw.closed & ring.terminated_at(draw.rows)  # (B,) the episode ended by termination
+        last = step & (positions + 1 == bounds)  # (B, T) the step whose transition ends the episode
+        _put(batch, "mask", step)
+        _put(batch, "is_first", held & (positions == ring.episode_starts_of(draw.rows, draw.open_seq)[:, None]))
+        _put(batch, "terminated", last & ended[:, None])
+        _put(batch, "truncated", last & (draw.closed & ~ended)[:, None])
+        if self.options.n_step:
+            self._targets(ring, batch, rows, step, bounds - positions, ended)
+        return batch
+
+    def _targets(self, ring: EpisodicRing, batch: dict[str, np.ndarray], rows: np.ndarray, step: np.ndarray,
+                 left: np.ndarray, ended: np.ndarray) -> None:
+        """Each step's n-step return, bootstrap discount and bootstrap row, as TransitionsMode defines them.
+        `left` (B, T): steps from each row to its episode's bound."""
+        n = self.options.n_step
+        n_eff = np.where(step, np.minimum(n, left), 0)  # (B, T)
+        window = np.arange(n)  # (n,)
+        rewards = ring.reward_column.take((rows[:, :, None] + window) % ring.capacity)  # (B, T, n)
+        weights = self.powers[:n] * (window < n_eff[:, :, None])  # (B, T, n)
+        _put(batch, "n_step_return", (rewards * weights).sum(axis=2).astype(np.float32))  # (B, T)
+        terminates = ended[:, None] & (n_eff == left)  # (B, T) the window reaches a termination
+        discount = np.where(step & ~terminates, self.powers[n_eff], 0.0)  # (B, T)
+        _put(batch, "bootstrap_discount", discount.astype(np.float32))
+        _put(batch, "bootstrap_step", np.where(step, self.offsets + n_eff, 0).astype(np.int32))
+
+
+def _output(batch: dict[str, np.ndarray], name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """batch[name] if the caller handed an array of this shape and dtype to write into, else a new one."""
+    given = batch.get(name)
+    if given is not None and given.shape == shape and given.dtype == dtype:
+        return given
+    batch[name] = np.empty(shape, dtype)
+    return batch[name]
+
+
+def _put(batch: dict[str, np.ndarray], name: str, values: np.ndarray) -> None:
+    _output(batch, name, values.shape, values.dtype)[...] = values
