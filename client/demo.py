@@ -42,7 +42,7 @@ from client.algos import (
     refuse_compile_loss_off_cpu,
     refuse_foreign_options,
 )
-from client.learners.common import Progress, write_summary
+from client.learners.common import CurvePlot, Progress, write_curves, write_summary
 from client.replay_client import ReplayClient
 
 
@@ -137,9 +137,9 @@ def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Itera
 class ProgressBar:
     """tqdm bar of the learner's score, with learner steps/s and the buffer's in/out rates."""
 
-    def __init__(self, algo: Algo, client: ReplayClient, buffer: str, actors: ActorRun) -> None:
+    def __init__(self, algo: Algo, client: ReplayClient, buffer: str, actors: ActorRun, label: str) -> None:
         self.algo, self.client, self.buffer, self.actors = algo, client, buffer, actors
-        self.bar = tqdm(total=100, desc=algo.score_label, unit="%")
+        self.bar = tqdm(total=100, desc=f"{label} {algo.score_label}", unit="%")
         self.last = (0.0, 0.0, time.monotonic())
 
     def __call__(self, progress: Progress) -> None:
@@ -186,33 +186,65 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
 
     with local_server(instance) as address:
-        learner_config = build(algo.learner_config, address=address, **args)
-        actor_seconds = learner_config.seconds + 60
-        # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
-        actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address,
-                               seed=1000 * i, actor_index=i) for i in range(args["actors"])]
-        with actor_processes(algo.actor, actor_configs) as actors:
-            monitor = ReplayClient(address)
-            bar = ProgressBar(algo, monitor, learner_config.buffer, actors)
-            try:
-                summary = algo.learn(learner_config, bar, actors.check)
-            except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
-                failure = actors.failure()
-                if failure is not None:
-                    raise SystemExit(f"demo: {failure}") from exc
-                raise
-            finally:
-                bar.close()
-                monitor.close()
-    summary["actors"] = actors.reports
-    write_summary(Path(args["run_dir"]), summary)  # again, with the actors' reports
+        summary = run_algo(algo, args, address, algo.label or algo_name)
+        if algo.baseline is not None:  # the same task and budget without the algorithm's idea, to compare with
+            baseline_args = {**args, **algo.baseline.options, "run_dir": str(Path(args["run_dir"]) / "baseline")}
+            summary["baseline"] = run_algo(ALGOS[algo.baseline.algo], baseline_args, address, algo.baseline.label,
+                                           baseline=True)
     brief = {k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps", "learner_steps")}
+    runs = [summary]
+    if algo.baseline is not None:
+        runs.append(summary["baseline"])
+        write_comparison(algo, algo_name, summary)
+        brief["baseline"] = {k: summary["baseline"][k] for k in ("solved", algo.score, "seconds", "env_steps")}
+    for run in runs:
+        write_summary(Path(run["config"]["run_dir"]), run)  # again, with the actors' reports
     print(json.dumps(brief))
     print(f"run folder: {args['run_dir']} ({', '.join(algo.outputs)})")
-    silent = [index for index, report in enumerate(actors.reports) if report is None]
-    if silent:
-        raise SystemExit(f"demo: actor(s) {silent} ended without a report (failed or stuck; see above)")
+    for run, which in zip(runs, ("", "baseline "), strict=False):
+        silent = [index for index, report in enumerate(run["actors"]) if report is None]
+        if silent:
+            raise SystemExit(f"demo: {which}actor(s) {silent} ended without a report (failed or stuck; see above)")
     return summary
+
+
+def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str, baseline: bool = False) -> dict:
+    """One algorithm's actors and learner against the server at `address`, with the demo's progress bar (its
+    label `label`); the learner's summary with the actors' reports. An actor's failure ends the demo, naming
+    the baseline's actors as such."""
+    learner_config = build(algo.learner_config, address=address, **args)
+    actor_seconds = learner_config.seconds + 60
+    # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
+    actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address,
+                           seed=1000 * i, actor_index=i) for i in range(args["actors"])]
+    with actor_processes(algo.actor, actor_configs) as actors:
+        monitor = ReplayClient(address)
+        bar = ProgressBar(algo, monitor, learner_config.buffer, actors, label)
+        try:
+            summary = algo.learn(learner_config, bar, actors.check)
+        except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
+            failure = actors.failure()
+            if failure is not None:
+                raise SystemExit(f"demo: {'baseline ' if baseline else ''}{failure}") from exc
+            raise
+        finally:
+            bar.close()
+            monitor.close()
+    summary["actors"] = actors.reports
+    return summary
+
+
+def write_comparison(algo: Algo, algo_name: str, summary: dict) -> None:
+    """The run folder's learning curve with the baseline's beside the algorithm's (against training time: the
+    budget they share), and each one's final score into the summary (`scores`)."""
+    baseline = summary["baseline"]
+    label = algo.label or algo_name
+    summary["scores"] = {label: summary[algo.score], algo.baseline.label: baseline[algo.score]}
+    run_dir = Path(summary["config"]["run_dir"])
+    plot = CurvePlot(algo.curve, algo.score_label, f"{label} vs {algo.baseline.label} on "
+                     f"{summary['config']['env_id']}", summary[algo.target], x="seconds", xlabel="training seconds")
+    write_curves(run_dir / "learning_curve.png", [(label, summary["curve"]), (algo.baseline.label, baseline["curve"])],
+                 plot)
 
 
 if __name__ == "__main__":

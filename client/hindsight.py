@@ -16,7 +16,7 @@ import numpy as np
 if TYPE_CHECKING:  # client.loader imports torch; this module needs numpy alone
     from client.loader import Prepare
 
-__all__ = ["recompute_rewards", "recompute_terminations"]
+__all__ = ["GoalFunction", "recompute_rewards", "recompute_terminations"]
 
 GoalFunction = Callable[[np.ndarray, np.ndarray, None], np.ndarray]
 

@@ -84,11 +84,10 @@ def r2d2_loss(
     L = T - burn_in
     state = batch[state_field][:, 0]  # (B, H) the actor's state before row 0
 
-    online_state = target_state = state  # (B, H)
+    online_state = state  # (B, H)
     if burn_in:
-        with torch.no_grad():  # burn-in: warm the states up on rows that are not trained
+        with torch.no_grad():  # burn-in: warm the state up on rows that are not trained
             _, online_state = online(obs[:, :burn_in], state)  # (B, H)
-            _, target_state = target(obs[:, :burn_in], state)  # (B, H)
     q = online(obs[:, burn_in:], online_state)[0]  # (B, L, A) with gradient
     q_taken = q.gather(2, action[:, burn_in:].long().unsqueeze(2)).squeeze(2)  # (B, L)
 
@@ -101,7 +100,7 @@ def r2d2_loss(
     rows = boot_row.clamp(0, L - 1).unsqueeze(2).expand(-1, -1, q.shape[2])  # (B, L, A) gather index
 
     with torch.no_grad():
-        q_target = target(obs[:, burn_in:], target_state)[0]  # (B, L, A)
+        q_target = target(obs, state)[0][:, burn_in:]  # (B, L, A) unrolled through the burn-in too
         q_target_boot = q_target.gather(1, rows)  # (B, L, A) Q_target(s_b, .)
         if double:
             boot_action = q.detach().gather(1, rows).argmax(2, keepdim=True)  # (B, L, 1) argmax Q_online(s_b, .)
