@@ -19,7 +19,13 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP)
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) -m bench.run $(ARGS)
 
 # Regenerates the committed gRPC code from proto/replay.proto (tests/test_proto.py checks they match).

@@ -6,17 +6,24 @@ learner reaches its target or the budget runs out. `--algo` picks what runs:
 * ppo: 2 actors x 4 CartPole envs pushing on-policy rollouts, a PPO learner owning the policy versions,
   until the deterministic policy's mean return over 20 episodes reaches 475;
 * allo: 2 random-walk actors in four rooms and an ALLO learner, until the learned Laplacian
-  representation's average |cosine| with the exact eigenvectors reaches 0.9.
+  representation's average |cosine| with the exact eigenvectors reaches 0.9;
+* drqn: 2 epsilon-greedy recurrent actors on CartPole without velocities and a DRQN learner on prioritized
+  sequences with stored states, until the greedy policy's mean return over 20 episodes reaches 475; then,
+  as its baseline, plain DQN on the same task with the same budget;
+* her: 2 epsilon-greedy actors on 15-bit flipping and a DQN learner on hindsight-relabeled transitions, until
+  the greedy policy succeeds in 95 of 100 episodes; then, as its baseline, the same learner without
+  relabeling with the same budget.
 
-Every part is its own process talking gRPC on loopback, as it would across machines. The run folder
-gets a learning curve (PNG) and a JSON summary (allo: eigenvector heatmaps too); the server unlinks its
-shared memory on exit.
+Every part is its own process talking gRPC on loopback, as it would across machines. A progress bar runs
+over the training budget; the run folder gets a learning curve (PNG), a JSON summary, a screenshot of the
+server's status page taken mid-run (status.png, where Chromium is installed) and, for allo, eigenvector
+heatmaps; a run with a baseline draws both learning curves in one PNG, gives both final scores in its summary
+(`scores`) and leaves the baseline's own run folder in `baseline/`. The server unlinks its shared memory on exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import queue
 import signal
@@ -31,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from client.algos import (
     ALGOS,
@@ -43,7 +49,9 @@ from client.algos import (
     refuse_foreign_options,
 )
 from client.learners.common import CurvePlot, Progress, write_curves, write_summary
+from client.progress_bar import ProgressBar
 from client.replay_client import ReplayClient
+from client.status_screenshot import MidRunScreenshot
 
 
 def free_port() -> int:
@@ -53,15 +61,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_server(instance: str | None = None) -> Iterator[str]:
-    """A `replayd serve` subprocess on a free loopback port; yields its address, stops it on exit (the
-    server unlinks its shared memory, named after `instance`, when it stops)."""
-    port = free_port()
+def local_server(instance: str | None = None) -> Iterator[tuple[str, str]]:
+    """A `replayd serve` subprocess on free loopback ports; yields its gRPC address and its status page's URL,
+    stops it on exit (the server unlinks its shared memory, named after `instance`, when it stops)."""
+    port, http_port = free_port(), free_port()
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
-               instance or f"demo{port}", "--http-port", "0", "--log-level", "WARNING"]
+               instance or f"demo{port}", "--http-port", str(http_port), "--log-level", "WARNING"]
     server = subprocess.Popen(command)
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}/"
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -134,35 +142,6 @@ def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Itera
                 process.join(timeout=10)
 
 
-class ProgressBar:
-    """tqdm bar of the learner's score, with learner steps/s and the buffer's in/out rates."""
-
-    def __init__(self, algo: Algo, client: ReplayClient, buffer: str, actors: ActorRun, label: str) -> None:
-        self.algo, self.client, self.buffer, self.actors = algo, client, buffer, actors
-        self.bar = tqdm(total=100, desc=f"{label} {algo.score_label}", unit="%")
-        self.last = (0.0, 0.0, time.monotonic())
-
-    def __call__(self, progress: Progress) -> None:
-        self.actors.check()
-        counters = self.client.describe(self.buffer)["counters"]
-        now = time.monotonic()
-        data_in, data_out = (counters.get(name, 0.0) for name in self.algo.counters)
-        last_in, last_out, last_time = self.last
-        elapsed = max(now - last_time, 1e-9)
-        score = progress.score or 0.0
-        self.bar.n = int(100 * min(score / self.algo.bar_total, 1.0))
-        self.bar.set_postfix({"env_steps": progress.env_steps,
-                              "learner_steps_per_s": f"{progress.steps_per_second:.0f}",
-                              f"{self.algo.counters[0]}_per_s": f"{(data_in - last_in) / elapsed:.0f}",
-                              f"{self.algo.counters[1]}_per_s": f"{(data_out - last_out) / elapsed:.0f}",
-                              "score": f"{score:.3g}"})
-        self.bar.refresh()
-        self.last = (data_in, data_out, now)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     add_common_options(parser)
@@ -185,22 +164,24 @@ def main(argv: list[str] | None = None) -> dict:
     args["run_dir"] = args["run_dir"] or ("runs/demo" if algo_name == "dqn" else f"runs/demo-{algo_name}")
     torch.set_num_threads(1)
 
-    with local_server(instance) as address:
-        summary = run_algo(algo, args, address, algo.label or algo_name)
+    with local_server(instance) as (address, status_url):
+        print(f"status page: {status_url}")
+        screenshot = MidRunScreenshot(status_url, Path(args["run_dir"]) / "status.png")
+        summary, bar = run_algo(algo, args, address, algo.label, screenshot)
         if algo.baseline is not None:  # the same task and budget without the algorithm's idea, to compare with
             baseline_args = {**args, **algo.baseline.options, "run_dir": str(Path(args["run_dir"]) / "baseline")}
-            summary["baseline"] = run_algo(ALGOS[algo.baseline.algo], baseline_args, address, algo.baseline.label,
-                                           baseline=True)
-    brief = {k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps", "learner_steps")}
+            summary["baseline"], baseline_bar = run_algo(ALGOS[algo.baseline.algo], baseline_args, address,
+                                                         algo.baseline.label, baseline=True)
     runs = [summary]
+    print(bar.summary_line(summary))
     if algo.baseline is not None:
         runs.append(summary["baseline"])
-        write_comparison(algo, algo_name, summary)
-        brief["baseline"] = {k: summary["baseline"][k] for k in ("solved", algo.score, "seconds", "env_steps")}
+        print(f"baseline, {baseline_bar.summary_line(summary['baseline'])}")
+        write_comparison(algo, summary)
     for run in runs:
         write_summary(Path(run["config"]["run_dir"]), run)  # again, with the actors' reports
-    print(json.dumps(brief))
-    print(f"run folder: {args['run_dir']} ({', '.join(algo.outputs)})")
+    outputs = (*algo.outputs, "status.png") if screenshot.saved else algo.outputs
+    print(f"run folder: {args['run_dir']} ({', '.join(outputs)})")
     for run, which in zip(runs, ("", "baseline "), strict=False):
         silent = [index for index, report in enumerate(run["actors"]) if report is None]
         if silent:
@@ -208,10 +189,11 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str, baseline: bool = False) -> dict:
-    """One algorithm's actors and learner against the server at `address`, with the demo's progress bar (its
-    label `label`); the learner's summary with the actors' reports. An actor's failure ends the demo, naming
-    the baseline's actors as such."""
+def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str,
+             screenshot: MidRunScreenshot | None = None, baseline: bool = False) -> tuple[dict, ProgressBar]:
+    """One algorithm's actors and learner against the server at `address`, with a progress bar (its score named
+    after `label`) and the status page's screenshot; the learner's summary with the actors' reports, and the
+    bar. An actor's failure ends the demo, naming the baseline's actors as such."""
     learner_config = build(algo.learner_config, address=address, **args)
     actor_seconds = learner_config.seconds + 60
     # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
@@ -219,9 +201,18 @@ def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str, baselin
                            seed=1000 * i, actor_index=i) for i in range(args["actors"])]
     with actor_processes(algo.actor, actor_configs) as actors:
         monitor = ReplayClient(address)
-        bar = ProgressBar(algo, monitor, learner_config.buffer, actors, label)
+        bar = ProgressBar(monitor, learner_config.buffer, algo.counters, f"{label} {algo.score_label}".strip(),
+                          learner_config.seconds, actors.check)
+
+        def report(progress: Progress) -> None:
+            bar(progress)
+            if screenshot is not None:
+                screenshot(progress)
+
         try:
-            summary = algo.learn(learner_config, bar, actors.check)
+            summary = algo.learn(learner_config, report, actors.check)
+            if screenshot is not None:
+                screenshot.finish()  # a run shorter than the screenshot's moment: the server as the run ends
         except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
             failure = actors.failure()
             if failure is not None:
@@ -231,20 +222,18 @@ def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str, baselin
             bar.close()
             monitor.close()
     summary["actors"] = actors.reports
-    return summary
+    return summary, bar
 
 
-def write_comparison(algo: Algo, algo_name: str, summary: dict) -> None:
+def write_comparison(algo: Algo, summary: dict) -> None:
     """The run folder's learning curve with the baseline's beside the algorithm's (against training time: the
     budget they share), and each one's final score into the summary (`scores`)."""
     baseline = summary["baseline"]
-    label = algo.label or algo_name
-    summary["scores"] = {label: summary[algo.score], algo.baseline.label: baseline[algo.score]}
-    run_dir = Path(summary["config"]["run_dir"])
-    plot = CurvePlot(algo.curve, algo.score_label, f"{label} vs {algo.baseline.label} on "
+    summary["scores"] = {algo.label: summary[algo.score], algo.baseline.label: baseline[algo.score]}
+    plot = CurvePlot(algo.curve, algo.score_label, f"{algo.label} vs {algo.baseline.label} on "
                      f"{summary['config']['env_id']}", summary[algo.target], x="seconds", xlabel="training seconds")
-    write_curves(run_dir / "learning_curve.png", [(label, summary["curve"]), (algo.baseline.label, baseline["curve"])],
-                 plot)
+    write_curves(Path(summary["config"]["run_dir"]) / "learning_curve.png",
+                 [(algo.label, summary["curve"]), (algo.baseline.label, baseline["curve"])], plot)
 
 
 if __name__ == "__main__":

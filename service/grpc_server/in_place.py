@@ -36,6 +36,12 @@ class _IntoViews:
     def check(self, ring) -> None:
         self.mode.check(ring)
 
+    def admit(self, ring, draw: Draw) -> np.ndarray | None:
+        return self.mode.admit(ring, draw)
+
+    def refusal(self, ring) -> str | None:
+        return self.mode.refusal(ring)
+
     def item_bytes(self, ring) -> int:
         return self.mode.item_bytes(ring)
 

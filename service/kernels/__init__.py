@@ -1,5 +1,6 @@
 """The per-sample loops of the sampling hot path, compiled (_kernels.c): bound lookup, rejection draw, a
-batch mode's targets and gathers (transitions, geometric pairs, states), the lock-free reader's checks.
+batch mode's targets and gathers (transitions, geometric pairs, states, sequences, hindsight goals), the
+lock-free reader's checks.
 
 A batch of 256 needs a few dozen elementwise steps per sample; as numpy calls that is about twenty
 calls of ~1 µs of overhead each, as one compiled loop per stage it is a few µs. A stage is one C call:
@@ -24,7 +25,9 @@ from service.kernels._kernels import (
     draw_uniform,
     drawn_live,
     geometric_batch,
+    hindsight_goals,
     new_bytes,
+    sequence_batch,
     take_rows,
     transition_batch,
 )
@@ -37,8 +40,8 @@ TERMINATED = _kernels.TERMINATED  # extent flag
 REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_batch reads
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
-           "episode_bounds", "gather_columns", "geometric_batch", "new_bytes", "prefixed", "take_rows",
-           "transition_batch"]
+           "episode_bounds", "gather_columns", "geometric_batch", "hindsight_goals", "new_bytes", "prefixed",
+           "sequence_batch", "take_rows", "transition_batch"]
 
 
 def episode_bounds(positions: np.ndarray, capacity: int, row_end: np.ndarray, row_seq: np.ndarray,

@@ -437,7 +437,8 @@ static PyObject *take_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
 
 /* ------------------------------------------------------------------ batch modes */
 
-static PyObject *TERMINATED_KEY, *TRUNCATED_KEY, *N_STEP_RETURN_KEY, *BOOTSTRAP_DISCOUNT_KEY, *OFFSET_KEY;
+static PyObject *TERMINATED_KEY, *TRUNCATED_KEY, *N_STEP_RETURN_KEY, *BOOTSTRAP_DISCOUNT_KEY, *OFFSET_KEY, *MASK_KEY,
+    *IS_FIRST_KEY, *BOOTSTRAP_STEP_KEY;
 
 /* The 1-d output of `count` items of `type` for batch[key]: the array already there (given_output), or a new one;
  * NULL with the error set. */
@@ -714,6 +715,348 @@ static PyObject *geometric_batch(PyObject *module, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* The (count, steps) output of `type` for batch[key], as new_vector makes 1-d ones; NULL with the error set. */
+static PyArrayObject *new_matrix(PyObject *batch, PyObject *key, Py_ssize_t count, Py_ssize_t steps, int type) {
+    npy_intp shape[2] = {count, steps};
+    PyArray_Descr *descr = PyArray_DescrFromType(type);
+    if (!descr) return NULL;
+    PyArrayObject *given = given_output(batch, key, 2, shape, descr);
+    Py_DECREF(descr);
+    if (given || PyErr_Occurred()) return given;
+    return (PyArrayObject *)PyArray_SimpleNew(2, shape, type);
+}
+
+/* batch[name] = the `steps` rows of `source` from each ring row of `rows`, `held[i]` of them read (wrapping
+ * round the ring's end: two copies) and the rest zeros: a (count, steps, *row) array, written into the one
+ * batch[name] holds if any (given_output). */
+static int take_sequences(PyObject *batch, PyObject *name, PyArrayObject *source, const int64_t *rows,
+                          const int64_t *held, Py_ssize_t count, Py_ssize_t steps, int64_t capacity) {
+    npy_intp shape[NPY_MAXDIMS];
+    int ndim = PyArray_NDIM(source) + 1;
+    shape[0] = count;
+    shape[1] = steps;
+    memcpy(shape + 2, PyArray_DIMS(source) + 1, (ndim - 2) * sizeof(npy_intp));
+    PyArray_Descr *descr = PyArray_DESCR(source);
+    PyArrayObject *taken = given_output(batch, name, ndim, shape, descr);
+    int given = taken != NULL;
+    if (!taken && PyErr_Occurred()) return -1;
+    if (!taken) {
+        Py_INCREF(descr); /* PyArray_Empty steals it */
+        taken = (PyArrayObject *)PyArray_Empty(ndim, shape, descr, 0);
+        if (!taken) return -1;
+    }
+    Py_ssize_t row_bytes = PyArray_NBYTES(source) / PyArray_DIM(source, 0);
+    char *out = PyArray_DATA(taken);
+    const char *from = PyArray_DATA(source);
+    PyThreadState *released = release_gil_if(count * steps * row_bytes > RELEASE_GIL_BYTES);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        char *sequence = out + i * steps * row_bytes;
+        int64_t first = capacity - rows[i] < held[i] ? capacity - rows[i] : held[i]; /* rows before the ring's end */
+        memcpy(sequence, from + rows[i] * row_bytes, first * row_bytes);
+        memcpy(sequence + first * row_bytes, from, (held[i] - first) * row_bytes);
+        memset(sequence + held[i] * row_bytes, 0, (steps - held[i]) * row_bytes);
+    }
+    restore_gil(released);
+    int failed = given ? 0 : PyDict_SetItem(batch, name, (PyObject *)taken);
+    Py_DECREF(taken);
+    return failed;
+}
+
+/* Per-sequence inputs of sequence_flags and sequence_targets. */
+typedef struct {
+    const int64_t *positions, *rows, *bounds, *starts, *held;
+    const char *closed, *ended;
+    Py_ssize_t count, steps;
+    int64_t capacity;
+} Sequences;
+
+/* Rows of sequence i that are steps (have a successor in the episode): those before its bound. */
+static inline int64_t sequence_steps(const Sequences *q, Py_ssize_t i) {
+    int64_t left = q->bounds[i] - q->positions[i];
+    return left < 0 ? 0 : left > q->steps ? q->steps : left;
+}
+
+/* mask, is_first, terminated, truncated of every row of every sequence. */
+static void sequence_flags(const Sequences *q, char *mask, char *is_first, char *terminated, char *truncated) {
+    memset(is_first, 0, q->count * q->steps);
+    memset(terminated, 0, q->count * q->steps);
+    memset(truncated, 0, q->count * q->steps);
+    for (Py_ssize_t i = 0; i < q->count; i++) {
+        Py_ssize_t row = i * q->steps, steps = sequence_steps(q, i);
+        memset(mask + row, 1, steps);
+        memset(mask + row + steps, 0, q->steps - steps);
+        int64_t first = q->starts[i] - q->positions[i]; /* where the episode's first row lies, if within */
+        if (first >= 0 && first < q->held[i]) is_first[row + first] = 1;
+        int64_t last = q->bounds[i] - q->positions[i] - 1; /* the step whose transition ends the episode */
+        if (q->closed[i] && last >= 0 && last < steps) {
+            terminated[row + last] = q->ended[i];
+            truncated[row + last] = !q->ended[i];
+        }
+    }
+}
+
+/* Each step's n-step return, bootstrap discount and bootstrap row within its sequence (TransitionsMode's
+ * targets); zeros where a row is no step. `window` holds 2 * steps + n_step - 1 doubles: a sequence's rewards
+ * are read once into it, zeros past its episode's last step (so every window sums n_step terms), and the
+ * returns are summed there term by term across the sequence (independent sums the compiler vectorizes). */
+static void sequence_targets(const Sequences *q, int64_t n_step, const double *powers, const float *reward32,
+                             const double *reward64, double *window, float *returns, float *discounts,
+                             int32_t *bootstrap_steps) {
+    Py_ssize_t T = q->steps;
+    double *total = window + T + n_step - 1;
+    for (Py_ssize_t i = 0; i < q->count; i++) {
+        int64_t steps = sequence_steps(q, i), left = q->bounds[i] - q->positions[i];
+        int64_t rewards = steps + n_step - 1 < left ? steps + n_step - 1 : left; /* those of the episode's steps */
+        for (int64_t k = 0; k < rewards; k++) {
+            int64_t row = wrap(q->rows[i] + k, q->capacity);
+            window[k] = reward32 ? (double)reward32[row] : reward64[row];
+        }
+        for (int64_t k = rewards < 0 ? 0 : rewards; k < T + n_step - 1; k++) window[k] = 0.0;
+        for (Py_ssize_t t = 0; t < T; t++) total[t] = 0.0;
+        for (int64_t k = 0; k < n_step; k++)
+            for (Py_ssize_t t = 0; t < steps; t++) total[t] += powers[k] * window[t + k];
+        for (Py_ssize_t t = 0; t < T; t++) {
+            Py_ssize_t at = i * T + t;
+            int64_t n_eff = left - t < n_step ? left - t : n_step;
+            int step = t < steps;
+            returns[at] = step ? (float)total[t] : 0.0f;
+            discounts[at] = !step || (q->ended[i] && t + n_eff == left) ? 0.0f : (float)powers[n_eff];
+            bootstrap_steps[at] = step ? (int32_t)(t + n_eff) : 0;
+        }
+    }
+}
+
+/* The extent tables a batch mode reads its episodes' starts and ends from. */
+typedef struct {
+    const int64_t *row_seq, *extent_start;
+    const uint8_t *extent_flags;
+    int64_t slots;
+} Extents;
+
+static int extents_arg(PyObject *const *args, int64_t capacity, Extents *extents) {
+    PyArrayObject *row_seq, *extent_start, *extent_flags;
+    if (int_arg(args[3], "extent_slots", &extents->slots)) return -1;
+    if (extents->slots < 1) {
+        PyErr_SetString(PyExc_ValueError, "kernel argument extent_slots: expected >= 1");
+        return -1;
+    }
+    if (!(row_seq = array_arg(args[0], "row_seq", NPY_INT64, 0, capacity))
+        || !(extent_start = array_arg(args[1], "extent_start", NPY_INT64, 0, extents->slots))
+        || !(extent_flags = array_arg(args[2], "extent_flags", NPY_UINT8, 0, extents->slots)))
+        return -1;
+    extents->row_seq = PyArray_DATA(row_seq);
+    extents->extent_start = PyArray_DATA(extent_start);
+    extents->extent_flags = PyArray_DATA(extent_flags);
+    return 0;
+}
+
+/* The extent-table slot of a drawn row: its open episode's (open_seq, read with the draw), else its row's. */
+static inline int64_t extent_slot(const Extents *e, int64_t row, int64_t open_seq) {
+    int64_t slot = (open_seq >= 0 ? open_seq : e->row_seq[row]) % e->slots;
+    return slot < 0 ? slot + e->slots : slot;
+}
+
+/* Checks sequence_batch's per-sequence arrays and fills q (rows and held: PyMem_Free them); -1 with the error
+ * set. `args` from positions on: positions, rows, bounds, closed, open_seq, steps, capacity, row_seq,
+ * extent_start, extent_flags, extent_slots. */
+static int sequences_arg(PyObject *const *args, Sequences *q) {
+    PyArrayObject *positions_view, *rows_view, *bounds_view, *closed_view, *open_seq_view;
+    Extents extents;
+    int64_t steps;
+    if (!(positions_view = array_arg(args[0], "positions", NPY_INT64, 0, 0))) return -1;
+    q->count = items(positions_view);
+    if (!(rows_view = array_arg(args[1], "rows", NPY_INT64, 0, q->count))
+        || !(bounds_view = array_arg(args[2], "bounds", NPY_INT64, 0, q->count))
+        || !(closed_view = array_arg(args[3], "closed", NPY_BOOL, 0, q->count))
+        || !(open_seq_view = array_arg(args[4], "open_seq", NPY_INT64, 0, q->count))
+        || int_arg(args[5], "steps", &steps) || int_arg(args[6], "capacity", &q->capacity))
+        return -1;
+    if (q->capacity < 1 || steps < 1 || steps > q->capacity) {
+        PyErr_SetString(PyExc_ValueError, "kernel arguments: capacity >= 1 and steps in 1..capacity expected");
+        return -1;
+    }
+    if (extents_arg(args + 7, q->capacity, &extents)) return -1;
+    q->steps = (Py_ssize_t)steps;
+    q->positions = PyArray_DATA(positions_view);
+    q->bounds = PyArray_DATA(bounds_view);
+    q->closed = PyArray_DATA(closed_view);
+    const int64_t *open_seq = PyArray_DATA(open_seq_view);
+    int64_t *rows = checked_rows(rows_view, q->capacity, "sequence_batch", "the ring");
+    int64_t *held = rows ? PyMem_Malloc((2 * sizeof(int64_t) + 1) * q->count + 1) : NULL;
+    if (!held) {
+        PyMem_Free(rows);
+        return PyErr_Occurred() ? -1 : (PyErr_NoMemory(), -1);
+    }
+    int64_t *starts = held + q->count;
+    char *ended = (char *)(starts + q->count);
+    for (Py_ssize_t i = 0; i < q->count; i++) {
+        int64_t rows_left = q->bounds[i] - q->positions[i] + 1; /* < 1 only for a torn read, discarded later */
+        held[i] = rows_left < 0 ? 0 : rows_left > steps ? steps : rows_left; /* the final observation included */
+        int64_t slot = extent_slot(&extents, rows[i], open_seq[i]);
+        starts[i] = extents.extent_start[slot];
+        ended[i] = q->closed[i] && (extents.extent_flags[slot] & TERMINATED) != 0;
+    }
+    q->rows = rows;
+    q->held = held;
+    q->starts = starts;
+    q->ended = ended;
+    return 0;
+}
+
+/* Puts sequence_batch's n-step targets in `batch`; -1 with the error set. */
+static int put_sequence_targets(PyObject *batch, const Sequences *q, int64_t n_step, PyObject *powers_arg,
+                                PyObject *reward_arg) {
+    PyArrayObject *powers_view = array_arg(powers_arg, "powers", NPY_FLOAT64, 0, n_step + 1);
+    PyArrayObject *reward_view = powers_view ? array_arg(reward_arg, "reward", -1, 0, q->capacity) : NULL;
+    if (!reward_view) return -1;
+    int type = PyArray_TYPE(reward_view);
+    if (type != NPY_FLOAT32 && type != NPY_FLOAT64) {
+        PyErr_SetString(PyExc_TypeError, "kernel argument reward: expected float32 or float64 items");
+        return -1;
+    }
+    PyArrayObject *returns = new_matrix(batch, N_STEP_RETURN_KEY, q->count, q->steps, NPY_FLOAT32),
+                  *discounts = returns ? new_matrix(batch, BOOTSTRAP_DISCOUNT_KEY, q->count, q->steps, NPY_FLOAT32)
+                                       : NULL,
+                  *bootstrap_steps = discounts ? new_matrix(batch, BOOTSTRAP_STEP_KEY, q->count, q->steps, NPY_INT32)
+                                               : NULL;
+    if (!bootstrap_steps) {
+        Py_XDECREF(returns);
+        Py_XDECREF(discounts);
+        return -1;
+    }
+    double *window = PyMem_Malloc(sizeof(double) * (2 * q->steps + n_step));
+    if (!window) {
+        Py_DECREF(returns);
+        Py_DECREF(discounts);
+        Py_DECREF(bootstrap_steps);
+        PyErr_NoMemory();
+        return -1;
+    }
+    sequence_targets(q, n_step, PyArray_DATA(powers_view), type == NPY_FLOAT32 ? PyArray_DATA(reward_view) : NULL,
+                     type == NPY_FLOAT64 ? PyArray_DATA(reward_view) : NULL, window, PyArray_DATA(returns),
+                     PyArray_DATA(discounts), PyArray_DATA(bootstrap_steps));
+    PyMem_Free(window);
+    int failed = put(batch, N_STEP_RETURN_KEY, returns);
+    failed = put(batch, BOOTSTRAP_DISCOUNT_KEY, discounts) || failed;
+    return put(batch, BOOTSTRAP_STEP_KEY, bootstrap_steps) || failed;
+}
+
+/* sequence_batch(batch, positions, rows, bounds, closed, open_seq, steps, capacity, row_seq, extent_start,
+ *                extent_flags, extent_slots, names, sources, n_step, powers, reward)
+ *
+ * Fills `batch` with sequences of `steps` rows from each drawn position (a Draw's arrays), never past its
+ * episode's final row (bounds): names[j] = sources[j] over those rows, zeros after the episode's final
+ * observation, (count, steps, *row); mask, is_first, terminated, truncated (count, steps); and with n_step >= 1,
+ * n_step_return, bootstrap_discount (float32) and bootstrap_step (int32). See SequencesMode. */
+static PyObject *sequence_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    Sequences q;
+    int64_t n_step;
+    if (check_nargs("sequence_batch", nargs, 17) || check_batch(args[0], "sequence_batch")) return NULL;
+    PyObject *batch = args[0], *names = args[12], *sources = args[13];
+    if (int_arg(args[14], "n_step", &n_step) || sequences_arg(args + 1, &q)) return NULL;
+    int failed = n_step < 0 || check_columns(names, sources, q.capacity);
+    if (n_step < 0) PyErr_SetString(PyExc_ValueError, "kernel argument n_step: expected >= 0");
+    for (Py_ssize_t j = 0; !failed && j < PyTuple_GET_SIZE(names); j++)
+        failed = take_sequences(batch, PyTuple_GET_ITEM(names, j), (PyArrayObject *)PyTuple_GET_ITEM(sources, j),
+                                q.rows, q.held, q.count, q.steps, q.capacity);
+    PyObject *keys[4] = {MASK_KEY, IS_FIRST_KEY, TERMINATED_KEY, TRUNCATED_KEY};
+    PyArrayObject *flags[4] = {NULL, NULL, NULL, NULL};
+    for (int k = 0; !failed && k < 4; k++)
+        failed = !(flags[k] = new_matrix(batch, keys[k], q.count, q.steps, NPY_BOOL));
+    if (!failed) {
+        sequence_flags(&q, PyArray_DATA(flags[0]), PyArray_DATA(flags[1]), PyArray_DATA(flags[2]),
+                       PyArray_DATA(flags[3]));
+        for (int k = 0; k < 4; k++) {
+            failed = put(batch, keys[k], flags[k]) || failed;
+            flags[k] = NULL;
+        }
+    }
+    for (int k = 0; k < 4; k++) Py_XDECREF(flags[k]);
+    if (!failed && n_step > 0) failed = put_sequence_targets(batch, &q, n_step, args[15], args[16]);
+    PyMem_Free((void *)q.rows);
+    PyMem_Free((void *)q.held);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* hindsight_goals(goal, achieved, bit_generator, strategy, relabel_ratio, discount, positions, rows, bounds,
+ *                 open_seq, capacity, row_seq, extent_start, extent_flags, extent_slots) -> (relabeled, goal_offset)
+ *
+ * Relabels the batch's desired goals (`goal`, (count, *goal) gathered at a Draw's `rows`) in place: with
+ * probability relabel_ratio a draw's goal becomes achieved[row + k], the goal achieved k steps later in its
+ * episode, k by the strategy (0 final, 1 future, 2 episode, 3 geometric with `discount`; see HindsightMode). Two
+ * uniforms per draw, in draw order: whether to relabel, then k (both drawn for every draw). The caller holds the
+ * bit generator's lock. */
+static int64_t hindsight_offset(int strategy, double uniform, int64_t left, int64_t before, double discount) {
+    if (left < 1) return left < 0 ? 0 : left; /* a torn read, discarded later */
+    switch (strategy) {
+    case 0: return left;
+    case 1: return 1 + (int64_t)fmin(uniform * (double)left, (double)(left - 1));
+    case 2: return (int64_t)fmin(uniform * (double)(before + left + 1), (double)(before + left)) - before;
+    default:
+        if (discount == 0.0 || left == 1) return 1;
+        if (discount == 1.0) return 1 + (int64_t)fmin(uniform * (double)left, (double)(left - 1));
+        { /* F(k) = (1 - g^k) / (1 - g^M), inverted */
+            double log_g = log(discount), k = floor(log1p(-uniform * -expm1((double)left * log_g)) / log_g) + 1;
+            return k < 1 ? 1 : k > left ? left : (int64_t)k;
+        }
+    }
+}
+
+static PyObject *hindsight_goals(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    PyArrayObject *goal, *achieved, *positions_view, *rows_view, *bounds_view, *open_seq_view;
+    bitgen_t *bit_generator;
+    Extents extents;
+    int64_t strategy, capacity;
+    if (check_nargs("hindsight_goals", nargs, 15) || !(goal = array_arg(args[0], "goal", -1, 1, 0))
+        || !(achieved = array_arg(args[1], "achieved", -1, 0, 0)) || !(bit_generator = bit_generator_arg(args[2]))
+        || int_arg(args[3], "strategy", &strategy)
+        || !(positions_view = array_arg(args[6], "positions", NPY_INT64, 0, 0))
+        || int_arg(args[10], "capacity", &capacity))
+        return NULL;
+    Py_ssize_t count = items(positions_view);
+    double ratio = PyFloat_AsDouble(args[4]), discount = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred() || !(rows_view = array_arg(args[7], "rows", NPY_INT64, 0, count))
+        || !(bounds_view = array_arg(args[8], "bounds", NPY_INT64, 0, count))
+        || !(open_seq_view = array_arg(args[9], "open_seq", NPY_INT64, 0, count)) || capacity < 1
+        || extents_arg(args + 11, capacity, &extents))
+        return NULL;
+    Py_ssize_t row_bytes = PyArray_NDIM(achieved) && PyArray_DIM(achieved, 0)
+                               ? PyArray_NBYTES(achieved) / PyArray_DIM(achieved, 0) : 0;
+    if (strategy < 0 || strategy > 3 || PyArray_NDIM(achieved) < 1 || PyArray_DIM(achieved, 0) < capacity
+        || !PyArray_EquivTypes(PyArray_DESCR(goal), PyArray_DESCR(achieved)) || PyArray_NDIM(goal) < 1
+        || PyArray_DIM(goal, 0) != count || PyArray_NBYTES(goal) != count * row_bytes) {
+        PyErr_SetString(PyExc_ValueError, "hindsight_goals: expected strategy 0..3, an achieved column of the ring's "
+                        "rows, and one goal row of its dtype and shape per draw");
+        return NULL;
+    }
+    int64_t *rows = checked_rows(rows_view, capacity, "hindsight_goals", "the ring");
+    npy_intp shape[1] = {count};
+    PyArrayObject *relabeled_array = rows ? (PyArrayObject *)PyArray_SimpleNew(1, shape, NPY_BOOL) : NULL,
+                  *offset_array = relabeled_array ? (PyArrayObject *)PyArray_SimpleNew(1, shape, NPY_INT64) : NULL;
+    if (!offset_array) {
+        Py_XDECREF(relabeled_array);
+        PyMem_Free(rows);
+        return NULL;
+    }
+    const int64_t *positions = PyArray_DATA(positions_view), *bounds = PyArray_DATA(bounds_view),
+                  *open_seq = PyArray_DATA(open_seq_view);
+    char *relabeled = PyArray_DATA(relabeled_array), *goals = PyArray_DATA(goal);
+    const char *achieved_rows = PyArray_DATA(achieved);
+    int64_t *offsets = PyArray_DATA(offset_array);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        relabeled[i] = next_double(bit_generator) < ratio;
+        int64_t start = extents.extent_start[extent_slot(&extents, rows[i], open_seq[i])];
+        int64_t offset = hindsight_offset((int)strategy, next_double(bit_generator), bounds[i] - positions[i],
+                                          positions[i] - start, discount);
+        offsets[i] = relabeled[i] ? offset : 0;
+        if (relabeled[i])
+            memcpy(goals + i * row_bytes, achieved_rows + wrap(rows[i] + offset, capacity) * row_bytes, row_bytes);
+    }
+    PyMem_Free(rows);
+    return Py_BuildValue("(NN)", relabeled_array, offset_array);
+}
+
 /* ------------------------------------------------------------------ lock-free reader checks */
 
 /* bounds_kept(rows, bounds, closed, row_end) -> bool
@@ -951,6 +1294,8 @@ static PyMethodDef kernel_methods[] = {
     KERNEL(draw_uniform),
     KERNEL(transition_batch),
     KERNEL(geometric_batch),
+    KERNEL(sequence_batch),
+    KERNEL(hindsight_goals),
     KERNEL(bounds_kept),
     KERNEL(drawn_live),
     KERNEL(take_rows),
@@ -969,7 +1314,9 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         || !(TRUNCATED_KEY = PyUnicode_InternFromString("truncated"))
         || !(N_STEP_RETURN_KEY = PyUnicode_InternFromString("n_step_return"))
         || !(BOOTSTRAP_DISCOUNT_KEY = PyUnicode_InternFromString("bootstrap_discount"))
-        || !(OFFSET_KEY = PyUnicode_InternFromString("offset")))
+        || !(OFFSET_KEY = PyUnicode_InternFromString("offset")) || !(MASK_KEY = PyUnicode_InternFromString("mask"))
+        || !(IS_FIRST_KEY = PyUnicode_InternFromString("is_first"))
+        || !(BOOTSTRAP_STEP_KEY = PyUnicode_InternFromString("bootstrap_step")))
         return NULL;
     PyObject *module = PyModule_Create(&kernels_module);
     if (module && (PyModule_AddIntConstant(module, "OPEN", OPEN) || PyModule_AddIntConstant(module, "HOLE", HOLE)

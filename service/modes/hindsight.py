@@ -22,6 +22,8 @@ transition's goal, `relabeled`, and `goal_offset` (k; 0 where the goal was not r
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from service import kernels
@@ -29,7 +31,8 @@ from service.buffers.ring import NO_REWARD, EpisodicRing
 from service.errors import InvalidArgument
 from service.modes.base import BatchMode
 from service.samplers.draw import Draw
-from service.wire.components import Hindsight
+from service.schema import Field
+from service.wire.components import STRATEGIES, Hindsight
 
 ONE_STEP = np.ones(2)  # the powers of a 1-step window: transition_batch's `powers`
 NO_NAMES: tuple[str, ...] = ()
@@ -38,6 +41,7 @@ NO_NAMES: tuple[str, ...] = ()
 class HindsightMode(BatchMode):
     def __init__(self, strategy: str = "future", relabel_ratio: float = 0.8, discount: float = 0.9) -> None:
         self.options = Hindsight(strategy, relabel_ratio, discount)
+        self.strategy = STRATEGIES.index(self.options.strategy)  # the kernel's number for it
 
     def check(self, ring: EpisodicRing) -> None:
         if ring.goal_fields is None:
@@ -54,44 +58,24 @@ class HindsightMode(BatchMode):
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         batch = {} if batch is None else batch
         achieved, desired = ring.goal_fields
-        # The desired goal last among the observation fields: it alone gets no next_ column.
-        observed = tuple(f.name for f in ring.observation_fields if f.name != desired)
-        names = (*observed, desired, *(f.name for f in ring.step_fields))
+        names, observed = _transition_columns(ring.observation_fields, ring.step_fields, desired)
         kernels.transition_batch(batch, draw.positions, draw.rows, draw.bounds, draw.closed, 1, ONE_STEP,
                                  ring.capacity, NO_REWARD, ring.row_seq, ring.extent_flags, ring.extent_slots,
                                  names, tuple(ring.columns[name] for name in names),
                                  kernels.prefixed("next_", observed), NO_NAMES)
-        relabeled = rng.random(draw.positions.size) < self.options.relabel_ratio  # (B,)
-        offsets = self._offsets(ring, draw, rng.random(draw.positions.size))  # (B,) k of every draw
-        goal_rows = (draw.rows + offsets)[relabeled] % ring.capacity  # (R,)
-        batch[desired][relabeled] = ring.columns[achieved][goal_rows]
-        batch["relabeled"] = relabeled
-        batch["goal_offset"] = np.where(relabeled, offsets, 0)
+        bit_generator = rng.bit_generator
+        with bit_generator.lock:
+            batch["relabeled"], batch["goal_offset"] = kernels.hindsight_goals(
+                batch[desired], ring.columns[achieved], bit_generator.capsule, self.strategy,
+                self.options.relabel_ratio, self.options.discount, draw.positions, draw.rows, draw.bounds,
+                draw.open_seq, ring.capacity, ring.row_seq, ring.extent_start, ring.extent_flags, ring.extent_slots)
         return batch
 
-    def _offsets(self, ring: EpisodicRing, draw: Draw, uniform: np.ndarray) -> np.ndarray:
-        """k for each draw by the strategy, from one uniform in [0, 1) per draw."""
-        left = draw.bounds - draw.positions  # (B,) M >= 1: steps to the episode's bound
-        strategy = self.options.strategy
-        if strategy == "final":
-            return left
-        if strategy == "future":
-            return 1 + np.minimum((uniform * left).astype(np.int64), left - 1)
-        if strategy == "episode":
-            starts = ring.episode_starts_of(draw.rows, draw.open_seq)  # (B,)
-            states = draw.bounds - starts + 1  # (B,) states of the episode, its final one included
-            return starts + np.minimum((uniform * states).astype(np.int64), states - 1) - draw.positions
-        return _geometric(uniform, left, self.options.discount)
 
-
-def _geometric(uniform: np.ndarray, left: np.ndarray, discount: float) -> np.ndarray:
-    """k on 1..M with P(k) proportional to discount^(k - 1), by inverting its distribution function
-    F(k) = (1 - g^k) / (1 - g^M)."""
-    if discount == 0.0:
-        return np.ones_like(left)
-    if discount == 1.0:
-        return 1 + np.minimum((uniform * left).astype(np.int64), left - 1)
-    log_g = np.log(discount)
-    tail = np.exp(left * log_g)  # (B,) g^M
-    k = np.floor(np.log1p(-uniform * (1.0 - tail)) / log_g).astype(np.int64) + 1  # (B,)
-    return np.clip(k, 1, left)
+@functools.cache
+def _transition_columns(observation_fields: tuple[Field, ...], step_fields: tuple[Field, ...],
+                        desired: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the columns a transition gathers, the observation fields that get a next_ column): the desired goal
+    last among the observation fields, as it alone gets none (the transition's goal is one column)."""
+    observed = tuple(f.name for f in observation_fields if f.name != desired)
+    return (*observed, desired, *(f.name for f in step_fields)), observed

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from service import kernels
 from service.buffers.ring import EpisodicRing
 from service.errors import InvalidArgument
 from service.modes.base import BatchMode
@@ -71,49 +72,8 @@ class SequencesMode(BatchMode):
     def build(self, ring: EpisodicRing, draw: Draw, rng: np.random.Generator,
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         batch = {} if batch is None else batch
-        positions = draw.positions[:, None] + self.offsets  # (B, T)
-        bounds = draw.bounds[:, None]  # (B, 1)
-        held = positions <= bounds  # (B, T) rows of the episode, its final observation included
-        rows = np.where(held, positions, draw.positions[:, None]) % ring.capacity  # (B, T), in the ring
-        for name, column in ring.columns.items():
-            gathered = _output(batch, name, held.shape + column.shape[1:], column.dtype)  # (B, T, ...)
-            np.take(column, rows.ravel(), axis=0, out=gathered.reshape(-1, *column.shape[1:]))
-            gathered[~held] = 0
-        step = positions < bounds  # (B, T): the row has a successor in the episode
-        ended = draw.closed & ring.terminated_at(draw.rows)  # (B,) the episode ended by termination
-        last = step & (positions + 1 == bounds)  # (B, T) the step whose transition ends the episode
-        _put(batch, "mask", step)
-        _put(batch, "is_first", held & (positions == ring.episode_starts_of(draw.rows, draw.open_seq)[:, None]))
-        _put(batch, "terminated", last & ended[:, None])
-        _put(batch, "truncated", last & (draw.closed & ~ended)[:, None])
-        if self.options.n_step:
-            self._targets(ring, batch, rows, step, bounds - positions, ended)
+        columns = ring.observation_and_step_columns
+        kernels.sequence_batch(batch, draw.positions, draw.rows, draw.bounds, draw.closed, draw.open_seq, self.steps,
+                               ring.capacity, ring.row_seq, ring.extent_start, ring.extent_flags, ring.extent_slots,
+                               columns.names, columns.arrays, self.options.n_step, self.powers, ring.reward_column)
         return batch
-
-    def _targets(self, ring: EpisodicRing, batch: dict[str, np.ndarray], rows: np.ndarray, step: np.ndarray,
-                 left: np.ndarray, ended: np.ndarray) -> None:
-        """Each step's n-step return, bootstrap discount and bootstrap row, as TransitionsMode defines them.
-        `left` (B, T): steps from each row to its episode's bound."""
-        n = self.options.n_step
-        n_eff = np.where(step, np.minimum(n, left), 0)  # (B, T)
-        window = np.arange(n)  # (n,)
-        rewards = ring.reward_column.take((rows[:, :, None] + window) % ring.capacity)  # (B, T, n)
-        weights = self.powers[:n] * (window < n_eff[:, :, None])  # (B, T, n)
-        _put(batch, "n_step_return", (rewards * weights).sum(axis=2).astype(np.float32))  # (B, T)
-        terminates = ended[:, None] & (n_eff == left)  # (B, T) the window reaches a termination
-        discount = np.where(step & ~terminates, self.powers[n_eff], 0.0)  # (B, T)
-        _put(batch, "bootstrap_discount", discount.astype(np.float32))
-        _put(batch, "bootstrap_step", np.where(step, self.offsets + n_eff, 0).astype(np.int32))
-
-
-def _output(batch: dict[str, np.ndarray], name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """batch[name] if the caller handed an array of this shape and dtype to write into, else a new one."""
-    given = batch.get(name)
-    if given is not None and given.shape == shape and given.dtype == dtype:
-        return given
-    batch[name] = np.empty(shape, dtype)
-    return batch[name]
-
-
-def _put(batch: dict[str, np.ndarray], name: str, values: np.ndarray) -> None:
-    _output(batch, name, values.shape, values.dtype)[...] = values
