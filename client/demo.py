@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--run-dir", help="default runs/demo (dqn) or runs/demo-<algo>")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eval-every", type=at_least(1),
-                        help="dqn/allo: learner steps, ppo: versions between evaluations")
+                        help="dqn/drqn/her/allo: learner steps, ppo: versions between evaluations")
     parser.add_argument("--instance", help="names the server's shared memory (rpd_<instance>_...)")
     parser.add_argument("--local", action="store_true", default=None,
                         help="dqn: the learner samples the server's shared memory directly instead of over gRPC")
