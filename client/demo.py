@@ -42,6 +42,7 @@ import torch
 from client.algos import (
     ALGOS,
     Algo,
+    Baseline,
     add_common_options,
     at_least,
     build,
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
         screenshot = MidRunScreenshot(status_url, Path(args["run_dir"]) / "status.png")
         summary, bar = run_algo(algo, args, address, algo.label, screenshot)
         if algo.baseline is not None:  # the same task and budget without the algorithm's idea, to compare with
-            baseline_args = {**args, **algo.baseline.options, "run_dir": str(Path(args["run_dir"]) / "baseline")}
-            summary["baseline"], baseline_bar = run_algo(ALGOS[algo.baseline.algo], baseline_args, address,
+            summary["baseline"], baseline_bar = run_algo(ALGOS[algo.baseline.algo],
+                                                         baseline_args(algo.baseline, args, summary), address,
                                                          algo.baseline.label, baseline=True)
     runs = [summary]
     print(bar.summary_line(summary))
@@ -223,6 +224,13 @@ def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str,
             monitor.close()
     summary["actors"] = actors.reports
     return summary, bar
+
+
+def baseline_args(baseline: Baseline, args: dict[str, Any], summary: dict) -> dict[str, Any]:
+    """The baseline's options: the demo's, its own (`baseline.options`), the budget the algorithm's learner had
+    (given or its default, which the baseline's learner may not share), and a run folder inside the algorithm's."""
+    return {**args, **baseline.options, "seconds": summary["config"]["seconds"],
+            "run_dir": str(Path(summary["config"]["run_dir"]) / "baseline")}
 
 
 def write_comparison(algo: Algo, summary: dict) -> None:

@@ -23,7 +23,7 @@ import yaml
 from client import ReplayClient
 from client.actor import main as actor_main
 from client.algos import ALGOS
-from client.demo import ActorFailed, actor_processes
+from client.demo import ActorFailed, actor_processes, baseline_args
 from client.demo import main as demo_main
 from client.envs import CARTPOLE_POMDP
 from client.learner import main as learner_main
@@ -170,6 +170,17 @@ def test_demo_her_trains_on_relabeled_goals_beside_dqn_without_relabeling(tmp_pa
     _check_comparison(tmp_path, summary, ("DQN + HER", "DQN (no relabeling)"), "final_success_rate")
     assert tuple(summary["buffer"]["goal_fields"]) == ("achieved_goal", "desired_goal")
     assert summary["config"]["relabel_ratio"] == 0.8 and summary["baseline"]["config"]["relabel_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("algo", ["drqn", "her"])
+def test_a_baseline_gets_the_budget_the_algorithms_learner_had(algo: str) -> None:
+    """Without --seconds each learner takes its own default (drqn 600 s, dqn 300 s): the baseline takes the
+    algorithm's, and runs in a folder of its own inside the algorithm's."""
+    learner = ALGOS[algo].learner_config(address="unused")
+    summary = {"config": {"seconds": learner.seconds, "run_dir": "runs/x"}}
+    args = baseline_args(ALGOS[algo].baseline, {"seconds": None, "run_dir": "runs/x", "actors": 2}, summary)
+    assert args["seconds"] == learner.seconds and args["run_dir"] == str(Path("runs/x") / "baseline")
+    assert args["buffer"] != learner.buffer and args["weights"] != learner.weights
 
 
 def _interpolate(text: str, env: dict[str, str]) -> str:
