@@ -12,6 +12,7 @@ import numpy as np
 
 from client.polling import RECONNECT
 from client.replay_client import ReplayClient, Span, is_int, new_episode_id, spans_requests
+from service.wire.frame_fields import Frames, stacked_shape
 
 
 class EpisodeWriter:
@@ -24,7 +25,9 @@ class EpisodeWriter:
 
     Values are checked against the buffer's schema (names, dtype, shape) as they are given, so a wrong
     one raises ValueError there and changes nothing: a value is converted to its field's dtype only within
-    its kind or from a narrower kind (see `_row`), never truncated or wrapped.
+    its kind or from a narrower kind (see `_row`), never truncated or wrapped. A stacked observation field
+    (Frames(stack=k)) takes its frame, or the stacked observation an environment wrapper gives (gymnasium's
+    FrameStackObservation), of which the newest frame is kept: the buffer stacks frames again when sampled.
 
     A flush that fails because the server is unreachable keeps its spans for the next flush. One the
     server refuses (an open episode evicted meanwhile, say) is sent again one episode at a time: the
@@ -42,10 +45,12 @@ class EpisodeWriter:
         self.chunk_rows = chunk_rows
         self.batch_rows = batch_rows
         self.auto_flush = auto_flush  # False: the caller flushes (e.g. to retry while a server restarts)
-        fields = client.describe(buffer)["fields"]
+        info = client.describe(buffer)
+        fields = info["fields"]
         self.observation_fields = {name for name, (_, _, observation) in fields.items() if observation}
         self.dtypes = {name: np.dtype(dtype) for name, (dtype, _, _) in fields.items()}
         self.shapes = {name: tuple(shape) for name, (_, shape, _) in fields.items()}
+        self.frames: dict[str, Frames] = dict(info["frames"])
         self._steps: list[dict[str, np.ndarray]] = []  # rows of the open episode not sent yet
         self._episode_id = new_episode_id()
         self._rows_sent = 0  # rows of the open episode already sent as chunks
@@ -94,7 +99,7 @@ class EpisodeWriter:
             raise ValueError(f"{call}: buffer {self.buffer!r} expects fields {sorted(expected)}, got {sorted(values)}")
         row = {}
         for name, value in values.items():
-            dtype, shape = self.dtypes[name], self.shapes[name]
+            dtype = self.dtypes[name]
             given = np.asarray(value)
             # Signed ints into an unsigned field too (numpy's same_kind refuses int64 -> uint8, Python ints
             # included): the range check below refuses the values that do not fit.
@@ -110,10 +115,21 @@ class EpisodeWriter:
             overflowed = dtype.kind == "f" and (np.isfinite(given) & ~np.isfinite(array)).any()
             if wrapped or overflowed:
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
-            if array.shape != shape:
-                raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")
-            row[name] = array
+            row[name] = self._frame(call, name, array)
         return row
+
+    def _frame(self, call: str, name: str, array: np.ndarray) -> np.ndarray:
+        """The row of field `name` that `array` gives: itself, or the newest frame of a stacked observation."""
+        shape, frames = self.shapes[name], self.frames.get(name)
+        if array.shape == shape:
+            return array
+        if frames is None:
+            raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")
+        stacked = stacked_shape(shape, frames.stack, frames.stack_axis)
+        if array.shape != stacked:
+            raise ValueError(f"{call}: field {name!r} expected a frame of shape {shape} or a stack of shape "
+                             f"{stacked}, got {array.shape}")
+        return np.array(array[-1] if frames.stack_axis == 0 else array[..., -1])  # a copy of the frame alone
 
     def append(self, **step: Any) -> None:
         self._check_open()

@@ -36,9 +36,11 @@ from service.wire.components import (
     Transitions,
     Uniform,
 )
+from service.wire.frame_fields import Frames
 from service.wire.frames import InsertFrame, sample_response_batch, serialize_insert
 
-Schema = Mapping[str, tuple[str, tuple[int, ...]]]
+# field -> (numpy dtype, row shape), or (dtype, frame shape, Frames(...)) for a stacked observation field
+Schema = Mapping[str, tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], Frames]]
 T = TypeVar("T")
 
 
@@ -138,6 +140,8 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "counters": dict(info.counters),
         "capacity_steps": capacity,
         "fields": {f.name: (f.dtype, tuple(f.shape), f.observation) for f in config.fields},
+        # the stacked observation fields' options (FieldSpec's absent stack is 1)
+        "frames": {f.name: Frames(f.stack, f.stack_axis) for f in config.fields if f.stack > 1},
         "policy_version": info.policy_version,
         "missing_steps": info.missing_steps,
         "rollout_complete": info.rollout_complete,
@@ -157,6 +161,16 @@ def _episodic_components(config: pb.EpisodicConfig) -> dict[str, Any]:
     return {"sampler": sampler, "remover": remover, "rate_limiter": rate_limiter,
             "goal_fields": None if goals == ("", "") else goals,
             "sampling_changes_state": options.sampling_changes_state(remover, rate_limiter)}
+
+
+def _field_spec(name: str, entry: tuple, observation: bool) -> pb.FieldSpec:
+    """A schema entry, (dtype, shape) or (dtype, shape, Frames(...)), as its wire message."""
+    if not isinstance(entry, tuple | list) or len(entry) not in (2, 3):
+        raise ValueError(f"schema[{name!r}]: expected (dtype, shape) or (dtype, shape, Frames(...)), got {entry!r}")
+    frames = entry[2] if len(entry) == 3 else Frames()
+    _expect(f"schema[{name!r}][2]", frames, Frames, "Frames(stack=..., stack_axis=...)")
+    return pb.FieldSpec(name=name, dtype=np.dtype(entry[0]).name, shape=list(entry[1]), observation=observation,
+                        stack=frames.stack, stack_axis=frames.stack_axis)
 
 
 def _expect(role: str, value: Any, kind: type, examples: str) -> None:
@@ -521,7 +535,8 @@ class ReplayClient:
         rate_limiter: RateLimiterOptions = MinSize(),
         goal_fields: tuple[str, str] | None = None,
     ) -> dict[str, Any]:
-        """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape).
+        """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape), or, for an observation
+        field stored one frame per row and sampled stacked, -> (dtype, frame shape, Frames(stack=k, stack_axis=...)).
 
         reward_field: the per-step reward for n-step returns (None: the field named "reward", if any).
         sampler: Uniform() or Prioritized(alpha=0.6). remover: Fifo() or MaxTimesSampled(k) (a step is retired
@@ -537,10 +552,7 @@ class ReplayClient:
         unknown = set(observation_fields) - set(schema)
         if unknown:
             raise ValueError(f"observation_fields {sorted(unknown)} are not in the schema {sorted(schema)}")
-        fields = [
-            pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape), observation=n in observation_fields)
-            for n, (dtype, shape) in schema.items()
-        ]
+        fields = [_field_spec(name, entry, name in observation_fields) for name, entry in schema.items()]
         achieved, desired = ("", "") if goal_fields is None else goal_fields
         config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field or "",
                                    sampler=sampler.to_proto(), remover=remover.to_proto(),

@@ -6,12 +6,14 @@ import math
 import operator
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from service.errors import InvalidArgument
 from service.wire.codec import CodecError, check_dtype
+from service.wire.frame_fields import check_frames, stacked_shape
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # No underscore: segments are named rpd_<instance>_<buffer>, and buffer names may contain one, so an
@@ -32,16 +34,47 @@ MAX_ROW_BYTES = 2**30
 
 @dataclass(frozen=True)
 class Field:
-    """One stored column: `shape` excludes the row axis. Observation fields have a row per state."""
+    """One stored column: `shape` excludes the row axis. Observation fields have a row per state.
+
+    A field stacked `stack` deep stores one frame (`shape`) per row and is sampled as its frames of rows
+    t-k+1 .. t of one episode, stacked on `stack_axis` of the batch's row (service/wire/frame_fields.py).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...] = ()
     observation: bool = False
+    stack: int = 1
+    stack_axis: int = -1
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one stored row (one frame)."""
         return np.dtype(self.dtype).itemsize * math.prod(int(d) for d in self.shape)
+
+    @property
+    def framed(self) -> bool:
+        """Whether sampling assembles this field from stored frames (the batch modes' kernels gather only the
+        others; a pass after them stacks these: service/buffers/stacking.py)."""
+        return self.stack > 1
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The row shape of this field in a batch: its frames stacked."""
+        return stacked_shape(self.shape, self.stack, self.stack_axis)
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one row of this field in a batch."""
+        return self.row_bytes * self.stack
+
+    def to_config(self) -> dict[str, Any]:
+        """Every attribute, as JSON: the encoding of the shared-memory header and of checkpoints."""
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Field:
+        return cls(**{**config, "shape": tuple(config["shape"])})
 
 
 def check_buffer_name(name: str) -> str:
@@ -99,7 +132,9 @@ def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NA
             dtype = check_dtype(field.name, field.dtype).name
         except CodecError as exc:
             raise InvalidArgument(str(exc)) from exc
-        checked.append(replace(field, dtype=dtype, shape=check_shape(field.name, dtype, field.shape)))
+        shape = check_shape(field.name, dtype, field.shape)
+        stack, stack_axis = check_frames(f"field {field.name!r}", field.stack, field.stack_axis, field.observation)
+        checked.append(replace(field, dtype=dtype, shape=shape, stack=stack, stack_axis=stack_axis))
     return tuple(checked)
 
 

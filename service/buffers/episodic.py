@@ -82,6 +82,10 @@ def check_goal_fields(fields: tuple[Field, ...], goal_fields: tuple[str, str] | 
             raise InvalidArgument(f"goal_fields: the {role} goal {name!r} is not an observation field of the schema "
                                   f"(observation fields: {sorted(f.name for f in fields if f.observation)})")
     achieved, desired = (by_name[name] for name in goal_fields)
+    for goal in (achieved, desired):
+        if goal.framed:  # the relabeling kernel copies one stored goal row per transition
+            raise InvalidArgument(f"goal_fields: goal field {goal.name!r} is stacked (stack={goal.stack}); goals are "
+                                  "plain observation fields")
     if (achieved.dtype, achieved.shape) != (desired.dtype, desired.shape):
         raise InvalidArgument(f"goal_fields: expected one dtype and shape, got {achieved.name} "
                               f"{achieved.dtype}{list(achieved.shape)} and {desired.name} "
@@ -141,7 +145,7 @@ class EpisodicBuffer(LiveBuffer):
         goal_fields = check_goal_fields(fields, goal_fields)
         capacity = int(capacity_steps)
         config = {
-            "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in fields],
+            "fields": [f.to_config() for f in fields],
             "capacity_steps": capacity,
             "reward_field": reward_field,
             "goal_fields": None if goal_fields is None else list(goal_fields),
@@ -185,7 +189,7 @@ class EpisodicBuffer(LiveBuffer):
 
     @classmethod
     def from_config(cls, name: str, instance: str, config: dict, max_bytes: int | None = None) -> EpisodicBuffer:
-        fields = tuple(Field(f, dtype, tuple(shape), observation) for f, dtype, shape, observation in config["fields"])
+        fields = tuple(Field.from_config(field) for field in config["fields"])
         return cls(name, instance, fields, int(config["capacity_steps"]), reward_field=config["reward_field"],
                    sampler=components.from_config("sampler", config["sampler"]),
                    remover=components.from_config("remover", config["remover"]),

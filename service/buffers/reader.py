@@ -145,7 +145,7 @@ class RingReader:
     def batch_of(self, draw: Draw, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False
                  ) -> dict[str, np.ndarray]:
         """The batch of a draw: columns from the mode, keys and episode ids if asked, the sampler's extras."""
-        batch = mode.build(self.ring, draw, rng)
+        batch = mode.gather(self.ring, draw, rng)
         if include_keys:
             batch["key"] = draw.positions
             batch["episode_id"] = self.ring.episode_ids_of(draw.rows, draw.open_seq)

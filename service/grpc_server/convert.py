@@ -26,11 +26,14 @@ HOST = socket.gethostname()
 
 
 def fields_from_proto(specs) -> tuple[Field, ...]:
-    return tuple(Field(s.name, s.dtype, tuple(int(d) for d in s.shape), bool(s.observation)) for s in specs)
+    return tuple(Field(s.name, s.dtype, tuple(int(d) for d in s.shape), bool(s.observation),
+                       stack=s.stack if s.HasField("stack") else 1,
+                       stack_axis=s.stack_axis if s.HasField("stack_axis") else -1) for s in specs)
 
 
 def fields_to_proto(fields: tuple[Field, ...]) -> list[pb.FieldSpec]:
-    return [pb.FieldSpec(name=f.name, dtype=f.dtype, shape=list(f.shape), observation=f.observation) for f in fields]
+    return [pb.FieldSpec(name=f.name, dtype=f.dtype, shape=list(f.shape), observation=f.observation, stack=f.stack,
+                         stack_axis=f.stack_axis) for f in fields]
 
 
 def rollout_config_from_proto(config: pb.RolloutConfig) -> RolloutConfig:

@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FieldSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "observation")
+    __slots__ = ("name", "dtype", "shape", "observation", "stack", "stack_axis")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    STACK_AXIS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     observation: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., observation: _Optional[bool] = ...) -> None: ...
+    stack: int
+    stack_axis: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., observation: _Optional[bool] = ..., stack: _Optional[int] = ..., stack_axis: _Optional[int] = ...) -> None: ...
 
 class UniformSampler(_message.Message):
     __slots__ = ()
