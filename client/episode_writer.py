@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from client.polling import RECONNECT
-from client.replay_client import ReplayClient, Span, is_int, new_episode_id, spans_requests
+from client.replay_client import ReplayClient, Span, compress_columns, is_int, new_episode_id, spans_requests
 from service.wire.frame_fields import Frames, stacked_shape
 
 
@@ -27,7 +27,9 @@ class EpisodeWriter:
     one raises ValueError there and changes nothing: a value is converted to its field's dtype only within
     its kind or from a narrower kind (see `_row`), never truncated or wrapped. A stacked observation field
     (Frames(stack=k)) takes its frame, or the stacked observation an environment wrapper gives (gymnasium's
-    FrameStackObservation), of which the newest frame is kept: the buffer stacks frames again when sampled.
+    FrameStackObservation), of which the newest frame is kept: the buffer stacks frames again when sampled. A
+    compressed field's frames are compressed when their chunk or episode is complete (so requests carry them
+    compressed).
 
     A flush that fails because the server is unreachable keeps its spans for the next flush. One the
     server refuses (an open episode evicted meanwhile, say) is sent again one episode at a time: the
@@ -51,6 +53,7 @@ class EpisodeWriter:
         self.dtypes = {name: np.dtype(dtype) for name, (dtype, _, _) in fields.items()}
         self.shapes = {name: tuple(shape) for name, (_, shape, _) in fields.items()}
         self.frames: dict[str, Frames] = dict(info["frames"])
+        self._compressed = {name: frames for name, frames in self.frames.items() if frames.compression}
         self._steps: list[dict[str, np.ndarray]] = []  # rows of the open episode not sent yet
         self._episode_id = new_episode_id()
         self._rows_sent = 0  # rows of the open episode already sent as chunks
@@ -161,7 +164,8 @@ class EpisodeWriter:
             self.flush()
 
     def _chunk(self, ends: bool, terminated: bool) -> Span:
-        columns = {name: np.stack([step[name] for step in self._steps]) for name in self.dtypes}
+        columns = compress_columns({name: np.stack([step[name] for step in self._steps]) for name in self.dtypes},
+                                   self._compressed)
         # The offset names the chunk (with the episode id), so a retried flush stores it once.
         span = Span(columns, self._episode_id, begins=self._rows_sent == 0, ends=ends, terminated=terminated,
                     offset=self._rows_sent)

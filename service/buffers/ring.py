@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from service import kernels
+from service.buffers.arena import Arena
 from service.kernels import Columns
 from service.schema import Field, check_instance_name
 from service.storage.shared_arrays import SharedArrays
@@ -88,7 +89,11 @@ class EpisodicRing:
         self.goal_fields: tuple[str, str] | None = tuple(meta["goal_fields"]) if meta["goal_fields"] else None
         self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
         arrays = storage.arrays
-        self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
+        self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields if not f.compressed}
+        # The compressed fields' frames: byte arenas with a frame offset and length per row (arena.py).
+        self.arenas = {f.name: Arena(i, f, arrays[f"field.{f.name}.offset"], arrays[f"field.{f.name}.length"],
+                                     arrays[f"field.{f.name}.arena"], arrays["arena.state"][i])
+                       for i, f in enumerate(f for f in self.fields if f.compressed)}
         # The columns the batch modes' kernels gather, looked up once: a sample pays per dict lookup.
         self.observation_columns = Columns.of(self.columns, plain_observations)
         self.observation_and_step_columns = Columns.of(self.columns, plain_observations + self.step_fields)
@@ -97,7 +102,7 @@ class EpisodicRing:
         # size a batch's items. `row_bytes` is what a row takes in the ring.
         self.observation_row_bytes = sum(f.item_bytes for f in self.observation_fields)
         self.item_row_bytes = sum(f.item_bytes for f in self.fields)
-        self.row_bytes = sum(f.row_bytes for f in self.fields)
+        self.row_bytes = sum(f.row_bytes for f in self.fields if not f.compressed)  # the columns' (arenas apart)
         self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
         self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]
         self.extent_last, self.extent_flags = arrays["extent.last"], arrays["extent.flags"]

@@ -7,9 +7,14 @@ positions max(p - k + 1 + j, s), j = 0 .. k-1 (the episode's first frame repeate
 gymnasium's FrameStackObservation pads), stacked by the compiled kernel (kernels.stack_frames). Positions a
 read marks invalid (a sequence's rows past its episode) get zeros.
 
+A compressed field's frames are decompressed from its arena, each distinct frame a batch needs once, into a
+scratch array the kernel stacks from.
+
 Every position is wrapped onto the ring, and episode starts come from the extent table: a lock-free reader
 reading tables mid-write gets wrong frames that its validation detects (service/buffers/reader.py), never a
-read off an array.
+read off an array. A frame it finds torn (an offset or length off the arena, bytes that do not decompress to
+the frame's size) raises RingChanged, and it draws again; the writer's checks at insert keep every stored frame
+whole for a reader that holds the lock.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from typing import NamedTuple
 import numpy as np
 
 from service import kernels
+from service.buffers.arena import Arena
 from service.buffers.ring import EpisodicRing
+from service.errors import RingChanged
 from service.schema import Field
+from service.wire.frame_fields import FrameError, decompress
 
 
 class FrameRead(NamedTuple):
@@ -65,17 +73,50 @@ def gather_frames(ring: EpisodicRing, reads: Iterable[FrameRead], starts: np.nda
 
 def _gather_field(ring: EpisodicRing, field: Field, reads: tuple[FrameRead, ...], starts: np.ndarray,
                   batch: dict[str, np.ndarray]) -> None:
-    column, capacity = ring.columns[field.name], ring.capacity
+    capacity = ring.capacity
     written: dict[int, str] = {}  # id of a read's positions -> the column written for it
+    aliases: dict[str, str] = {}
+    stacks: list[tuple[str, tuple[int, ...], np.ndarray]] = []  # name, batch shape, ring rows (N, stack)
     for read in reads:
         name = read.prefix + field.name
         same = written.get(id(read.positions))
         if same is not None:
-            batch[name] = batch[same]
+            aliases[name] = same
             continue
         slots = frame_positions(read, starts, field.stack)
         rows = np.where(slots >= 0, slots % capacity, -1).reshape(-1, field.stack)  # (N, stack)
-        out = output(batch, name, read.positions.shape + field.batch_shape, column.dtype)
-        kernels.stack_frames(out, column, rows, int(field.stack_axis == 0))
-        batch[name] = out
+        stacks.append((name, read.positions.shape + field.batch_shape, rows))
         written[id(read.positions)] = name
+    if not field.compressed:
+        source = ring.columns[field.name]
+    else:  # each distinct frame decompressed once; rows become indices into the scratch frames
+        needed, inverse = np.unique(np.concatenate([rows.reshape(-1) for _, _, rows in stacks]), return_inverse=True)
+        source = decompressed(ring.arenas[field.name], needed)
+        at = np.cumsum([0] + [rows.size for _, _, rows in stacks])
+        stacks = [(name, shape, inverse[at[i]:at[i + 1]].reshape(rows.shape) - int(needed[0] < 0))
+                  for i, (name, shape, rows) in enumerate(stacks)]
+    for name, shape, rows in stacks:
+        out = output(batch, name, shape, source.dtype)
+        kernels.stack_frames(out, source, rows, int(field.stack_axis == 0))
+        batch[name] = out
+    for name, same in aliases.items():
+        batch[name] = batch[same]
+
+
+def decompressed(arena: Arena, rows: np.ndarray) -> np.ndarray:
+    """The frames of ring `rows` (sorted; a leading -1, a frame of zeros, is skipped), decompressed into one
+    array (frames, *frame). RingChanged for a frame that is not whole (a lock-free reader's torn read)."""
+    field, size = arena.field, arena.size
+    rows = rows[rows >= 0]
+    frames = np.empty((rows.size, *field.shape), field.dtype)
+    flat = frames.reshape(rows.size, -1).view(np.uint8)  # (frames, frame bytes)
+    offsets, lengths = arena.offset[rows] % size, arena.length[rows]
+    for i, (start, length) in enumerate(zip(offsets.tolist(), lengths.tolist(), strict=True)):
+        if not 0 < length <= size - start:
+            raise RingChanged(f"field {field.name!r}: a frame of {length} bytes at {start} lies off the arena")
+        try:
+            flat[i] = np.frombuffer(decompress(field.compression, arena.data[start:start + length], field.row_bytes),
+                                    np.uint8)
+        except FrameError as exc:
+            raise RingChanged(f"field {field.name!r}: a frame read mid-write ({exc})") from None
+    return frames

@@ -32,6 +32,7 @@ from service.weights import WeightStore
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
+from service.wire.frame_fields import CompressedFrames
 from service.wire.frames import InsertFrame, sample_response_batch, sample_response_bytes
 from service.worker_seats import WorkerSeats
 
@@ -369,6 +370,17 @@ def _decode(payload: bytes | memoryview, field: str) -> dict[str, np.ndarray]:
         raise codec.CodecError(f"{field}: {exc}") from exc
 
 
+def _insert_columns(frame: InsertFrame) -> dict[str, np.ndarray | CompressedFrames]:
+    """An insert's Arrow columns and compressed frames by field (the buffer checks them against its schema)."""
+    columns: dict[str, np.ndarray | CompressedFrames] = dict(_decode(frame.steps, "insert.steps"))
+    for name, frames in frame.compressed().items():
+        if name in columns:
+            raise errors.InvalidArgument(f"insert: field {name!r} is sent twice: as a column of insert.steps and as "
+                                         "compressed frames")
+        columns[name] = frames
+    return columns
+
+
 def sample_message(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
     """A batch as a serialized SampleResponse, what the sampling RPCs send (their response serializer is
     the identity): the columns are copied once, from the sampler's arrays into the message."""
@@ -460,12 +472,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             limiter=limiter,
             max_bytes=self.max_buffer_bytes,
             goal_fields=convert.goal_fields_from_proto(config),
+            capacity_bytes=config.capacity_bytes,
         )
         self.registry.add(buffer.name, buffer)
-        log.info(
-            "created buffer %r: %d steps x %d bytes/step = %.1f MiB of shared memory (%s)",
-            buffer.name, buffer.capacity, buffer.row_bytes, buffer.storage.nbytes / 2**20, buffer.storage.header_name,
-        )
+        log.info("created buffer %r: %d steps, %.1f MiB of shared memory (%s)", buffer.name, buffer.capacity,
+                 buffer.storage.nbytes / 2**20, buffer.storage.header_name)
         return self._info(buffer.name, buffer)
 
     @rpc
@@ -501,7 +512,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             request = frame.request
             try:
                 buffer = self.registry.episodic(request.buffer)
-                columns = _decode(frame.steps, "insert.steps")
+                columns = _insert_columns(frame)
                 spans_of_request = convert.spans_from_request(request)
                 result = buffer.insert_result(columns, spans_of_request, timeout=time_remaining(context),
                                               ended=call_end.on(buffer))

@@ -110,11 +110,12 @@ def buffer_stats(registry: BufferRegistry) -> list[dict]:
                     capacity, stored = buffer.capacity, buffer.stored_steps
                     counters, episodes = {**buffer.counters, **buffer.component_counters()}, buffer.episodes
                     sampleable, rate_limiter = buffer.sampleable_steps, buffer.limiter.to_config()
+                    frames = buffer.frame_stats()
             else:
                 info = buffer.info()
                 capacity = info["num_steps"] * info["num_envs"]
                 stored, counters, episodes = capacity - info["missing_steps"], info["counters"], 0
-                sampleable, rate_limiter = None, None
+                sampleable, rate_limiter, frames = None, None, {}
         except NotFound:
             continue  # deleted while the stats were being read
         stats.append({
@@ -129,6 +130,7 @@ def buffer_stats(registry: BufferRegistry) -> list[dict]:
             "inserted_steps": int(counters.get("inserted_rows", counters.get("pushed_steps", 0))),
             "sampled_items": int(counters.get("sampled_items", counters.get("served_samples", 0))),
             "counters": {k: float(v) for k, v in counters.items()},
+            "frames": frames,  # per compressed field: stored_bytes, arena_bytes, compression_ratio
         })
     return stats
 
@@ -161,6 +163,9 @@ class BufferCollector:
                                "side")
         waiting = gauge("rate_limiter_waiting", "Calls the rate limiter holds back right now", "side")
         raw = gauge("buffer_counter", "Buffer counters (inserts, samples, evictions, ...)", "counter")
+        frame_bytes = gauge("buffer_frames_stored_bytes", "Bytes of a compressed field's stored frames", "field")
+        frame_ratio = gauge("buffer_frames_compression_ratio",
+                            "Raw over stored bytes of a compressed field's stored frames (0: none stored)", "field")
         for stat in buffer_stats(self.registry):
             name, counts = stat["name"], stat["counters"]
             stored.add_metric([name], stat["stored_steps"])
@@ -169,6 +174,9 @@ class BufferCollector:
             for counter_name, value in counts.items():
                 raw.add_metric([name, counter_name], value)
             sampled.add_metric([name], stat["sampled_items"])
+            for field, figures in stat["frames"].items():
+                frame_bytes.add_metric([name, field], figures["stored_bytes"])
+                frame_ratio.add_metric([name, field], figures["compression_ratio"])
             if stat["kind"] == "rollout":
                 continue
             sampleable.add_metric([name], stat["sampleable_steps"])
@@ -183,7 +191,7 @@ class BufferCollector:
         for rpc, count in dict(self.rejected).items():
             rejected.add_metric([rpc], count)
         yield from (stored, capacity, sampleable, episodes, inserted, inserted_episodes, sampled, sampled_batches,
-                    waits, wait_seconds, waiting, raw, rejected)
+                    waits, wait_seconds, waiting, raw, frame_bytes, frame_ratio, rejected)
 
 
 def loopback_hosts(host: str) -> list[str] | None:

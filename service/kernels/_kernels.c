@@ -1101,12 +1101,13 @@ static PyObject *stack_frames(PyObject *module, PyObject *const *args, Py_ssize_
         || !(source = array_arg(args[1], "source", -1, 0, 0)) || !(rows_view = array_arg(args[2], "rows", NPY_INT64, 0, 0))
         || int_arg(args[3], "axis_first", &axis_first))
         return NULL;
-    if (PyArray_NDIM(source) < 1 || PyArray_DIM(source, 0) < 1 || PyArray_NDIM(rows_view) != 2) {
-        PyErr_SetString(PyExc_ValueError, "stack_frames: expected a source of at least one row and (N, k) rows");
+    if (PyArray_NDIM(source) < 1 || PyArray_NDIM(rows_view) != 2) {
+        PyErr_SetString(PyExc_ValueError, "stack_frames: expected a source with a row axis and (N, k) rows");
         return NULL;
     }
-    Py_ssize_t count = PyArray_DIM(rows_view, 0), k = PyArray_DIM(rows_view, 1),
-               frame_bytes = PyArray_NBYTES(source) / PyArray_DIM(source, 0), itemsize = PyArray_ITEMSIZE(source);
+    Py_ssize_t count = PyArray_DIM(rows_view, 0), k = PyArray_DIM(rows_view, 1), itemsize = PyArray_ITEMSIZE(source),
+               frame_bytes = itemsize;
+    for (int d = 1; d < PyArray_NDIM(source); d++) frame_bytes *= PyArray_DIM(source, d);
     if (!PyArray_EquivTypes(PyArray_DESCR(out), PyArray_DESCR(source)) || PyArray_NBYTES(out) != count * k * frame_bytes) {
         PyErr_Format(PyExc_ValueError, "stack_frames: out expected %zd bytes of the source's dtype, got %zd",
                      count * k * frame_bytes, (Py_ssize_t)PyArray_NBYTES(out));
