@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from client.batch_stream import BatchStream
+from client.batch_stream import BatchStream, decode_sample
 from client.retries import cut_short_by_deadline, server_retry_after
 from service.wire import codec
 from service.wire import components as options
@@ -37,7 +37,7 @@ from service.wire.components import (
     Uniform,
 )
 from service.wire.frame_fields import CompressedFrames, Frames, compress, concatenate
-from service.wire.frames import InsertFrame, sample_response_batch, serialize_insert
+from service.wire.frames import InsertFrame, SampledMessage, sample_response, sample_response_batch, serialize_insert
 
 # field -> (numpy dtype, row shape), or (dtype, frame shape, Frames(...)) for a stacked or compressed observation field
 Schema = Mapping[str, tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], Frames]]
@@ -364,10 +364,10 @@ class _SamplingCalls:
     def on(cls, channel: grpc.Channel) -> _SamplingCalls:
         return cls(
             channel.unary_unary("/replayd.v1.Replay/Sample", request_serializer=pb.SampleRequest.SerializeToString,
-                                response_deserializer=sample_response_batch),
+                                response_deserializer=sample_response),
             channel.unary_stream("/replayd.v1.Replay/SampleStream",
                                  request_serializer=pb.SampleStreamRequest.SerializeToString,
-                                 response_deserializer=sample_response_batch),
+                                 response_deserializer=sample_response),
         )
 
 
@@ -755,21 +755,28 @@ class ReplayClient:
     @staticmethod
     def sample_request(buffer: str, batch_size: int, mode: ModeOptions = Transitions(), seed: int | None = None,
                        include_keys: bool = False, wait: bool = False,
-                       importance_beta: float = 0.0) -> pb.SampleRequest:
+                       importance_beta: float = 0.0, decompress: str = "server") -> pb.SampleRequest:
         """`mode`: Transitions(n_step=..., gamma=...), Geometric(discount=...), States(), ... (validated where
-        constructed)."""
+        constructed). `decompress`: where compressed fields' frames are decompressed, "server" (the batch
+        carries them whole) or "client" (the message carries each frame compressed once, and the client
+        decompresses and stacks them as it decodes the batch: fewer bytes on the wire, and the work on the
+        learner's side, in a Loader's prefetch thread)."""
         _refuse_none(batch_size=batch_size, importance_beta=importance_beta)
         _expect("mode", mode, ModeOptions, "a batch mode's options (Transitions(), Geometric(discount=...), ...)")
+        if decompress not in ("server", "client"):
+            raise ValueError(f"decompress: expected 'server' or 'client', got {decompress!r}")
         request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, mode=mode.to_proto(),
-                                   include_keys=include_keys, wait=wait, importance_beta=importance_beta)
+                                   include_keys=include_keys, wait=wait, importance_beta=importance_beta,
+                                   decompress=decompress)
         if seed is not None:
             request.seed = seed
         return request
 
     def sample(self, buffer: str, batch_size: int, mode: ModeOptions = Transitions(), *,
                timeout: float | None = None, **request_options: Any) -> dict[str, np.ndarray]:
-        """One batch as read-only numpy arrays (views into the received bytes). `request_options`: seed,
-        include_keys, wait, importance_beta (see sample_request)."""
+        """One batch as read-only numpy arrays (views into the received bytes; compressed fields shipped to be
+        decompressed here are fresh arrays). `request_options`: seed, include_keys, wait, importance_beta,
+        decompress (see sample_request)."""
         request = self.sample_request(buffer, batch_size, mode, **request_options)
         # The first sample of a buffer asks the server about it: within the sample's timeout, which covers
         # that describe, the sample and its retries.
@@ -778,7 +785,7 @@ class ReplayClient:
         # sampling is retried.
         codes = [] if self._sampling_changes_state(buffer, _left(give_up)) else list(self.RETRYABLE)
 
-        def attempt(remaining: float | None) -> bytes:
+        def attempt(remaining: float | None) -> SampledMessage:
             try:
                 calls, left = self._sampling_within(buffer, remaining)
                 return calls.sample(request, timeout=left)
@@ -792,7 +799,7 @@ class ReplayClient:
                         codes.clear()
                 raise
 
-        return codec.decode(self._with_retries(attempt, codes, _left(give_up)))
+        return decode_sample(self._with_retries(attempt, codes, _left(give_up)))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -820,5 +827,5 @@ class ReplayClient:
             calls, left = self._sampling_within(buffer, remaining)
             return calls.stream(request, timeout=left)
 
-        return BatchStream(open_call, timeout,
-                           on_unavailable=lambda: self._forget_sampling(buffer))
+        return BatchStream(open_call, timeout, on_unavailable=lambda: self._forget_sampling(buffer),
+                           decode=decode_sample)

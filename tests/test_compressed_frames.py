@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import closing
 
 import grpc
@@ -472,9 +471,11 @@ def test_sample_workers_and_metrics_serve_compressed_buffers(tmp_path) -> None:
             for episode in range(10):
                 client.insert([request_of(episode, 30)])
             assert client.describe("pix")["sample_endpoints"]
-            for batch in client.sample_stream("pix", 32, Transitions(), num_batches=3, include_keys=True):
-                episodes, _ = named(batch["obs"].reshape(-1, *FRAME))
-                np.testing.assert_array_equal(episodes.reshape(32, 4)[:, -1], batch["episode_id"])
+            for decompress in ("server", "client"):  # the workers ship frames too
+                for batch in client.sample_stream("pix", 32, Transitions(), num_batches=3, include_keys=True,
+                                                  decompress=decompress):
+                    episodes, _ = named(batch["obs"].reshape(-1, *FRAME))
+                    np.testing.assert_array_equal(episodes.reshape(32, 4)[:, -1], batch["episode_id"])
             base = f"http://127.0.0.1:{server.http.port}"
             [stats] = httpx.get(f"{base}/api/buffers").json()["buffers"]
             assert stats["frames"]["obs"]["stored_bytes"] > 0 and stats["frames"]["obs"]["compression_ratio"] > 2
@@ -498,5 +499,69 @@ def test_the_wire_carries_compression_options_and_refuses_bad_ones(client: Repla
         Frames(compression="snappy")
 
 
-def iterate(stream: Iterator) -> int:
-    return sum(1 for _ in stream)
+# ---------------------------------------------------------------------------------------------- decompress="client"
+@pytest.mark.parametrize("mode", [Transitions(1), Transitions(3), Sequences(6, burn_in=2)],
+                         ids=["1-step", "3-step", "sequences"])
+def test_frames_decompressed_by_the_client_are_the_servers_batch(client: ReplayClient, mode: object) -> None:
+    client.create_buffer("pix", 1000, SCHEMA, capacity_bytes=150_000)
+    client.insert([request_of(episode, int(length)) for episode, length in enumerate(
+        np.random.default_rng(0).integers(5, 40, 25))])
+    server_side = client.sample("pix", 64, mode, seed=4, include_keys=True)
+    client_side = client.sample("pix", 64, mode, seed=4, include_keys=True, decompress="client")
+    assert server_side.keys() == client_side.keys()
+    for name in server_side:
+        np.testing.assert_array_equal(client_side[name], server_side[name], err_msg=name)
+    if mode == Transitions(1):
+        assert client_side["bootstrap_obs"] is client_side["next_obs"]
+    streamed = list(client.sample_stream("pix", 64, mode, num_batches=3, seed=4, include_keys=True,
+                                         decompress="client"))
+    np.testing.assert_array_equal(streamed[0]["obs"], server_side["obs"])
+
+
+def test_shipped_frames_cross_the_wire_compressed(client: ReplayClient, server) -> None:
+    from service.grpc_server.servicer import sample_message
+    from service.wire.frames import sample_response
+
+    client.create_buffer("pix", 1000, SCHEMA, capacity_bytes=150_000)
+    client.insert([request_of(episode, 30) for episode in range(10)])
+    buffer = server.registry.get("pix")
+    shipped: list = []
+    batch = buffer.sample(32, TransitionsMode(1, 0.9), np.random.default_rng(0), shipped=shipped)
+    assert batch["obs"].dtype == np.int32 and batch["obs"].shape == (32, 4)  # indices of each stacked frame
+    message = sample_message(batch, 2**30, shipped)
+    whole = sample_message(buffer.sample(32, TransitionsMode(1, 0.9), np.random.default_rng(0)), 2**30)
+    assert len(message) * 3 < len(whole)  # small test frames; Atari frames: see bench/bench_pixels.py
+    parsed = sample_response(message)
+    [(metadata, frames)] = parsed.frames
+    assert metadata.field == "obs" and list(metadata.columns) == ["obs", "next_obs", "bootstrap_obs"]
+    assert metadata.spec.stack == 4 and metadata.spec.compression == "zstd"
+    assert len(frames) == len(np.unique(batch["obs"].tolist() + batch["next_obs"].tolist()))
+    code, details = rpc_status(client._server_sampling.sample, pb.SampleRequest(
+        buffer="pix", batch_size=4, mode=Transitions().to_proto(), decompress="gpu"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "sample.decompress: expected 'server' or 'client'" in details
+    with pytest.raises(ValueError, match="decompress: expected 'server' or 'client', got 'gpu'"):
+        client.sample("pix", 4, decompress="gpu")
+
+
+def test_the_loader_decompresses_shipped_frames_on_its_thread(client: ReplayClient) -> None:
+    import torch
+
+    from client.loader import Loader
+
+    client.create_buffer("pix", 1000, SCHEMA, capacity_bytes=150_000)
+    client.insert([request_of(episode, 30) for episode in range(10)])
+    reference = list(client.sample_stream("pix", 16, Transitions(2), num_batches=3, seed=9))
+    threads = set()
+    decode = __import__("client.batch_stream", fromlist=["decode_sample"]).decode_sample
+
+    def recording(message: object) -> dict:
+        threads.add(threading.current_thread().name)
+        return decode(message)
+
+    stream = client.sample_stream("pix", 16, Transitions(2), num_batches=3, seed=9, decompress="client")
+    stream._decode = recording
+    with Loader(stream, prefetch=2) as loader:
+        batches = list(loader)
+    assert threads == {"replayd-loader"}
+    for got, expected in zip(batches, reference, strict=True):
+        assert torch.equal(got["bootstrap_obs"], torch.from_numpy(expected["bootstrap_obs"]))

@@ -42,6 +42,7 @@ from service.buffers.planner import (
 from service.buffers.reader import RingReader, shared_sampling
 from service.buffers.repair import repair
 from service.buffers.ring import HOLE, NEXT_SEQ, SAMPLEABLE, STATE_SIZE, EpisodicRing, shm_name
+from service.buffers.stacking import Shipped
 from service.buffers.writer import RingWriter
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
 from service.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ShortOfDraws
@@ -561,8 +562,10 @@ class EpisodicBuffer(LiveBuffer):
 
     def sample(self, batch_size: int, mode: BatchMode, rng: np.random.Generator | None = None,
                include_keys: bool = False, wait_seconds: float | None = None,
-               importance_beta: float = 0.0, ended: threading.Event | None = None) -> dict[str, np.ndarray]:
-        """One batch: indices from the sampler, columns from the mode, gathered under the lock.
+               importance_beta: float = 0.0, ended: threading.Event | None = None,
+               shipped: list[Shipped] | None = None) -> dict[str, np.ndarray]:
+        """One batch: indices from the sampler, columns from the mode, gathered under the lock. `shipped`:
+        where compressed fields' frames go compressed (decompress="client": BatchMode.gather).
 
         With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back, or steps with fewer
         draws left than the batch needs) is waited on (a condition, not a spin) for that long, or until
@@ -575,10 +578,11 @@ class EpisodicBuffer(LiveBuffer):
             while True:
                 self._await_sample(batch_size, deadline, wait_seconds, ended)
                 if not self.remover.retires:
-                    batch = self.reader.gather(batch_size, mode, rng, include_keys, importance_beta)[1]
+                    batch = self.reader.gather(batch_size, mode, rng, include_keys, importance_beta, shipped)[1]
                     break
                 try:
-                    batch = self._gather_within_draws_left(batch_size, mode, rng, include_keys, importance_beta)
+                    batch = self._gather_within_draws_left(batch_size, mode, rng, include_keys, importance_beta,
+                                                           shipped)
                     break
                 except ShortOfDraws:
                     if deadline is None:
@@ -612,7 +616,8 @@ class EpisodicBuffer(LiveBuffer):
             self.inserted.notify_all()
 
     def _gather_within_draws_left(self, batch_size: int, mode: BatchMode, rng: np.random.Generator,
-                                  include_keys: bool, importance_beta: float) -> dict[str, np.ndarray]:
+                                  include_keys: bool, importance_beta: float,
+                                  shipped: list[Shipped] | None) -> dict[str, np.ndarray]:
         """A batch of a buffer whose remover retires steps, drawn in rounds: each round's draws are counted
         as they are taken, and those past a step's draws left are drawn again, so that a step comes back
         at most as often as it has draws left, within the batch too. A batch its steps' draws left cannot
@@ -642,7 +647,7 @@ class EpisodicBuffer(LiveBuffer):
                 f"sample of buffer {self.name!r}: its steps have fewer draws left than batch_size={batch_size} "
                 f"({self.remover.to_config()}; {exc})"
             ) from None
-        return self.reader.batch_of(Draw.concatenate(parts), mode, rng, include_keys)
+        return self.reader.batch_of(Draw.concatenate(parts), mode, rng, include_keys, shipped)
 
     def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
         """(applied, ignored_stale): see PrioritizedSampler.update_priorities."""

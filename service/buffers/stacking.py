@@ -8,7 +8,9 @@ gymnasium's FrameStackObservation pads), stacked by the compiled kernel (kernels
 read marks invalid (a sequence's rows past its episode) get zeros.
 
 A compressed field's frames are decompressed from its arena, each distinct frame a batch needs once, into a
-scratch array the kernel stacks from.
+scratch array the kernel stacks from; or, for a sample with decompress="client", copied out compressed
+(`Shipped`), each distinct frame once, while the batch's columns of the field hold each stacked frame's index
+into them: the client decompresses and stacks them (client/batch_stream.py).
 
 Every position is wrapped onto the ring, and episode starts come from the extent table: a lock-free reader
 reading tables mid-write gets wrong frames that its validation detects (service/buffers/reader.py), never a
@@ -29,7 +31,7 @@ from service.buffers.arena import Arena
 from service.buffers.ring import EpisodicRing
 from service.errors import RingChanged
 from service.schema import Field
-from service.wire.frame_fields import FrameError, decompress
+from service.wire.frame_fields import CompressedFrames, FrameError, decompress
 
 
 class FrameRead(NamedTuple):
@@ -62,21 +64,30 @@ def output(batch: dict[str, np.ndarray], name: str, shape: tuple[int, ...], dtyp
     return np.empty(shape, dtype)
 
 
-def gather_frames(ring: EpisodicRing, reads: Iterable[FrameRead], starts: np.ndarray,
-                  batch: dict[str, np.ndarray]) -> None:
+class Shipped(NamedTuple):
+    """A compressed field's frames a batch ships compressed (decompress="client"): each distinct frame once, and
+    the batch's columns that hold int32 indices into them (one per frame of a stack, -1: a frame of zeros)."""
+
+    field: Field
+    frames: CompressedFrames
+    columns: tuple[str, ...]
+
+
+def gather_frames(ring: EpisodicRing, reads: Iterable[FrameRead], starts: np.ndarray, batch: dict[str, np.ndarray],
+                  shipped: list[Shipped] | None = None) -> None:
     """Writes `prefix + field` of every read for every framed field of `ring`. A read whose positions are the
-    array of an earlier read (bootstrap_ at t + 1 for 1-step transitions) gets that read's column itself."""
+    array of an earlier read (bootstrap_ at t + 1 for 1-step transitions) gets that read's column itself. With
+    `shipped`, a compressed field's columns hold indices into its frames, which are appended there compressed."""
     reads = tuple(reads)
     for field in ring.framed_fields:
-        _gather_field(ring, field, reads, starts, batch)
+        _gather_field(ring, field, reads, starts, batch, shipped)
 
 
 def _gather_field(ring: EpisodicRing, field: Field, reads: tuple[FrameRead, ...], starts: np.ndarray,
-                  batch: dict[str, np.ndarray]) -> None:
-    capacity = ring.capacity
+                  batch: dict[str, np.ndarray], shipped: list[Shipped] | None) -> None:
     written: dict[int, str] = {}  # id of a read's positions -> the column written for it
     aliases: dict[str, str] = {}
-    stacks: list[tuple[str, tuple[int, ...], np.ndarray]] = []  # name, batch shape, ring rows (N, stack)
+    stacks: list[tuple[str, tuple[int, ...], np.ndarray]] = []  # name, positions' shape, ring rows (N, stack)
     for read in reads:
         name = read.prefix + field.name
         same = written.get(id(read.positions))
@@ -84,36 +95,61 @@ def _gather_field(ring: EpisodicRing, field: Field, reads: tuple[FrameRead, ...]
             aliases[name] = same
             continue
         slots = frame_positions(read, starts, field.stack)
-        rows = np.where(slots >= 0, slots % capacity, -1).reshape(-1, field.stack)  # (N, stack)
-        stacks.append((name, read.positions.shape + field.batch_shape, rows))
+        stacks.append((name, read.positions.shape, np.where(slots >= 0, slots % ring.capacity, -1).reshape(
+            -1, field.stack)))  # (N, stack)
         written[id(read.positions)] = name
-    if not field.compressed:
-        source = ring.columns[field.name]
-    else:  # each distinct frame decompressed once; rows become indices into the scratch frames
+    if field.compressed:  # each distinct frame once; rows become indices into those frames
         needed, inverse = np.unique(np.concatenate([rows.reshape(-1) for _, _, rows in stacks]), return_inverse=True)
-        source = decompressed(ring.arenas[field.name], needed)
         at = np.cumsum([0] + [rows.size for _, _, rows in stacks])
         stacks = [(name, shape, inverse[at[i]:at[i + 1]].reshape(rows.shape) - int(needed[0] < 0))
                   for i, (name, shape, rows) in enumerate(stacks)]
+        arena, needed = ring.arenas[field.name], needed[needed >= 0]
+        if shipped is not None:
+            shipped.append(Shipped(field, frames_of(arena, needed), (*written.values(), *aliases)))
+            for name, shape, indices in stacks:  # (*positions' shape[, stack])
+                batch[name] = indices.astype(np.int32).reshape(shape + ((field.stack,) if field.stack > 1 else ()))
+            _alias(batch, aliases)
+            return
+        source = decompressed(arena, needed)
+    else:
+        source = ring.columns[field.name]
     for name, shape, rows in stacks:
-        out = output(batch, name, shape, source.dtype)
+        out = output(batch, name, shape + field.batch_shape, source.dtype)
         kernels.stack_frames(out, source, rows, int(field.stack_axis == 0))
         batch[name] = out
+    _alias(batch, aliases)
+
+
+def _alias(batch: dict[str, np.ndarray], aliases: dict[str, str]) -> None:
     for name, same in aliases.items():
         batch[name] = batch[same]
 
 
+def frame_spans(arena: Arena, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start in the arena, length) of the frames of ring `rows`; RingChanged for one that lies off the arena (a
+    lock-free reader's torn read of the tables)."""
+    starts, lengths = arena.offset[rows] % arena.size, arena.length[rows].astype(np.int64)
+    if np.any((lengths < 1) | (lengths > arena.size - starts)):
+        raise RingChanged(f"field {arena.field.name!r}: a frame's offset and length read mid-write lie off its arena")
+    return starts, lengths
+
+
+def frames_of(arena: Arena, rows: np.ndarray) -> CompressedFrames:
+    """The compressed frames of ring `rows`, copied out of their arena."""
+    starts, lengths = frame_spans(arena, rows)
+    ends = np.cumsum(lengths)
+    index = np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if lengths.size else 0)
+    return CompressedFrames(arena.data[index], lengths)
+
+
 def decompressed(arena: Arena, rows: np.ndarray) -> np.ndarray:
-    """The frames of ring `rows` (sorted; a leading -1, a frame of zeros, is skipped), decompressed into one
-    array (frames, *frame). RingChanged for a frame that is not whole (a lock-free reader's torn read)."""
-    field, size = arena.field, arena.size
-    rows = rows[rows >= 0]
+    """The frames of ring `rows` decompressed into one array (frames, *frame). RingChanged for a frame that is not
+    whole (a lock-free reader's torn read)."""
+    field = arena.field
     frames = np.empty((rows.size, *field.shape), field.dtype)
     flat = frames.reshape(rows.size, -1).view(np.uint8)  # (frames, frame bytes)
-    offsets, lengths = arena.offset[rows] % size, arena.length[rows]
-    for i, (start, length) in enumerate(zip(offsets.tolist(), lengths.tolist(), strict=True)):
-        if not 0 < length <= size - start:
-            raise RingChanged(f"field {field.name!r}: a frame of {length} bytes at {start} lies off the arena")
+    starts, lengths = frame_spans(arena, rows)
+    for i, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
         try:
             flat[i] = np.frombuffer(decompress(field.compression, arena.data[start:start + length], field.row_bytes),
                                     np.uint8)

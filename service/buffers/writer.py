@@ -43,6 +43,7 @@ from service.buffers.ring import (
     TERMINATED,
     EpisodicRing,
 )
+from service.buffers.stacking import frames_of
 from service.removers import Remover
 from service.samplers.base import Sampler
 from service.wire.frame_fields import CompressedFrames
@@ -304,11 +305,3 @@ class RingWriter:
             gathered[name] = frames_of(arena, rows)
         return gathered
 
-
-def frames_of(arena: Arena, rows: np.ndarray) -> CompressedFrames:
-    """The compressed frames of ring rows, copied out of their arena."""
-    lengths = arena.length[rows].astype(np.int64)
-    starts = arena.offset[rows] % arena.size
-    ends = np.cumsum(lengths)
-    index = np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if lengths.size else 0)
-    return CompressedFrames(arena.data[index], lengths)

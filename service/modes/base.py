@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from service.buffers.ring import EpisodicRing
-from service.buffers.stacking import FrameRead, gather_frames
+from service.buffers.stacking import FrameRead, Shipped, gather_frames
 from service.configured import Configured
 from service.samplers.draw import Draw
 from service.wire.components import ModeOptions
@@ -55,11 +55,14 @@ class BatchMode(Configured, ABC):
         the geometric offsets), for the stacked fields' pass: e.g. ("", positions), ("next_", positions + 1)."""
 
     def gather(self, ring: EpisodicRing, draw: Draw, rng: np.random.Generator,
-               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """The draw's whole batch: `build`'s columns, then every stacked field at every prefix's positions, each
-        written into `batch`'s array of its name when it holds one."""
+               batch: dict[str, np.ndarray] | None = None, shipped: list[Shipped] | None = None
+               ) -> dict[str, np.ndarray]:
+        """The draw's whole batch: `build`'s columns, then every stacked or compressed field at every prefix's
+        positions, each written into `batch`'s array of its name when it holds one. With `shipped` (a sample
+        with decompress="client"), compressed fields' frames go there compressed, and their columns hold
+        indices into them."""
         built = self.build(ring, draw, rng, batch)
         if ring.framed_fields:
             gather_frames(ring, self.frame_reads(ring, draw, built), ring.episode_starts_of(draw.rows, draw.open_seq),
-                          built)
+                          built, shipped)
         return built

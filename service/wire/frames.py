@@ -5,7 +5,8 @@ serializing copies once more. For inserts and samples (up to hundreds of MB) the
 where gRPC put it: `parse_with_payload` returns the other fields (parsed by protobuf as usual) and a
 memoryview of the payload; `join_bytes_field` appends a payload to a serialized message with one copy.
 An insert's compressed frames (CompressedFrames messages, each with its own bytes field) stay where gRPC
-put them too, and are joined into a request with the payload in one copy.
+put them too, and are joined into a request with the payload in one copy; so are the frames a sample ships
+compressed (decompress="client"), after its batch.
 The bytes on the wire are ordinary protobuf, so any gRPC client or server interoperates.
 """
 
@@ -171,16 +172,14 @@ class InsertFrame:
             request.ClearField("frames")
             return cls(request, payload, parsed)
         payload = views[steps][-1] if views[steps] else memoryview(raw)[0:0]
-        return cls(pb.InsertRequest.FromString(rest), payload, tuple(map(_parse_frames, views[frames])))
+        parsed = tuple((message.field, frames) for message, frames in map(_parse_frames, views[frames]))
+        return cls(pb.InsertRequest.FromString(rest), payload, parsed)
 
     def serialize(self) -> bytes:
         parts, size = _parts(self.payload)
         out = [self.request.SerializeToString(), _field_head(pb.InsertRequest.STEPS_FIELD_NUMBER, size), *parts]
         for name, frames in self.frames:
-            head = pb.CompressedFrames(field=name, lengths=frames.lengths.tolist()).SerializeToString()
-            body = _field_head(pb.CompressedFrames.FRAMES_FIELD_NUMBER, frames.nbytes)
-            out += [_field_head(pb.InsertRequest.FRAMES_FIELD_NUMBER, len(head) + len(body) + frames.nbytes), head,
-                    body, frames.data]
+            out += frames_field(pb.InsertRequest.FRAMES_FIELD_NUMBER, pb.CompressedFrames(field=name), frames)
         return b"".join(out)
 
     def compressed(self) -> dict[str, CompressedFrames]:
@@ -193,20 +192,33 @@ class InsertFrame:
         return found
 
 
+def frames_field(field_number: int, message: pb.CompressedFrames, frames: CompressedFrames) -> list:
+    """The parts of a CompressedFrames field holding `message` (its frames and lengths left unset) and `frames`:
+    the frames' bytes are joined into the enclosing message by the caller, one copy."""
+    head = pb.CompressedFrames()
+    head.CopyFrom(message)
+    head.lengths[:] = frames.lengths.tolist()
+    encoded = head.SerializeToString()
+    body = _field_head(pb.CompressedFrames.FRAMES_FIELD_NUMBER, frames.nbytes)
+    return [_field_head(field_number, len(encoded) + len(body) + frames.nbytes), encoded, body, frames.data]
+
+
 def _frames(data: memoryview, lengths: object) -> CompressedFrames:
     return CompressedFrames(np.frombuffer(data, np.uint8), np.array(lengths, dtype=np.int64))
 
 
-def _parse_frames(raw: memoryview) -> tuple[str, CompressedFrames]:
-    """A CompressedFrames message's field name and frames, the frames' bytes left where they are."""
+def _parse_frames(raw: memoryview) -> tuple[pb.CompressedFrames, CompressedFrames]:
+    """A CompressedFrames message (without its frames) and its frames, whose bytes are left where they are."""
     try:
         rest, views = split_fields(raw, (pb.CompressedFrames.FRAMES_FIELD_NUMBER,), MANY_FIELDS)
     except ParseWhole:  # lengths sent unpacked: protobuf's parser takes them (and copies the frames)
         message = pb.CompressedFrames.FromString(raw)
-        return message.field, _frames(memoryview(message.frames), message.lengths)
+        frames = _frames(memoryview(message.frames), message.lengths)
+        message.ClearField("frames")
+        return message, frames
     message = pb.CompressedFrames.FromString(rest)
     found = views[pb.CompressedFrames.FRAMES_FIELD_NUMBER]
-    return message.field, _frames(found[-1] if found else raw[0:0], message.lengths)
+    return message, _frames(found[-1] if found else raw[0:0], message.lengths)
 
 
 def serialize_insert(message: InsertFrame | pb.InsertRequest) -> bytes:
@@ -230,13 +242,20 @@ def sample_response_head(payload_size: int) -> bytes:
     return alignment_key + _varint(zeros) + bytes(zeros) + batch_key
 
 
-def sample_response_bytes(batch: bytes | memoryview | tuple) -> bytes:
-    """A serialized SampleResponse around an Arrow payload. `batch` may be the payload's parts
-    (codec.encode_parts): they are copied once, straight into the message, which is the only copy
+# A sample's shipped frames: each a CompressedFrames message (field, spec, columns) and the frames themselves.
+ShippedFrames = tuple[tuple[pb.CompressedFrames, CompressedFrames], ...]
+
+
+def sample_response_bytes(batch: bytes | memoryview | tuple, frames: ShippedFrames = ()) -> bytes:
+    """A serialized SampleResponse around an Arrow payload, and compressed frames after it. `batch` may be the
+    payload's parts (codec.encode_parts): they are copied once, straight into the message, which is the only copy
     of the columns between the sampler's gather and gRPC's own copy into its send buffer (a stream
     whose layout the codec knows gathers straight into the message instead: service/grpc_server/in_place.py)."""
     parts, size = _parts(batch)
-    return b"".join([sample_response_head(size), *parts])
+    out = [sample_response_head(size), *parts]
+    for message, shipped in frames:
+        out += frames_field(pb.SampleResponse.FRAMES_FIELD_NUMBER, message, shipped)
+    return b"".join(out)
 
 
 def sample_response_batch(raw: bytes) -> memoryview:
@@ -245,3 +264,31 @@ def sample_response_batch(raw: bytes) -> memoryview:
     if len(raw) > head and raw[:head] == sample_response_head(len(raw) - head):  # what replayd sends: no scan
         return memoryview(raw)[head:]
     return parse_with_payload(raw, pb.SampleResponse, "batch")[1]
+
+
+@dataclass(frozen=True)
+class SampledMessage:
+    """A SampleResponse's Arrow payload and shipped frames, both views of the received message."""
+
+    batch: memoryview
+    frames: ShippedFrames = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.batch.nbytes + sum(frames.nbytes for _, frames in self.frames)
+
+
+def sample_response(raw: bytes) -> SampledMessage:
+    """A serialized SampleResponse's payload and frames, without copying them."""
+    head = SAMPLE_RESPONSE_HEAD_BYTES
+    if len(raw) > head and raw[:head] == sample_response_head(len(raw) - head):  # a batch alone: no scan
+        return SampledMessage(memoryview(raw)[head:])
+    batch, frames = pb.SampleResponse.BATCH_FIELD_NUMBER, pb.SampleResponse.FRAMES_FIELD_NUMBER
+    try:
+        _, views = split_fields(raw, (batch, frames), MANY_FIELDS)
+    except ParseWhole:
+        message = pb.SampleResponse.FromString(raw)
+        return SampledMessage(memoryview(message.batch), tuple(
+            (shipped, _frames(memoryview(shipped.frames), shipped.lengths)) for shipped in message.frames))
+    return SampledMessage(views[batch][-1] if views[batch] else memoryview(raw)[0:0],
+                          tuple(map(_parse_frames, views[frames])))

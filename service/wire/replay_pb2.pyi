@@ -27,14 +27,18 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., observation: _Optional[bool] = ..., stack: _Optional[int] = ..., stack_axis: _Optional[int] = ..., compression: _Optional[str] = ..., compression_level: _Optional[int] = ...) -> None: ...
 
 class CompressedFrames(_message.Message):
-    __slots__ = ("field", "frames", "lengths")
+    __slots__ = ("field", "frames", "lengths", "spec", "columns")
     FIELD_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     field: str
     frames: bytes
     lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, field: _Optional[str] = ..., frames: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    spec: FieldSpec
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, field: _Optional[str] = ..., frames: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[FieldSpec, _Mapping]] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UniformSampler(_message.Message):
     __slots__ = ()
@@ -304,7 +308,7 @@ class BatchMode(_message.Message):
     def __init__(self, transitions: _Optional[_Union[TransitionsMode, _Mapping]] = ..., geometric: _Optional[_Union[GeometricMode, _Mapping]] = ..., states: _Optional[_Union[StatesMode, _Mapping]] = ..., sequences: _Optional[_Union[SequencesMode, _Mapping]] = ..., hindsight: _Optional[_Union[HindsightMode, _Mapping]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("buffer", "batch_size", "mode", "seed", "include_keys", "importance_beta", "wait")
+    __slots__ = ("buffer", "batch_size", "mode", "seed", "include_keys", "importance_beta", "wait", "decompress")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +316,7 @@ class SampleRequest(_message.Message):
     INCLUDE_KEYS_FIELD_NUMBER: _ClassVar[int]
     IMPORTANCE_BETA_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
+    DECOMPRESS_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     batch_size: int
     mode: BatchMode
@@ -319,15 +324,18 @@ class SampleRequest(_message.Message):
     include_keys: bool
     importance_beta: float
     wait: bool
-    def __init__(self, buffer: _Optional[str] = ..., batch_size: _Optional[int] = ..., mode: _Optional[_Union[BatchMode, _Mapping]] = ..., seed: _Optional[int] = ..., include_keys: _Optional[bool] = ..., importance_beta: _Optional[float] = ..., wait: _Optional[bool] = ...) -> None: ...
+    decompress: str
+    def __init__(self, buffer: _Optional[str] = ..., batch_size: _Optional[int] = ..., mode: _Optional[_Union[BatchMode, _Mapping]] = ..., seed: _Optional[int] = ..., include_keys: _Optional[bool] = ..., importance_beta: _Optional[float] = ..., wait: _Optional[bool] = ..., decompress: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch", "alignment")
+    __slots__ = ("batch", "alignment", "frames")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
     alignment: bytes
-    def __init__(self, batch: _Optional[bytes] = ..., alignment: _Optional[bytes] = ...) -> None: ...
+    frames: _containers.RepeatedCompositeFieldContainer[CompressedFrames]
+    def __init__(self, batch: _Optional[bytes] = ..., alignment: _Optional[bytes] = ..., frames: _Optional[_Iterable[_Union[CompressedFrames, _Mapping]]] = ...) -> None: ...
 
 class SampleStreamRequest(_message.Message):
     __slots__ = ("request", "num_batches")
