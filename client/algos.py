@@ -1,5 +1,5 @@
 """The algorithms the actor, learner and demo command lines know: which actor and learner functions
-run them, how their configs are built from options, and how the demo shows their progress."""
+run them, how their configs are built from options, and how a progress bar shows their progress."""
 
 from __future__ import annotations
 
@@ -27,18 +27,17 @@ class Algo:
     learner_config: type
     score: str  # the summary's final score
     score_label: str
-    bar_total: float  # the progress bar is full at this score
-    counters: tuple[str, str]  # buffer counters shown as rates: data in, data out
+    counters: tuple[str, str]  # buffer counters of steps in and items out: the progress bar's rates and ratio
     outputs: tuple[str, ...] = ("learning_curve.png", "summary.json")
 
 
 ALGOS: dict[str, Algo] = {
     "dqn": Algo(run_dqn_actor, DQNActorConfig, learn_dqn, DQNLearnerConfig, "final_eval_return", "greedy return",
-                475, ("inserted_rows", "sampled_items")),
+                ("inserted_rows", "sampled_items")),
     "ppo": Algo(run_ppo_actor, PPOActorConfig, learn_ppo, PPOLearnerConfig, "final_eval_return",
-                "deterministic return", 475, ("pushed_steps", "minibatches_served")),
+                "deterministic return", ("pushed_steps", "served_samples")),
     "allo": Algo(run_allo_actor, AlloActorConfig, learn_allo, AlloLearnerConfig, "avg_cosine", "average |cosine|",
-                 1.0, ("inserted_rows", "sampled_items"), ("learning_curve.png", "summary.json", "eigenvectors.png")),
+                 ("inserted_rows", "sampled_items"), ("learning_curve.png", "summary.json", "eigenvectors.png")),
 }
 
 

@@ -8,15 +8,15 @@ learner reaches its target or the budget runs out. `--algo` picks what runs:
 * allo: 2 random-walk actors in four rooms and an ALLO learner, until the learned Laplacian
   representation's average |cosine| with the exact eigenvectors reaches 0.9.
 
-Every part is its own process talking gRPC on loopback, as it would across machines. The run folder
-gets a learning curve (PNG) and a JSON summary (allo: eigenvector heatmaps too); the server unlinks its
-shared memory on exit.
+Every part is its own process talking gRPC on loopback, as it would across machines. A progress bar runs
+over the training budget; the run folder gets a learning curve (PNG), a JSON summary, a screenshot of the
+server's status page taken mid-run (status.png, where Chromium is installed) and, for allo, eigenvector
+heatmaps; the server unlinks its shared memory on exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import queue
 import signal
@@ -31,11 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from client.algos import (
     ALGOS,
-    Algo,
     add_common_options,
     at_least,
     build,
@@ -43,7 +41,9 @@ from client.algos import (
     refuse_foreign_options,
 )
 from client.learners.common import Progress, write_summary
+from client.progress_bar import ProgressBar
 from client.replay_client import ReplayClient
+from client.status_screenshot import MidRunScreenshot
 
 
 def free_port() -> int:
@@ -53,15 +53,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_server(instance: str | None = None) -> Iterator[str]:
-    """A `replayd serve` subprocess on a free loopback port; yields its address, stops it on exit (the
-    server unlinks its shared memory, named after `instance`, when it stops)."""
-    port = free_port()
+def local_server(instance: str | None = None) -> Iterator[tuple[str, str]]:
+    """A `replayd serve` subprocess on free loopback ports; yields its gRPC address and its status page's URL,
+    stops it on exit (the server unlinks its shared memory, named after `instance`, when it stops)."""
+    port, http_port = free_port(), free_port()
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
-               instance or f"demo{port}", "--http-port", "0", "--log-level", "WARNING"]
+               instance or f"demo{port}", "--http-port", str(http_port), "--log-level", "WARNING"]
     server = subprocess.Popen(command)
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}/"
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -134,35 +134,6 @@ def actor_processes(target: Callable[..., Any], configs: Sequence[Any]) -> Itera
                 process.join(timeout=10)
 
 
-class ProgressBar:
-    """tqdm bar of the learner's score, with learner steps/s and the buffer's in/out rates."""
-
-    def __init__(self, algo: Algo, client: ReplayClient, buffer: str, actors: ActorRun) -> None:
-        self.algo, self.client, self.buffer, self.actors = algo, client, buffer, actors
-        self.bar = tqdm(total=100, desc=algo.score_label, unit="%")
-        self.last = (0.0, 0.0, time.monotonic())
-
-    def __call__(self, progress: Progress) -> None:
-        self.actors.check()
-        counters = self.client.describe(self.buffer)["counters"]
-        now = time.monotonic()
-        data_in, data_out = (counters.get(name, 0.0) for name in self.algo.counters)
-        last_in, last_out, last_time = self.last
-        elapsed = max(now - last_time, 1e-9)
-        score = progress.score or 0.0
-        self.bar.n = int(100 * min(score / self.algo.bar_total, 1.0))
-        self.bar.set_postfix({"env_steps": progress.env_steps,
-                              "learner_steps_per_s": f"{progress.steps_per_second:.0f}",
-                              f"{self.algo.counters[0]}_per_s": f"{(data_in - last_in) / elapsed:.0f}",
-                              f"{self.algo.counters[1]}_per_s": f"{(data_out - last_out) / elapsed:.0f}",
-                              "score": f"{score:.3g}"})
-        self.bar.refresh()
-        self.last = (data_in, data_out, now)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     add_common_options(parser)
@@ -185,17 +156,26 @@ def main(argv: list[str] | None = None) -> dict:
     args["run_dir"] = args["run_dir"] or ("runs/demo" if algo_name == "dqn" else f"runs/demo-{algo_name}")
     torch.set_num_threads(1)
 
-    with local_server(instance) as address:
+    with local_server(instance) as (address, status_url):
+        print(f"status page: {status_url}")
         learner_config = build(algo.learner_config, address=address, **args)
         actor_seconds = learner_config.seconds + 60
         # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
         actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address,
                                seed=1000 * i, actor_index=i) for i in range(args["actors"])]
+        screenshot = MidRunScreenshot(status_url, Path(args["run_dir"]) / "status.png")
         with actor_processes(algo.actor, actor_configs) as actors:
             monitor = ReplayClient(address)
-            bar = ProgressBar(algo, monitor, learner_config.buffer, actors)
+            bar = ProgressBar(monitor, learner_config.buffer, algo.counters, algo.score_label,
+                              learner_config.seconds, actors.check)
+
+            def report(progress: Progress) -> None:
+                bar(progress)
+                screenshot(progress)
+
             try:
-                summary = algo.learn(learner_config, bar, actors.check)
+                summary = algo.learn(learner_config, report, actors.check)
+                screenshot.finish()  # a run shorter than the screenshot's moment: the server as the run ends
             except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
                 failure = actors.failure()
                 if failure is not None:
@@ -206,9 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
                 monitor.close()
     summary["actors"] = actors.reports
     write_summary(Path(args["run_dir"]), summary)  # again, with the actors' reports
-    brief = {k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps", "learner_steps")}
-    print(json.dumps(brief))
-    print(f"run folder: {args['run_dir']} ({', '.join(algo.outputs)})")
+    print(bar.summary_line(summary))
+    outputs = (*algo.outputs, "status.png") if screenshot.saved else algo.outputs
+    print(f"run folder: {args['run_dir']} ({', '.join(outputs)})")
     silent = [index for index, report in enumerate(actors.reports) if report is None]
     if silent:
         raise SystemExit(f"demo: actor(s) {silent} ended without a report (failed or stuck; see above)")

@@ -1,19 +1,20 @@
 """Learners: create the buffer, train from replayd, publish weights, write a run folder.
 
-`python -m client.learner --algo {dqn,ppo,allo} --address HOST:PORT` (or `replayd learn ...`).
-Implementations live in client/learners/.
+`python -m client.learner --algo {dqn,ppo,allo} --address HOST:PORT` (or `replayd learn ...`): a progress bar
+over the training budget while it runs, one summary line at the end. Implementations live in client/learners/.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from client.algos import ALGOS, add_common_options, at_least, build, refuse_compile_loss_off_cpu, refuse_foreign_options
 from client.learners.common import BufferMismatch, Progress, write_run
 from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
+from client.progress_bar import ProgressBar
+from client.replay_client import ReplayClient
 
 __all__ = ["CARTPOLE_SCHEMA", "DQNLearnerConfig", "Progress", "learn_dqn", "main", "write_run"]
 
@@ -40,12 +41,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     refuse_foreign_options(parser, algo_name, args, (algo.learner_config,))
     refuse_compile_loss_off_cpu(parser, args)
     torch.set_num_threads(1)
-    try:
-        summary = algo.learn(build(algo.learner_config, **args), report=lambda p: print(json.dumps(p.curve[-1]),
-                                                                                         flush=True))
-    except BufferMismatch as exc:
-        parser.exit(1, f"{parser.prog}: {exc}\n")
-    print(json.dumps({k: summary[k] for k in ("solved", algo.score, "seconds", "env_steps")}), flush=True)
+    config = build(algo.learner_config, **args)
+    with ReplayClient(config.address) as monitor:
+        bar = ProgressBar(monitor, config.buffer, algo.counters, algo.score_label, config.seconds)
+        try:
+            summary = algo.learn(config, report=bar)
+        except BufferMismatch as exc:
+            parser.exit(1, f"{parser.prog}: {exc}\n")
+        finally:
+            bar.close()
+    print(bar.summary_line(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -144,8 +144,10 @@ class ReplayServer:
 
                 http_host, http_port = http_address.rsplit(":", 1)
                 http_host = http_host.strip("[]")  # uvicorn takes an IPv6 host without the brackets gRPC needs
+                rpc = self.servicer.rpc_metrics
                 app = create_app(self.registry, self.servicer.rejected, self.metrics, token,
-                                 allowed_hosts=loopback_hosts(http_host), serving=self._serving.is_set)
+                                 allowed_hosts=loopback_hosts(http_host), serving=self._serving.is_set,
+                                 histograms=(rpc.latency, rpc.message_latency))
                 self.http = HttpServer(app, http_host, int(http_port), tls_cert, tls_key)
         except BaseException:
             self._instance_lock.release()

@@ -62,15 +62,20 @@ def test_client_token_defaults_to_the_environment(guarded: ReplayServer, monkeyp
         assert client.list_buffers() == []
 
 
-def test_http_needs_the_token_except_healthz(guarded: ReplayServer) -> None:
+def test_http_needs_the_token_except_healthz_and_the_pages_static_files(guarded: ReplayServer) -> None:
     base = f"http://127.0.0.1:{guarded.http.port}"
     right = {"Authorization": f"Bearer {TOKEN}"}
-    for path in ("/api/buffers", "/metrics", "/readyz"):
+    with ReplayClient(guarded.address, timeout=10, token=TOKEN) as client:
+        client.create_buffer("b", 100, SCHEMA)
+    for path in ("/api/buffers", "/api/buffers/b", "/api/history", "/metrics", "/readyz"):
         assert httpx.get(base + path).status_code == 401, path
         assert httpx.get(base + path, headers={"Authorization": "Bearer nope"}).status_code == 401, path
         assert httpx.get(base + path, headers=right).status_code == 200, path
     assert httpx.get(base + "/healthz").json() == {"status": "ok"}
-    assert "api/buffers" in httpx.get(base + "/").text  # static HTML; its script sends the token
+    # The page, its script and its charting library hold no server state; the script sends the token.
+    assert "static/status.js" in httpx.get(base + "/").text
+    assert "api/buffers" in httpx.get(base + "/static/status.js").text
+    assert httpx.get(base + "/static/vendor/uplot/uPlot.iife.min.js").text.startswith("/*! https://github.com/leeoniya/uPlot")
 
 
 def test_server_without_token_accepts_any_client() -> None:

@@ -32,6 +32,7 @@ from client.learners import ppo as ppo_learner
 from client.learners.common import evaluate_greedy
 from client.local_reader import LocalReader
 from client.polling import wait_until
+from client.status_screenshot import find_chromium
 from client.trainers.dqn import DQNTrainer
 from service.checkpoint import has_checkpoint
 from service.cli import main as cli_main
@@ -44,7 +45,7 @@ def _demo(tmp_path: Path, algo: str, *options: str) -> dict:
     return demo_main(["--algo", algo, "--run-dir", str(tmp_path), "--instance", f"test{os.getpid()}{algo}", *options])
 
 
-def test_demo_processes_end_to_end(tmp_path: Path) -> None:
+def test_demo_processes_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     summary = _demo(tmp_path, "dqn", "--seconds", "10", "--eval-every", "50")
     assert summary["env_steps"] > 1000  # episodes flowed from the actors into the buffer
     assert summary["learner_steps"] > 0
@@ -55,6 +56,16 @@ def test_demo_processes_end_to_end(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["curve"] and saved["learner_steps"] == summary["learner_steps"]
     assert saved["actors"] == summary["actors"]  # the run folder's summary has the actors' reports too
+    # The status page as the server showed it (the run is shorter than the screenshot's moment: at its end).
+    if find_chromium() is None:
+        assert not (tmp_path / "status.png").exists()
+    else:
+        assert (tmp_path / "status.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr()
+    assert re.search(r"status page: http://127\.0\.0\.1:\d+/", out.out)
+    assert re.search(r"training +\d+%\|.*\| +\d+/10 s, greedy return", out.err)  # the bar
+    line = (f"{summary['env_steps']:,} env steps, {summary['learner_steps']:,} learner steps")
+    assert line in out.out and "replay ratio" in out.out
 
 
 def test_sigterm_stops_everything_the_demo_started(tmp_path: Path) -> None:
@@ -203,8 +214,12 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
         learner_out, _ = learner.communicate(timeout=180)
         actor_out, _ = actor.communicate(timeout=60)
         assert learner.returncode == 0 and actor.returncode == 0
-        final = json.loads(learner_out.strip().splitlines()[-1])
-        assert final["env_steps"] > 0
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert summary["env_steps"] > 0
+        # One summary line at the end (the progress bar goes to stderr).
+        assert re.fullmatch(rf"(solved in \d+ s|budget of 10 s spent): greedy return [\d.]+ \(best [\d.]+\), "
+                            rf"{summary['env_steps']:,} env steps, {summary['learner_steps']:,} learner steps "
+                            r"\(\d+/s\), replay ratio [\d.]+", learner_out.strip())
         version = int(re.search(r"weights version (\d+)", actor_out).group(1))
         with ReplayClient(env["REPLAYD_ADDRESS"]) as client:
             stored = client.fetch_weights("q")

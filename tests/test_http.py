@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save
 
 from client import ReplayClient
+from client.polling import wait_until
 from client.replay_client import episode_span, spans_requests
 from service.grpc_server.metrics import RpcMetrics
 from service.http.app import loopback_hosts
@@ -18,7 +19,7 @@ from service.server import ReplayServer
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.components import MinSize
+from service.wire.components import MinSize, Prioritized, SampleToInsertRatio
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -77,7 +78,7 @@ def test_health_metrics_buffers_and_status_page(http_server: ReplayServer) -> No
     assert 'replayd_buffer_stored_steps{buffer="cp"} 11.0' in metrics
     assert 'replayd_buffer_counter{buffer="cp",counter="sampled_items"} 8.0' in metrics
     page = httpx.get(base).text
-    assert "<title>replayd</title>" in page and "api/buffers" in page
+    assert "<title>replayd</title>" in page and "static/status.js" in page
 
 
 def test_metrics_rpc_latency_bytes_and_buffer_counters(http_server: ReplayServer) -> None:
@@ -335,3 +336,81 @@ def test_readyz_says_not_ready_once_grpc_stops_serving() -> None:
             server.stop(grace=0)
         else:
             stopper.join(timeout=30)
+
+
+def test_buffer_detail_shows_configuration_rate_limiter_and_priorities(http_server: ReplayServer) -> None:
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    with ReplayClient(http_server.address) as client:
+        client.create_buffer("per", 1000, SCHEMA, sampler=Prioritized(alpha=0.5),
+                             rate_limiter=SampleToInsertRatio(4.0, 5, 100.0))
+        client.insert_episode("per", True, **_episode(20))
+        batch = client.sample("per", 20, include_keys=True, seed=0)
+        keys = np.unique(batch["key"])
+        client.update_priorities("per", keys, np.geomspace(0.01, 100.0, len(keys)))
+    detail = httpx.get(f"{base}/api/buffers/per").json()
+    assert detail["name"] == "per" and detail["kind"] == "episodic" and detail["rollout"] is None
+    config = detail["config"]
+    assert config["capacity_steps"] == 1000 and config["reward_field"] == "reward"
+    assert config["sampler"] == {"kind": "prioritized", "alpha": 0.5}
+    assert config["remover"] == {"kind": "fifo"}
+    assert config["rate_limiter"] == {"kind": "sample_to_insert_ratio", "samples_per_insert": 4.0,
+                                      "min_size_to_sample": 5, "error_buffer": 100.0}
+    plain = {"stack": 1, "stack_axis": -1, "compression": None, "compression_level": None}
+    assert config["fields"] == [{"name": "obs", "dtype": "float32", "shape": [4], "observation": True, **plain},
+                                {"name": "action", "dtype": "int64", "shape": [], "observation": False, **plain},
+                                {"name": "reward", "dtype": "float32", "shape": [], "observation": False, **plain}]
+    assert detail["rate_limiter"] == {side: {"waiting": 0.0, "waits": 0.0, "wait_seconds": 0.0}
+                                      for side in ("insert", "sample")}
+    priorities = detail["priorities"]
+    assert priorities["of"] == "priority" and priorities["steps"] == 20  # every sampleable step
+    assert sum(priorities["counts"]) == 20 and len(priorities["edges"]) == len(priorities["counts"]) + 1
+    # The updated ones span 0.01 .. 100 (log-spaced bins); the steps never drawn keep the first priority, 1.
+    assert priorities["edges"][0] == pytest.approx(0.01) and priorities["edges"][-1] == pytest.approx(100.0)
+
+
+def test_rollout_detail_shows_policy_version_filled_cells_and_stale_pushes(http_server: ReplayServer) -> None:
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    steps, envs = 4, 2
+    part = {name: np.zeros((2, 1), dtype) for name, dtype in
+            (("reward", np.float32), ("value", np.float32), ("final_value", np.float32),
+             ("terminated", np.bool_), ("truncated", np.bool_))}
+    with ReplayClient(http_server.address) as client:
+        client.create_rollout_buffer("ppo", steps, envs, {"obs": ("float32", (3,))}, gamma=0.9)
+        client.finish_rollout("ppo", 2)
+        client.push_rollout("ppo", 2, 0, 0, obs=np.zeros((2, 1, 3), np.float32), **part)
+        with pytest.raises(grpc.RpcError):
+            client.push_rollout("ppo", 1, 1, 0, obs=np.zeros((2, 1, 3), np.float32), **part)  # an older version
+    detail = httpx.get(f"{base}/api/buffers/ppo").json()
+    assert detail["kind"] == "rollout" and detail["rate_limiter"] is None and detail["priorities"] is None
+    assert detail["rollout"] == {"policy_version": 2, "filled_cells": 2, "cells": 8, "rollout_complete": False,
+                                 "stale_pushes": 1}
+    config = detail["config"]
+    assert (config["num_steps"], config["num_envs"], config["gamma"], config["capacity_steps"]) == (4, 2, 0.9, 8)
+    assert {"name": "obs", "dtype": "float32", "shape": [3]} in config["fields"]
+    assert {"name": "terminated", "dtype": "bool", "shape": []} in config["fields"]
+    samples, _ = _metrics(base)
+    assert _value(samples, "replayd_rollout_policy_version", buffer="ppo") == 2
+    assert _value(samples, "replayd_buffer_stored_bytes", buffer="ppo") == 2 * (3 * 4 + 4 + 4 + 4 + 1 + 1)
+
+
+def test_buffer_detail_of_a_missing_buffer_is_404_naming_it(http_server: ReplayServer) -> None:
+    response = httpx.get(f"http://127.0.0.1:{http_server.http.port}/api/buffers/nope")
+    assert response.status_code == 404 and "buffer 'nope' does not exist" in response.json()["detail"]
+
+
+def test_history_samples_every_second_while_the_server_runs(http_server: ReplayServer) -> None:
+    base = f"http://127.0.0.1:{http_server.http.port}"
+    with ReplayClient(http_server.address) as client:
+        client.create_buffer("cp", 1000, SCHEMA)
+        client.insert_episode("cp", True, **_episode())
+
+        def sampled() -> dict | None:
+            client.sample("cp", 8)
+            cp = httpx.get(f"{base}/api/history").json()["buffers"].get("cp")
+            return cp if cp and any(cp["samples_per_s"]) else None
+
+        cp = wait_until(sampled, time.monotonic() + 30, "a history sample with samples/s")
+    assert httpx.get(f"{base}/api/history").json()["columns"] == list(cp)
+    assert cp["stored_bytes"][-1] == 11 * (4 * 4 + 8 + 4)
+    samples, _ = _metrics(base)
+    assert _value(samples, "replayd_buffer_stored_bytes", buffer="cp") == 11 * (4 * 4 + 8 + 4)

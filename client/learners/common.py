@@ -19,23 +19,30 @@ from client.params import module_to_bytes
 from client.polling import wait_until
 from client.replay_client import ReplayClient
 
+REPORT_EVERY = 1.0  # seconds between the reports that keep a progress bar moving between evaluations
+
 
 @dataclass
 class Progress:
-    """What a learner reports to whoever drives it (the demo's progress bar)."""
+    """What a learner reports to whoever drives it (a progress bar): at every curve point, and at least every
+    REPORT_EVERY seconds while it trains or waits for data."""
 
     learner_steps: int = 0
-    env_steps: int = 0
-    steps_per_second: float = 0.0
-    score: float | None = None  # greedy return (DQN, PPO) or average |cosine| (ALLO)
+    env_steps: int = 0  # at the last curve point
+    steps_per_second: float = 0.0  # learner steps per second since the previous report
+    score: float | None = None  # greedy return (DQN, PPO) or average |cosine| (ALLO), at the last curve point
+    best_score: float | None = None
+    training: bool = False  # the budget's clock runs (the first data is there)
+    seconds: float = 0.0  # training seconds so far
+    budget_seconds: float = 0.0
     curve: list[dict] = field(default_factory=list)
 
 
 class Tracker:
-    """Times a run against its budget and records curve points (each one reported). `waiting` is called at
-    every poll while the learner waits for data: whoever drives the learner can end the wait by raising
-    there (the demo does once an actor failed: the learner would otherwise wait out STARTUP_SECONDS, or
-    its budget, for data that cannot come)."""
+    """Times a run against its budget, records curve points and reports the progress (see Progress). `waiting` is
+    called at every poll while the learner waits for data: whoever drives the learner can end the wait by raising
+    there (the demo does once an actor failed: the learner would otherwise wait out STARTUP_SECONDS, or its
+    budget, for data that cannot come)."""
 
     def __init__(self, seconds: float, score_key: str, report: Callable[[Progress], None],
                  waiting: Callable[[], None]) -> None:
@@ -43,24 +50,30 @@ class Tracker:
         self.score_key = score_key
         self.report = report
         self.waiting = waiting
-        self.progress = Progress()
-        self.start_clock()
+        self.progress = Progress(budget_seconds=seconds)
+        self._set_clock()
+
+    def _set_clock(self) -> None:
+        self.started = time.monotonic()
+        self.deadline = self.started + self.budget
+        self._window_start, self._window_steps, self._reported = self.started, 0, self.started
 
     def start_clock(self) -> None:
         """(Re)starts the budget. Learners call it once the first data is there: the server and the actors
         coming up do not eat the training time (they wait up to STARTUP_SECONDS instead)."""
-        self.started = time.monotonic()
-        self.deadline = self.started + self.budget
-        self._window_start, self._window_steps = self.started, 0
+        self._set_clock()
+        self.progress.training = True
 
     def stepped(self, steps: int = 1) -> None:
         self.progress.learner_steps += steps
         self._window_steps += steps
+        self._report_when_due()
 
     def still_waiting(self) -> bool:
         """wait_until's `stopped` for the learner's waits for data: runs the `waiting` hook at every poll that
         falls short (the hook ends the wait by raising); the learner itself never stops waiting early."""
         self.waiting()
+        self._report_when_due()
         return False
 
     def out_of_time(self) -> bool:
@@ -70,14 +83,25 @@ class Tracker:
         return round(time.monotonic() - self.started, 1)
 
     def record(self, score: float, env_steps: int, **extra: float) -> None:
+        progress = self.progress
+        progress.env_steps, progress.score = env_steps, score
+        progress.best_score = score if progress.best_score is None else max(progress.best_score, score)
+        progress.curve.append({"seconds": round(time.monotonic() - self.started, 2), "env_steps": env_steps,
+                               "learner_steps": progress.learner_steps, **extra, self.score_key: score})
+        self._report()
+
+    def _report_when_due(self) -> None:
+        if time.monotonic() - self._reported >= REPORT_EVERY:
+            self._report()
+
+    def _report(self) -> None:
         now = time.monotonic()
         progress = self.progress
         progress.steps_per_second = self._window_steps / max(now - self._window_start, 1e-9)
-        progress.env_steps, progress.score = env_steps, score
-        progress.curve.append({"seconds": round(now - self.started, 2), "env_steps": env_steps,
-                               "learner_steps": progress.learner_steps, **extra, self.score_key: score})
+        progress.seconds = now - self.started if progress.training else 0.0
         self.report(progress)
         self._window_start, self._window_steps = time.monotonic(), 0
+        self._reported = self._window_start
 
 
 @torch.no_grad()

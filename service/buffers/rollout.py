@@ -186,10 +186,14 @@ class RolloutBuffer(LiveBuffer):
                    policy_version)
 
     @property
+    def cell_bytes(self) -> int:
+        """Bytes one (step, env) cell holds across every column (what a push stores per step and env)."""
+        return sum(np.dtype(spec.dtype).itemsize * math.prod(spec.shape) for spec in self.config.columns)
+
+    @property
     def sample_bytes(self) -> int:
         """Bytes of one sample of a minibatch: every column's cell, and advantage and return (float32)."""
-        cells = sum(np.dtype(spec.dtype).itemsize * math.prod(spec.shape) for spec in self.config.columns)
-        return cells + len(COMPUTED_FIELDS) * 4
+        return self.cell_bytes + len(COMPUTED_FIELDS) * 4
 
     @property
     def policy_version(self) -> int:

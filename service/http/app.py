@@ -1,138 +1,30 @@
-"""The HTTP side of a replay server: health, Prometheus metrics, buffer stats and a status page."""
+"""The HTTP side of a replay server: health, Prometheus metrics, buffer stats and a status page with charts."""
 
 from __future__ import annotations
 
 import ipaddress
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from service.buffers.episodic import EpisodicBuffer
 from service.errors import NotFound
+from service.http.history import History
+from service.http.stats import buffer_detail, buffer_stats
 from service.registry import BufferRegistry
 from service.tokens import token_matches
 
-STATUS_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>replayd</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<style>
-:root{--fg:#1d2433;--muted:#6b7385;--line:#e3e6ec;--accent:#2f855a;--bg:#f6f7f9}
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);background:var(--bg);
-  margin:0;padding:2rem}
-main{max-width:1100px;margin:0 auto}
-header{display:flex;align-items:baseline;gap:1rem;margin-bottom:1rem}
-h1{font-size:1.5rem;margin:0}h1 span{color:var(--muted);font-weight:400;font-size:1rem}
-#status{margin-left:auto;color:var(--muted)}#status.error{color:#c53030}
-table{width:100%;border-collapse:collapse;background:#fff;border:1px solid var(--line);border-radius:8px;
-  overflow:hidden}
-th,td{padding:.6rem .9rem;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}
-th{background:#fafbfc;color:var(--muted);font-weight:600;font-size:.8rem;text-transform:uppercase;letter-spacing:.03em}
-th:first-child,td:first-child,th:nth-child(2),td:nth-child(2){text-align:left}
-tbody tr:last-child td{border-bottom:none}
-td.name{font-weight:600}.kind{color:var(--muted)}.num{font-variant-numeric:tabular-nums}
-.bar{display:inline-block;vertical-align:middle;background:#edf0f3;width:140px;height:10px;border-radius:5px;
-  overflow:hidden;margin-right:.5rem}.fill{background:var(--accent);height:100%}
-#empty{color:var(--muted);padding:1rem 0}
-</style>
-</head><body><main>
-<header><h1>replayd <span id="instance"></span></h1><div id="status">loading</div></header>
-<table><thead><tr><th>buffer</th><th>kind</th><th>fill</th><th>stored steps</th><th>capacity</th><th>episodes</th>
-<th>inserts/s</th><th>samples/s</th></tr></thead><tbody id="rows"></tbody></table>
-<p id="empty" hidden>No buffers yet.</p>
-<script>
-// With a server token, open the page as /#token=...: the fragment never leaves the browser.
-const token = new URLSearchParams(location.hash.slice(1)).get("token");
-const headers = token ? {Authorization: "Bearer " + token} : {};
-const last = {};
-const number = n => Number(n).toLocaleString("en-US");
-function cell(text, className) {
-  const td = document.createElement("td");
-  td.textContent = text;
-  if (className) td.className = className;
-  return td;
-}
-function row(b, now) {
-  const prev = last[b.name];
-  const dt = prev ? now - prev.t : 0;
-  // A counter lower than before restarted (the buffer was deleted and created again): no rate this time.
-  const rate = (value, before) => prev && dt > 0 && value >= before ? number(Math.round((value - before) / dt))
-                                                                    : "-";
-  const ins = rate(b.inserted_steps, prev?.ins);
-  const smp = rate(b.sampled_items, prev?.smp);
-  last[b.name] = {t: now, ins: b.inserted_steps, smp: b.sampled_items};
-  const fill = (100 * b.fill).toFixed(1);
-  const tr = document.createElement("tr");
-  tr.dataset.buffer = b.name;  // names are user input: set as text, never as HTML
-  const bar = cell("", "num");
-  bar.innerHTML = `<span class="bar"><span class="fill" style="display:block;width:${fill}%"></span></span>`;
-  bar.append(fill + "%");
-  tr.append(cell(b.name, "name"), cell(b.kind, "kind"), bar, cell(number(b.stored_steps), "num stored"),
-            cell(number(b.capacity_steps), "num"), cell(number(b.episodes), "num"), cell(ins, "num"),
-            cell(smp, "num"));
-  return tr;
-}
-async function refresh() {
-  const status = document.getElementById("status");
-  try {
-    const response = await fetch("api/buffers", {headers});
-    if (!response.ok) throw new Error(response.status === 401 ? "unauthorized: open /#token=<token>"
-                                                              : "HTTP " + response.status);
-    const data = await response.json();
-    document.getElementById("instance").textContent = data.instance;
-    const now = Date.now() / 1000;
-    document.getElementById("rows").replaceChildren(...data.buffers.map(b => row(b, now)));
-    document.getElementById("empty").hidden = data.buffers.length > 0;
-    status.className = "";
-    status.textContent = "updated " + new Date().toLocaleTimeString();
-  } catch (error) {
-    status.className = "error";
-    status.textContent = error.message;
-  }
-}
-refresh(); setInterval(refresh, 1000);
-</script></main></body></html>"""
-
-
-def buffer_stats(registry: BufferRegistry) -> list[dict]:
-    stats = []
-    for name, buffer in registry.all():
-        try:
-            if isinstance(buffer, EpisodicBuffer):
-                with buffer.live():
-                    capacity, stored = buffer.capacity, buffer.stored_steps
-                    counters, episodes = {**buffer.counters, **buffer.component_counters()}, buffer.episodes
-                    sampleable, rate_limiter = buffer.sampleable_steps, buffer.limiter.to_config()
-                    frames = buffer.frame_stats()
-            else:
-                info = buffer.info()
-                capacity = info["num_steps"] * info["num_envs"]
-                stored, counters, episodes = capacity - info["missing_steps"], info["counters"], 0
-                sampleable, rate_limiter, frames = None, None, {}
-        except NotFound:
-            continue  # deleted while the stats were being read
-        stats.append({
-            "name": name,
-            "kind": buffer.kind if isinstance(buffer, EpisodicBuffer) else "rollout",
-            "capacity_steps": capacity,
-            "stored_steps": stored,
-            "fill": stored / capacity,
-            "sampleable_steps": sampleable,
-            "episodes": episodes,
-            "rate_limiter": rate_limiter,
-            "inserted_steps": int(counters.get("inserted_rows", counters.get("pushed_steps", 0))),
-            "sampled_items": int(counters.get("sampled_items", counters.get("served_samples", 0))),
-            "counters": {k: float(v) for k, v in counters.items()},
-            "frames": frames,  # per compressed field: stored_bytes, arena_bytes, compression_ratio
-        })
-    return stats
+STATIC = Path(__file__).parent / "static"  # the status page, its script and style, and uPlot (vendor/)
 
 
 class BufferCollector:
@@ -151,6 +43,9 @@ class BufferCollector:
             return CounterMetricFamily(f"replayd_{name}", text, labels=["buffer", *labels])
 
         stored = gauge("buffer_stored_steps", "Steps stored")
+        stored_bytes = gauge("buffer_stored_bytes", "Bytes of the steps stored (rows x row bytes; rollout cells x cell "
+                             "bytes)")
+        policy_version = gauge("rollout_policy_version", "The policy version a rollout buffer collects for")
         capacity = gauge("buffer_capacity_steps", "Capacity in steps")
         sampleable = gauge("buffer_sampleable_steps", "Steps a sample may draw (episodic buffers)")
         episodes = gauge("buffer_episodes", "Complete episodes stored; open ones are not counted (episodic buffers)")
@@ -169,6 +64,7 @@ class BufferCollector:
         for stat in buffer_stats(self.registry):
             name, counts = stat["name"], stat["counters"]
             stored.add_metric([name], stat["stored_steps"])
+            stored_bytes.add_metric([name], stat["stored_bytes"])
             capacity.add_metric([name], stat["capacity_steps"])
             inserted.add_metric([name], stat["inserted_steps"])
             for counter_name, value in counts.items():
@@ -178,6 +74,7 @@ class BufferCollector:
                 frame_bytes.add_metric([name, field], figures["stored_bytes"])
                 frame_ratio.add_metric([name, field], figures["compression_ratio"])
             if stat["kind"] == "rollout":
+                policy_version.add_metric([name], stat["policy_version"])
                 continue
             sampleable.add_metric([name], stat["sampleable_steps"])
             episodes.add_metric([name], stat["episodes"])
@@ -190,8 +87,8 @@ class BufferCollector:
         rejected = CounterMetricFamily("replayd_rejected_calls", "Calls rejected with a client error", labels=["rpc"])
         for rpc, count in dict(self.rejected).items():
             rejected.add_metric([rpc], count)
-        yield from (stored, capacity, sampleable, episodes, inserted, inserted_episodes, sampled, sampled_batches,
-                    waits, wait_seconds, waiting, raw, frame_bytes, frame_ratio, rejected)
+        yield from (stored, stored_bytes, policy_version, capacity, sampleable, episodes, inserted, inserted_episodes,
+                    sampled, sampled_batches, waits, wait_seconds, waiting, raw, frame_bytes, frame_ratio, rejected)
 
 
 def loopback_hosts(host: str) -> list[str] | None:
@@ -211,13 +108,25 @@ def loopback_hosts(host: str) -> list[str] | None:
 
 def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: CollectorRegistry,
                token: str | None = None, allowed_hosts: list[str] | None = None,
-               serving: Callable[[], bool] = lambda: True) -> FastAPI:
+               serving: Callable[[], bool] = lambda: True, histograms: Iterable[Collector] = ()) -> FastAPI:
     """With `token`, every route that reveals server state needs `Authorization: Bearer <token>`. Open:
-    /healthz (container health checks carry no credentials) and the status page's static HTML, whose
-    script reads the token from the URL fragment (`/#token=...`, never sent to the server) for its calls.
-    With `allowed_hosts` (loopback_hosts), a request whose Host header names another host gets 400.
-    `serving()`: whether the gRPC side takes calls; /readyz answers 503 while it does not (stopping)."""
-    app = FastAPI(title="replayd", docs_url=None, redoc_url=None, openapi_url=None)
+    /healthz (container health checks carry no credentials) and the status page's static files (its HTML, script,
+    style and charting library), whose script reads the token from the URL fragment (`/#token=...`, never sent to
+    the server) for its calls, or asks for it. With `allowed_hosts` (loopback_hosts), a request whose Host header
+    names another host gets 400. `serving()`: whether the gRPC side takes calls; /readyz answers 503 while it does
+    not (stopping). `histograms`: the per-RPC latency histograms the charts' quantiles come from; the charts'
+    history is sampled while the app runs (its lifespan)."""
+    history = History(registry, histograms)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        history.start()
+        try:
+            yield
+        finally:
+            history.stop()
+
+    app = FastAPI(title="replayd", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     if allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
     metrics.register(BufferCollector(registry, rejected))
@@ -247,10 +156,22 @@ def create_app(registry: BufferRegistry, rejected: dict[str, int], metrics: Coll
     def buffers() -> JSONResponse:
         return JSONResponse({"instance": registry.instance, "buffers": buffer_stats(registry)})
 
-    @app.get("/", response_class=HTMLResponse)
-    def status_page() -> str:
-        return STATUS_PAGE
+    @app.get("/api/buffers/{name}", dependencies=guarded)
+    def buffer(name: str) -> JSONResponse:
+        try:
+            return JSONResponse(buffer_detail(name, registry.get(name)))
+        except NotFound as exc:
+            raise HTTPException(404, str(exc)) from None
 
+    @app.get("/api/history", dependencies=guarded)
+    def charts() -> JSONResponse:
+        return JSONResponse(history.snapshot())
+
+    @app.get("/")
+    def status_page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
 
