@@ -26,7 +26,7 @@ import numpy as np
 from client.retries import cut_short_by_deadline, server_retry_after
 from service import kernels
 from service.wire import codec
-from service.wire.frame_fields import decompress, stacked_shape
+from service.wire.frame_fields import decompress_many, stacked_shape
 from service.wire.frames import SampledMessage
 
 log = logging.getLogger("replayd.client")
@@ -42,10 +42,8 @@ def decode_sample(message: SampledMessage) -> dict[str, np.ndarray]:
     for shipped, frames in message.frames:
         spec = shipped.spec
         shape, dtype, stack = tuple(spec.shape), np.dtype(spec.dtype), spec.stack if spec.HasField("stack") else 1
-        decoded = np.empty((len(frames), *shape), dtype)
-        flat = decoded.reshape(len(frames), -1).view(np.uint8)  # (frames, frame bytes)
-        for i in range(len(frames)):
-            flat[i] = np.frombuffer(decompress(spec.compression, frames.frame(i), flat.shape[1]), np.uint8)
+        frame_bytes = dtype.itemsize * math.prod(shape)
+        decoded = decompress_many(spec.compression, frames, frame_bytes).view(dtype).reshape(len(frames), *shape)
         stacked: dict[int, np.ndarray] = {}  # an aliased column (bootstrap_ of 1-step transitions) is stacked once
         for name in shipped.columns:
             indices = columns[name]

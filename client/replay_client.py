@@ -741,14 +741,22 @@ class ReplayClient:
 
     def _insert_spans(self, buffer: str, spans: Sequence[Span]) -> None:
         """Whole episodes in requests of at most `max_request_bytes`. The server refuses an episode longer than
-        the ring request by request, so one sent as chunks is checked here first: its earlier chunks would
-        otherwise land, and evict older episodes, before a later one is refused."""
-        longest = max(spans, key=lambda span: span.rows, default=None)
-        if longest is not None and longest.rows > request_rows(spans, self.max_request_bytes):
-            capacity = self.describe(buffer)["capacity_steps"]
-            if longest.rows > capacity:
-                raise ValueError(f"insert: episode {longest.episode_id} has {longest.rows} rows, more than "
-                                 f"capacity_steps={capacity} of buffer {buffer!r}; nothing was sent")
+        the ring (or whose compressed frames outgrow their arena) request by request, so one sent as chunks is
+        checked here first: its earlier chunks would otherwise land, and evict older episodes, before a later
+        one is refused."""
+        chunked = [span for span in spans if span.rows > request_rows(spans, self.max_request_bytes)]
+        if chunked:
+            info = self.describe(buffer)
+            for span in chunked:
+                if span.rows > info["capacity_steps"]:
+                    raise ValueError(f"insert: episode {span.episode_id} has {span.rows} rows, more than "
+                                     f"capacity_steps={info['capacity_steps']} of buffer {buffer!r}; nothing was sent")
+                for name, frames in span.columns.items():
+                    arena = info["counters"].get(f"frames.{name}.arena_bytes")
+                    if isinstance(frames, CompressedFrames) and arena is not None and frames.nbytes > arena:
+                        raise ValueError(f"insert: episode {span.episode_id}'s frames of field {name!r} take "
+                                         f"{frames.nbytes} bytes, more than its arena of {int(arena)} bytes in "
+                                         f"buffer {buffer!r} (capacity_bytes); nothing was sent")
         self.insert(spans_requests(buffer, spans, self.max_request_bytes))
 
     # ---------------------------------------------------------------- sampling

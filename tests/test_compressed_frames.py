@@ -565,3 +565,13 @@ def test_the_loader_decompresses_shipped_frames_on_its_thread(client: ReplayClie
     assert threads == {"replayd-loader"}
     for got, expected in zip(batches, reference, strict=True):
         assert torch.equal(got["bootstrap_obs"], torch.from_numpy(expected["bootstrap_obs"]))
+
+
+def test_an_episode_whose_frames_outgrow_the_arena_is_refused_before_any_chunk_is_sent(server) -> None:
+    with ReplayClient(server.address, max_request_bytes=2000) as small_requests:
+        small_requests.create_buffer("pix", 1000, SCHEMA, capacity_bytes=62_000)
+        arena = small_requests.describe("pix")["counters"]["frames.obs.arena_bytes"]
+        frames = np.random.default_rng(0).integers(0, 256, (201, *FRAME), dtype=np.uint8)  # hardly compress
+        with pytest.raises(ValueError, match=f"its arena of {int(arena)} bytes in buffer 'pix'"):
+            small_requests.insert_episode("pix", True, obs=frames, t=np.arange(200), reward=np.ones(200, np.float32))
+        assert small_requests.describe("pix")["stored_steps"] == 0

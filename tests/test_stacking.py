@@ -196,7 +196,7 @@ def create_request(field: pb.FieldSpec, goal: bool = False) -> pb.CreateBufferRe
     (create_request(pb.FieldSpec(name="act", dtype="int64", stack=4)),
      "field 'act': stack=4, expected 1: only observation fields are stacked"),
     (create_request(pb.FieldSpec(name="ach", dtype="float32", shape=[2], observation=True, stack=2), goal=True),
-     "goal_fields: goal field 'ach' is stacked (stack=2)"),
+     "goal_fields: goal field 'ach' has stack=2 and compression=None"),
 ], ids=["stack 0", "axis 2", "step field", "goal field"])
 def test_the_server_refuses_bad_stacks_naming_the_field(client: ReplayClient, request_: pb.CreateBufferRequest,
                                                         message: str) -> None:

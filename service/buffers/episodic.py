@@ -135,8 +135,8 @@ def check_goal_fields(fields: tuple[Field, ...], goal_fields: tuple[str, str] | 
     achieved, desired = (by_name[name] for name in goal_fields)
     for goal in (achieved, desired):
         if goal.framed:  # the relabeling kernel copies one stored goal row per transition
-            raise InvalidArgument(f"goal_fields: goal field {goal.name!r} is stacked (stack={goal.stack}); goals are "
-                                  "plain observation fields")
+            raise InvalidArgument(f"goal_fields: goal field {goal.name!r} has stack={goal.stack} and compression="
+                                  f"{goal.compression!r}; goals are plain observation fields (stack 1, no compression)")
     if (achieved.dtype, achieved.shape) != (desired.dtype, desired.shape):
         raise InvalidArgument(f"goal_fields: expected one dtype and shape, got {achieved.name} "
                               f"{achieved.dtype}{list(achieved.shape)} and {desired.name} "

@@ -31,7 +31,7 @@ from service.buffers.arena import Arena
 from service.buffers.ring import EpisodicRing
 from service.errors import RingChanged
 from service.schema import Field
-from service.wire.frame_fields import CompressedFrames, FrameError, decompress
+from service.wire.frame_fields import CompressedFrames, FrameError, decompress_many
 
 
 class FrameRead(NamedTuple):
@@ -146,13 +146,8 @@ def decompressed(arena: Arena, rows: np.ndarray) -> np.ndarray:
     """The frames of ring `rows` decompressed into one array (frames, *frame). RingChanged for a frame that is not
     whole (a lock-free reader's torn read)."""
     field = arena.field
-    frames = np.empty((rows.size, *field.shape), field.dtype)
-    flat = frames.reshape(rows.size, -1).view(np.uint8)  # (frames, frame bytes)
-    starts, lengths = frame_spans(arena, rows)
-    for i, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
-        try:
-            flat[i] = np.frombuffer(decompress(field.compression, arena.data[start:start + length], field.row_bytes),
-                                    np.uint8)
-        except FrameError as exc:
-            raise RingChanged(f"field {field.name!r}: a frame read mid-write ({exc})") from None
-    return frames
+    try:
+        decoded = decompress_many(field.compression, frames_of(arena, rows), field.row_bytes)
+    except FrameError as exc:
+        raise RingChanged(f"field {field.name!r}: a frame read mid-write ({exc})") from None
+    return decoded.view(field.dtype).reshape(rows.size, *field.shape)
