@@ -1,8 +1,9 @@
-"""replayd client library: ReplayClient, EpisodeWriter and the typed options of buffers and batch modes;
-torch only in client.trainers and the loader."""
+"""replayd client library: ReplayClient, ShardedReplayClient (one client over many servers), EpisodeWriter and the
+typed options of buffers and batch modes; torch only in client.trainers and the loader."""
 
 from client.episode_writer import EpisodeWriter
 from client.replay_client import ReplayClient
+from client.sharded import ShardedReplayClient
 from service.wire.components import (
     Fifo,
     Geometric,
@@ -19,4 +20,5 @@ from service.wire.components import (
 from service.wire.frame_fields import Frames
 
 __all__ = ["EpisodeWriter", "Fifo", "Frames", "Geometric", "Hindsight", "MaxTimesSampled", "MinSize", "Prioritized",
-           "ReplayClient", "SampleToInsertRatio", "Sequences", "States", "Transitions", "Uniform"]
+           "ReplayClient", "SampleToInsertRatio", "Sequences", "ShardedReplayClient", "States", "Transitions",
+           "Uniform"]

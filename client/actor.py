@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """`prog`: the command as the user typed it, for usage lines (`replayd actor`)."""
     parser = argparse.ArgumentParser(prog=prog, description="replayd actor")
     add_common_options(parser)
-    parser.add_argument("--address", required=True)
+    parser.add_argument("--address", required=True,
+                        help="host:port of the replay server; shards:NAME:PORT (every server NAME resolves to) or "
+                             "host:port,host:port,... for several (client.sharded.connect)")
     parser.add_argument("--buffer")
     parser.add_argument("--env", dest="env_id")
     parser.add_argument("--seed", type=int)

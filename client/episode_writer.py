@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from client.polling import RECONNECT
-from client.replay_client import ReplayClient, Span, compress_columns, is_int, new_episode_id, spans_requests
+from client.replay_client import ReplayClient, Span, SpanSink, compress_columns, is_int, new_episode_id
 from service.wire.frame_fields import Frames, stacked_shape
+
+if TYPE_CHECKING:
+    from client.sharded import ShardedReplayClient
 
 
 class EpisodeWriter:
@@ -35,10 +38,15 @@ class EpisodeWriter:
     server refuses (an open episode evicted meanwhile, say) is sent again one episode at a time: the
     episodes it accepts are stored, the refused ones dropped, and the first refusal is raised; an open
     episode that was refused goes on as a new episode from its unsent steps.
+
+    Spans go through the client's span sink (`client.span_sink(buffer)`): one server's, or a
+    ShardedReplayClient's, which keeps each episode on one shard; an open episode whose shard went down goes
+    on as a new episode (on a live shard) from its unsent steps (one with none but its final observation ends
+    where it is: the sink holds the end until that shard is back).
     """
 
-    def __init__(self, client: ReplayClient, buffer: str, chunk_rows: int = 1000, batch_rows: int = 4096,
-                 auto_flush: bool = True) -> None:
+    def __init__(self, client: ReplayClient | ShardedReplayClient, buffer: str, chunk_rows: int = 1000,
+                 batch_rows: int = 4096, auto_flush: bool = True) -> None:
         for name, value, least in (("chunk_rows", chunk_rows, 2), ("batch_rows", batch_rows, 1)):
             if not is_int(value) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -47,6 +55,7 @@ class EpisodeWriter:
         self.chunk_rows = chunk_rows
         self.batch_rows = batch_rows
         self.auto_flush = auto_flush  # False: the caller flushes (e.g. to retry while a server restarts)
+        self._sink: SpanSink = client.span_sink(buffer)
         info = client.describe(buffer)
         fields = info["fields"]
         self.observation_fields = {name for name, (_, _, observation) in fields.items() if observation}
@@ -59,7 +68,8 @@ class EpisodeWriter:
         self._rows_sent = 0  # rows of the open episode already sent as chunks
         self._pending: list[Span] = []
         self._pending_rows = 0
-        self._refused_episode_ends = False  # the open episode went on after a refusal with no step yet
+        # The open episode went on as a new one (after a refusal, or its shard went down) with no step yet.
+        self._restarted_episode_ends = False
         # A final row's step fields are padding (the ring's layout).
         self._step_padding = {name: np.zeros(self.shapes[name], self.dtypes[name]) for name in fields
                               if name not in self.observation_fields}
@@ -77,13 +87,18 @@ class EpisodeWriter:
 
     def close(self) -> None:
         """Sends every pending span and, when an episode is open, its unsent steps as one more chunk (all
-        but its last step become sampleable; the episode stays open in the buffer). Then refuses writes."""
+        but its last step become sampleable; the episode stays open in the buffer). Then refuses writes.
+        Raises grpc.RpcError UNAVAILABLE, and stays open to be closed again, while the sink holds spans it
+        cannot deliver (for a shard that is down)."""
         if self.closed:
             return
+        if len(self._steps) >= 2:  # fewer go where the episode is (a new episode needs two rows)
+            self._go_on_if_stranded()
         if len(self._steps) >= 2 or (self._steps and self._rows_sent):
             self._pending_rows += len(self._steps)
             self._pending.append(self._chunk(ends=False, terminated=False))
         self.flush()
+        self.deliver_held()
         self.closed = True
 
     def _check_open(self) -> None:
@@ -138,6 +153,7 @@ class EpisodeWriter:
         self._check_open()
         self._steps.append(self._row(step, set(self.dtypes), "append"))
         if len(self._steps) >= self.chunk_rows:
+            self._go_on_if_stranded()
             self._pending.append(self._chunk(ends=False, terminated=False))
             self._pending_rows += self.chunk_rows
             if self.auto_flush:
@@ -147,12 +163,14 @@ class EpisodeWriter:
         """Closes the episode with its final observation (the state after the last step)."""
         self._check_open()
         final_row = self._row(final_observation, self.observation_fields, "end_episode")
+        if self._steps:  # with none, the end goes where the episode is (held there while that shard is down)
+            self._go_on_if_stranded()
         if not self._steps and self._rows_sent == 0:
-            if self._refused_episode_ends:  # its steps all went with the refused spans: nothing to store
-                self._refused_episode_ends = False
+            if self._restarted_episode_ends:  # its steps all went with the earlier spans: nothing to store
+                self._restarted_episode_ends = False
                 return
             raise ValueError("end_episode: the episode has no steps")
-        self._refused_episode_ends = False
+        self._restarted_episode_ends = False
         self._steps.append({**final_row, **self._step_padding})
         span = self._chunk(ends=True, terminated=terminated)
         self._pending.append(span)
@@ -162,6 +180,16 @@ class EpisodeWriter:
         self.episodes_written += 1
         if self.auto_flush and self._pending_rows >= self.batch_rows:
             self.flush()
+
+    def _go_on_if_stranded(self) -> None:
+        """An open episode whose spans went to a shard that is down now goes on as a new episode from its unsent
+        steps (called when there are some; its sent spans stay on that shard, an open episode there)."""
+        if self._rows_sent and self._sink.stranded(self._episode_id):
+            self._go_on_as_new_episode()
+
+    def _go_on_as_new_episode(self) -> None:
+        self._episode_id, self._rows_sent = new_episode_id(), 0
+        self._restarted_episode_ends = not self._steps
 
     def _chunk(self, ends: bool, terminated: bool) -> Span:
         columns = compress_columns({name: np.stack([step[name] for step in self._steps]) for name in self.dtypes},
@@ -173,6 +201,11 @@ class EpisodeWriter:
         self._steps = []
         return span
 
+    def deliver_held(self) -> None:
+        """Delivers the spans the sink holds for shards that were down (later flushes send them too); raises
+        grpc.RpcError UNAVAILABLE while a shard they wait for is still down. One server's sink holds none."""
+        self._sink.deliver_held()
+
     @property
     def pending_rows(self) -> int:
         return self._pending_rows
@@ -183,7 +216,7 @@ class EpisodeWriter:
         if not self._pending:
             return
         try:
-            self.client.insert(spans_requests(self.buffer, self._pending, self.client.max_request_bytes))
+            self._sink.send(self._pending)
         except grpc.RpcError as exc:
             if exc.code() in RECONNECT:
                 raise  # kept for the next flush (the server stores a span sent twice once)
@@ -200,7 +233,7 @@ class EpisodeWriter:
         first_refusal = None
         for sent, spans in enumerate(episodes):
             try:
-                self.client.insert(spans_requests(self.buffer, spans, self.client.max_request_bytes))
+                self._sink.send(spans)
             except grpc.RpcError as exc:
                 if exc.code() in RECONNECT:
                     self._pending = [span for later in episodes[sent:] for span in later]
@@ -210,7 +243,6 @@ class EpisodeWriter:
                 if spans[-1].ends:
                     self.episodes_written -= 1
                 elif spans[0].episode_id == self._episode_id:
-                    self._episode_id, self._rows_sent = new_episode_id(), 0
-                    self._refused_episode_ends = not self._steps
+                    self._go_on_as_new_episode()
         self._pending, self._pending_rows = [], 0
         return first_refusal

@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -355,6 +355,40 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._with_token(client_call_details), request_iterator)
 
 
+class SpanSink(Protocol):
+    """Where an EpisodeWriter sends its spans (ReplayClient.span_sink, ShardedReplayClient.span_sink)."""
+
+    def send(self, spans: Sequence[Span]) -> None:
+        """Stores the spans (exactly once: retried spans are acknowledged, not stored twice), or raises the
+        server's refusal or, when no server can be reached, grpc.RpcError UNAVAILABLE (kept for a retry)."""
+
+    def stranded(self, episode_id: int) -> bool:
+        """Whether the open episode `episode_id` cannot go on where its spans went (the writer then goes on with
+        a new episode)."""
+
+    def deliver_held(self) -> None:
+        """Delivers the spans the sink holds for servers that were down; grpc.RpcError UNAVAILABLE while some of
+        those are still down."""
+
+
+class ServerSink:
+    """An EpisodeWriter's spans into one server: a stream of requests of up to the client's max_request_bytes per
+    send. An episode always goes on where it began, and nothing is held here: a failed send raises."""
+
+    def __init__(self, client: ReplayClient, buffer: str) -> None:
+        self.client = client
+        self.buffer = buffer
+
+    def send(self, spans: Sequence[Span]) -> None:
+        self.client.insert(spans_requests(self.buffer, spans, self.client.max_request_bytes))
+
+    def stranded(self, episode_id: int) -> bool:
+        return False
+
+    def deliver_held(self) -> None:
+        return None
+
+
 @dataclass(frozen=True)
 class _SamplingCalls:
     sample: grpc.UnaryUnaryMultiCallable
@@ -487,7 +521,16 @@ class ReplayClient:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the server accepts connections (raises grpc.FutureTimeoutError otherwise)."""
-        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        self.ready_future().result(timeout=timeout)
+
+    def ready_future(self) -> grpc.Future:
+        """A future that resolves once the server accepts connections, connecting until then (gRPC's reconnects:
+        0.1 s, then up to 1 s apart); cancel() stops it."""
+        return grpc.channel_ready_future(self._channel)
+
+    def span_sink(self, buffer: str) -> ServerSink:
+        """Where an EpisodeWriter's spans go: this server (see ServerSink)."""
+        return ServerSink(self, buffer)
 
     def _idempotent(self, call: Callable[..., T], request: Any, timeout: float | None) -> T:
         """Retries UNAVAILABLE with exponential backoff and jitter (safe only for idempotent calls)."""

@@ -213,6 +213,25 @@ def test_grpc_prioritized_sample_and_update_priorities(client) -> None:
     client.delete_buffer("per")
 
 
+def test_descriptions_report_the_priority_mass_and_the_smallest_positive_leaf(client) -> None:
+    """prioritized.total is the sum tree's root (sum of p^alpha), prioritized.min_positive its smallest positive
+    leaf (0 when no step has a positive priority): what a client sampling several servers splits batches by."""
+    schema = {"obs": ("float32", (3,)), "action": ("int64", ())}
+    empty = client.create_buffer("per", 1000, schema, sampler=Prioritized(alpha=0.5))["counters"]
+    assert (empty["prioritized.total"], empty["prioritized.min_positive"]) == (0.0, 0.0)
+    client.insert_episode("per", True, obs=np.zeros((5, 3), np.float32), action=np.arange(4))
+    fresh = client.describe("per")["counters"]
+    assert (fresh["prioritized.total"], fresh["prioritized.min_positive"]) == (4.0, 1.0)  # new steps: priority 1
+    keys = np.unique(client.sample("per", 64, include_keys=True, seed=0)["key"])
+    assert keys.size == 4
+    priorities = np.array([4.0, 9.0, 16.0, 0.0])
+    client.update_priorities("per", keys, priorities)
+    updated = client.describe("per")["counters"]
+    assert updated["prioritized.total"] == pytest.approx(2 + 3 + 4)
+    assert updated["prioritized.min_positive"] == pytest.approx(2.0)
+    client.delete_buffer("per")
+
+
 def test_importance_weights_survive_priority_ratios_beyond_float64() -> None:
     """Leaves from 1e-300 to 1e100: p / p_min overflows, and inf ** -beta made every weight 0."""
     rng = np.random.default_rng(5)

@@ -12,13 +12,15 @@ import time
 import numpy as np
 import pytest
 
-from client import ReplayClient, Sequences
+from client import Prioritized, ReplayClient, Sequences, ShardedReplayClient
 from client.local_reader import LocalReader
 from service.buffers.episodic import EpisodicBuffer, Spans
 from service.buffers.reader import RingReader
 from service.errors import FailedPrecondition, InvalidArgument
 from service.modes.sequences import SequencesMode
 from service.samplers.prioritized import PrioritizedSampler
+from service.server import ReplayServer
+from tests.conftest import TEST_INSTANCE
 from tests.test_episodic_buffer import FIELDS, RefEpisode, _chi_square_critical, expected_item, make_rows
 
 BATCH = 64
@@ -309,3 +311,29 @@ def test_sequences_are_the_same_over_grpc_and_from_shared_memory(client: ReplayC
     streamed = next(iter(client.sample_stream("seq", 64, mode, num_batches=1, seed=21, include_keys=True)))
     for name in local:
         np.testing.assert_array_equal(streamed[name], remote[name], err_msg=name)
+
+
+def test_sequences_over_shards_are_whole_episodes_of_one_shard() -> None:
+    """The sharded client merges the shards' sequences as any other batch: (B, T, ...) rows, keys tagged with
+    their shard, each sequence one episode of one shard."""
+    servers = [ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}sq{i}").start() for i in range(2)]
+    try:
+        with ShardedReplayClient([server.address for server in servers]) as client:
+            schema = {f.name: (f.dtype, f.shape) for f in FIELDS}
+            client.create_buffer("seq", 4000, schema, observation_fields=("obs", "t"), sampler=Prioritized())
+            rng = np.random.default_rng(15)
+            episodes = []
+            for episode_id in range(30):
+                rows = make_rows(rng, 0, int(rng.integers(3, 40)))
+                rows["obs"][:, 0] = episode_id
+                episodes.append({"obs": rows["obs"], "t": rows["t"], "action": rows["action"][:-1],
+                                 "reward": rows["reward"][:-1]})
+            client.insert_episodes("seq", episodes, [True] * 30)
+            batch = client.sample("seq", 64, Sequences(12, burn_in=4, n_step=2), include_keys=True)
+            held = np.arange(16) <= batch["mask"].sum(axis=1)[:, None]
+            assert np.all(np.where(held, batch["obs"][:, :, 0], batch["obs"][:, :1, 0]) == batch["obs"][:, :1, 0])
+            assert np.all(np.diff(batch["t"], axis=1)[held[:, 1:]] == 1)
+            assert client.update_priorities("seq", batch["key"], np.full(64, 2.0)) == (64, 0)  # each to its shard
+    finally:
+        for server in servers:
+            server.stop()

@@ -15,6 +15,7 @@ from client.episode_writer import EpisodeWriter
 from client.params import load_module_bytes
 from client.polling import RECONNECT, never, wait_until
 from client.replay_client import FetchedWeights, ReplayClient
+from client.sharded import connect as connect_to
 
 
 def action_rng(seed: int) -> np.random.Generator:
@@ -60,7 +61,7 @@ def connect(address: str, buffer: str, stopped: Callable[[], bool], timeout: flo
     learner's and stop at once. So final weights found at the start are waited past (the new learner
     publishes above them)."""
     deadline = time.monotonic() + timeout
-    client = ReplayClient(address, timeout=10)
+    client = connect_to(address, timeout=10)
     ready = False
     try:
         ready = wait_for_buffer(client, buffer, timeout, stopped) is not None and (
@@ -132,6 +133,15 @@ class EpisodeRecorder:
         return True
 
     def close(self) -> int:
-        """Flushes what is pending (retrying up to 30 s past the deadline); returns episodes written."""
-        flush_with_retry(self.writer, max(self.retry_deadline, time.monotonic()) + 30)
+        """Flushes what is pending, and delivers what waits for a shard that was down (retrying up to 30 s past the
+        deadline); returns episodes written."""
+        deadline = max(self.retry_deadline, time.monotonic()) + 30
+        flush_with_retry(self.writer, deadline)
+
+        def delivered() -> bool:
+            self.writer.deliver_held()
+            return True
+
+        wait_until(delivered, deadline, f"delivering the held spans of {self.writer.buffer!r}", delay=0.1,
+                   max_delay=2.0)
         return self.writer.episodes_written

@@ -18,6 +18,7 @@ import torch
 from client.params import module_to_bytes
 from client.polling import wait_until
 from client.replay_client import ReplayClient
+from client.sharded import connect
 
 REPORT_EVERY = 1.0  # seconds between the reports that keep a progress bar moving between evaluations
 
@@ -255,7 +256,7 @@ def start_learner(config: Any, score_key: str, report: Callable[[Progress], None
     """Seeds torch, makes the `config.seconds` tracker, connects to `config.address`."""
     torch.manual_seed(config.seed)
     tracker = Tracker(config.seconds, score_key, report, waiting)
-    client = ReplayClient(config.address, timeout=30)
+    client = connect(config.address, timeout=30)
     client.wait_ready(timeout=60)
     return tracker, client
 

@@ -203,4 +203,10 @@ class PrioritizedSampler(Sampler):
         return applied, keys.size - applied
 
     def counters(self) -> dict[str, float]:
-        return {"alpha": self.alpha, "max_priority": float(self._max_priority[0])}
+        """alpha, the largest priority given, and the tree's root: `total` (sum of p^alpha, the buffer's priority
+        mass) and `min_positive` (the smallest positive p^alpha, 0 when no step has a positive priority). A
+        client sampling several servers splits batches by their totals and normalizes importance weights
+        against the smallest min_positive (client/shard_math.py)."""
+        smallest = self.tree.min_positive
+        return {"alpha": self.alpha, "max_priority": float(self._max_priority[0]), "total": self.tree.total,
+                "min_positive": smallest if math.isfinite(smallest) else 0.0}

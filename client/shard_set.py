@@ -1,0 +1,187 @@
+"""The servers (shards) of a ShardedReplayClient: from a list of addresses, or from one DNS name whose A/AAAA
+records are the shards (a compose service scaled to K replicas, a Kubernetes headless Service), re-resolved at
+an interval and when a shard fails. Each shard has its own ReplayClient; a shard that fails is down until its
+channel connects again (gRPC's reconnects, 0.1-1 s apart), and both events are logged and counted."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from client.replay_client import ReplayClient
+from client.shard_math import MAX_SHARDS
+
+log = logging.getLogger("replayd.client")
+
+# After a shard fails, the name is resolved again (its replacement may listen elsewhere), at most this often.
+_RESOLVE_AFTER_FAILURE = 1.0
+
+
+def split_host_port(target: str) -> tuple[str, int]:
+    """("host", port) of "host:port" or "[v6 address]:port"."""
+    host, colon, port = target.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise ValueError(f"address: expected host:port, got {target!r}")
+    return host.strip("[]"), int(port)
+
+
+def resolve(target: str) -> list[str]:
+    """Every address "ip:port" ("[ip]:port" for IPv6) that the name of `target` ("name:port") resolves to: its
+    A and AAAA records (or hosts-file entries), sorted."""
+    host, port = split_host_port(target)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses = set()
+    for family, _, _, _, sockaddr in infos:
+        ip = str(ipaddress.ip_address(sockaddr[0]))
+        addresses.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(addresses)
+
+
+class ShardError(grpc.RpcError):
+    """A call over the shards that failed as a whole (no shard up, none holding the data in time): a gRPC error
+    with a code (UNAVAILABLE, DEADLINE_EXCEEDED), so callers treat it as one server's error of that code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class Shard:
+    """One server: its address, its ReplayClient, its index (the bits its keys carry) and whether it is up."""
+
+    def __init__(self, index: int, address: str, client: ReplayClient) -> None:
+        self.index = index
+        self.address = address
+        self.client = client
+        self.up = True
+        self.life = 0  # grows each time the shard comes back: what a failed call of an earlier life reports is old
+        self._back: grpc.Future | None = None  # while down: resolves when the channel connects again
+
+    def __repr__(self) -> str:
+        return f"shard {self.index} ({self.address})"
+
+
+class ShardSet:
+    """The current shards. `target`: one "name:port" (resolved to every record, again every `resolve_every`
+    seconds and after a failure) or a sequence of addresses (fixed). `connect(address)` makes a shard's client.
+
+    `generation` grows at every change (a shard failing, coming back, joining or leaving), so that what callers
+    derive from the shards (which hold a buffer, their sizes) is derived again."""
+
+    def __init__(self, target: str | Sequence[str], connect: Callable[[str], ReplayClient],
+                 resolve_every: float, registry: CollectorRegistry) -> None:
+        if not resolve_every > 0:
+            raise ValueError(f"resolve_every: expected seconds > 0, got {resolve_every!r}")
+        self._name = target if isinstance(target, str) else None
+        self._connect = connect
+        self._resolve_every = resolve_every
+        self._lock = threading.Lock()
+        self._known: dict[str, Shard] = {}  # every address ever listed: a shard listed again keeps its index
+        self._members: list[Shard] = []
+        self._closed = False  # calls failing on closed channels say nothing about the shards
+        self.generation = 0
+        self._failures = Counter("replayd_client_shard_failures", "Shards found down by a call (log line each)",
+                                 ["shard"], registry=registry)
+        self._rejoins = Counter("replayd_client_shard_rejoins", "Shards that answered again after failing",
+                                ["shard"], registry=registry)
+        self._up = Gauge("replayd_client_shard_up", "1 while a shard is up, 0 while down", ["shard"],
+                         registry=registry)
+        addresses = resolve(target) if self._name is not None else list(target)
+        if not addresses or len(set(addresses)) != len(addresses):
+            raise ValueError(f"shards: expected distinct addresses, got {addresses!r} for {target!r}")
+        self._set_members(addresses)
+        self._resolved_at = time.monotonic()
+
+    def _set_members(self, addresses: Sequence[str]) -> None:
+        members = []
+        for address in addresses:
+            shard = self._known.get(address)
+            if shard is None:
+                if len(self._known) == MAX_SHARDS:
+                    raise ValueError(f"shards: a client tags keys with at most {MAX_SHARDS} shards, got one more: "
+                                     f"{address}")
+                split_host_port(address)
+                shard = self._known[address] = Shard(len(self._known), address, self._connect(address))
+                self._up.labels(address).set(1)
+            members.append(shard)
+        self._members = members
+        self.generation += 1
+
+    def members(self) -> list[Shard]:
+        """The shards now listed (resolving the name again when it is due)."""
+        if self._name is not None and time.monotonic() - self._resolved_at > self._resolve_every:
+            self._resolve_again()
+        return list(self._members)
+
+    def up(self) -> list[Shard]:
+        return [shard for shard in self.members() if shard.up]
+
+    def by_index(self, index: int) -> Shard | None:
+        """The shard of that index, listed now or earlier (None: no shard ever had it)."""
+        with self._lock:
+            return next((shard for shard in self._known.values() if shard.index == index), None)
+
+    def _resolve_again(self) -> None:
+        with self._lock:
+            self._resolved_at = time.monotonic()
+        try:
+            addresses = resolve(self._name)
+        except OSError as exc:  # the name does not resolve now: the shards known stay
+            log.warning("shards: resolving %s failed (%s); keeping %d shard(s)", self._name, exc, len(self._members))
+            return
+        with self._lock:
+            if addresses and addresses != [shard.address for shard in self._members]:
+                log.info("shards: %s resolves to %s", self._name, ", ".join(addresses))
+                self._set_members(addresses)
+
+    def failed(self, shard: Shard, error: grpc.RpcError | str, life: int | None = None) -> None:
+        """`shard` did not answer (`error`): it is down until its channel connects again. Logged and counted.
+        `life`: the shard's life the failed call began in (None: now); a failure of an earlier life is old news."""
+        with self._lock:
+            if self._closed or not shard.up or (life is not None and life != shard.life):
+                return
+            shard.up = False
+            self.generation += 1
+            shard._back = shard.client.ready_future()
+        detail = error if isinstance(error, str) else f"{error.code().name} {error.details()}"
+        log.warning("%s is down (%s): sampling and new episodes go to the other shards; what it holds is "
+                    "unavailable until it is back", shard, detail)
+        self._failures.labels(shard.address).inc()
+        self._up.labels(shard.address).set(0)
+        shard._back.add_done_callback(lambda future: self._came_back(shard, future))
+        if self._name is not None and time.monotonic() - self._resolved_at > _RESOLVE_AFTER_FAILURE:
+            self._resolve_again()
+
+    def _came_back(self, shard: Shard, future: grpc.Future) -> None:
+        if future.cancelled():
+            return
+        with self._lock:
+            shard.up = True
+            shard.life += 1
+            shard._back = None
+            self.generation += 1
+        log.warning("%s answers again: it rejoins the shards", shard)
+        self._rejoins.labels(shard.address).inc()
+        self._up.labels(shard.address).set(1)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            shards = list(self._known.values())
+        for shard in shards:
+            if shard._back is not None:
+                shard._back.cancel()
+            shard.client.close()
