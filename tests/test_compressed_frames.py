@@ -31,7 +31,7 @@ from service.registry import BufferRegistry
 from service.schema import Field
 from service.server import ReplayServer
 from service.wire import replay_pb2 as pb
-from service.wire.frame_fields import CompressedFrames, FrameError, compress, decompress
+from service.wire.frame_fields import CompressedFrames, FrameError, compress, decompress, decompress_many
 from service.wire.frames import InsertFrame
 from tests.conftest import TEST_INSTANCE, rpc_status
 from tests.test_crash_recovery import Crash, crash_inside, segments_removed
@@ -108,6 +108,11 @@ def test_codecs_round_trip_and_refuse_frames_not_whole(compression: str) -> None
         flipped[len(flipped) // 2] ^= 0x01
         with pytest.raises(FrameError):
             decompress(compression, bytes(flipped), frames[0].nbytes)
+    np.testing.assert_array_equal(decompress_many(compression, packed, frames[0].nbytes),
+                                  frames.reshape(5, -1))  # the batch call (zstd's in one)
+    with pytest.raises(FrameError):
+        decompress_many(compression, CompressedFrames(np.frombuffer(garbage * 2, np.uint8),
+                                                      np.array([len(garbage)] * 2)), frames[0].nbytes)
     taken = packed[np.array([True, False, True, True, False])]
     assert [taken.frame(i).tobytes() for i in range(3)] == [packed.frame(i).tobytes() for i in (0, 2, 3)]
 
@@ -144,7 +149,7 @@ def test_the_planner_gives_frames_their_offsets_and_refuses_what_no_arena_holds(
 
     big = Spans.whole_episodes(np.array([9]), np.array([7]), np.array([True]))
     with pytest.raises(InvalidArgument, match="episode 7: its frames of field 'obs' take 100 bytes"):
-        check_frames_fit(arena_ring(), big, FrameLengths((np.full(10, 10, np.int64),)))
+        check_frames_fit(arena_ring().arenas, big, FrameLengths((np.full(10, 10, np.int64),)))
 
 
 def test_an_open_episode_whose_frames_the_request_would_overwrite_is_refused() -> None:

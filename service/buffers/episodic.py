@@ -221,6 +221,8 @@ class EpisodicBuffer(LiveBuffer):
                  dedup_window: int) -> None:
         self.ring = EpisodicRing(storage, remover.retired())
         self.name = self.ring.name
+        # The arenas' sizes (heads unused), known without reading shared memory.
+        self.arena_sizes = tuple(ArenaSnapshot(name, arena.size, 0) for name, arena in self.ring.arenas.items())
         self.sampler, self.remover, self.limiter = sampler, remover, limiter
         self.reader = RingReader(self.ring, sampler, limiter)
         self.counters: Counter[str] = Counter()
@@ -477,7 +479,8 @@ class EpisodicBuffer(LiveBuffer):
         come as CompressedFrames (each frame checked here, before the lock is taken)."""
         rows = check_columns(self.fields, columns, "insert")
         check_spans(spans, rows, self.capacity)
-        check_frames_fit(self._snapshot(), spans, self._frame_lengths(columns))
+        # Arena sizes only: shared memory is read inside live() (a delete may unmap it before then).
+        check_frames_fit(self.arena_sizes, spans, self._frame_lengths(columns))
         offsets = span_offsets(spans)
         self._check_rewards(columns)
         completed = int(np.count_nonzero(spans.ends))

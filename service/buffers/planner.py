@@ -17,7 +17,7 @@ episode that the request's bytes would overwrite, is refused here too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -114,10 +114,11 @@ class FrameLengths:
         return tuple(lengths[lo:hi] for lengths in self.lengths)
 
 
-def check_frames_fit(ring: RingSnapshot, spans: Spans, frames: FrameLengths) -> None:
-    """Refuses a span whose frames of some compressed field cannot fit its arena (with a frame's slack)."""
+def check_frames_fit(arenas: Sequence[ArenaSnapshot], spans: Spans, frames: FrameLengths) -> None:
+    """Refuses a span whose frames of some compressed field cannot fit its arena (with a frame's slack); reads
+    only the arenas' sizes."""
     bounds = np.concatenate([[0], np.cumsum(spans.rows)])
-    for arena, lengths in zip(ring.arenas, frames.lengths, strict=True):
+    for arena, lengths in zip(arenas, frames.lengths, strict=True):
         for i in range(len(spans.rows)):
             chunk = lengths[bounds[i]:bounds[i + 1]]
             if not fits(chunk, arena.size):

@@ -17,6 +17,11 @@ are all >= the tail read after the gather was read from live rows only: it is wh
 with an eviction and is drawn again. Bounds publish rows, not the head, which moves back when the newest
 episode closes short of its room (see writer.py's commit order). (x86 keeps stores in program order,
 and loads too, which this relies on.)
+
+A compressed field has no column: its frames live in a byte arena, each row holding its frame's offset and
+length (arena.py). A frame's bytes never change while its row's position is live either: the writer evicts
+every episode whose frames a write would overwrite, publishing the tail first, so the same tail check covers
+them.
 """
 
 from __future__ import annotations

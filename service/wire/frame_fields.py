@@ -154,12 +154,12 @@ def decompress_many(compression: str, frames: CompressedFrames, frame_bytes: int
             out[i] = np.frombuffer(decompress(compression, frames.frame(i), frame_bytes), np.uint8)
         return out
     data = memoryview(frames.data)
-    for start, end in zip(frames.starts[:-1].tolist(), frames.starts[1:].tolist(), strict=True):
-        declared = zstandard.frame_content_size(data[start:end])
-        if declared != frame_bytes:  # unknown sizes too: the batch call needs them
-            raise FrameError(f"a frame declares {declared} bytes")
     segments = np.stack([frames.starts[:-1], frames.lengths], axis=1).astype(np.uint64)  # (frames, 2)
     try:
+        for start, end in zip(frames.starts[:-1].tolist(), frames.starts[1:].tolist(), strict=True):
+            declared = zstandard.frame_content_size(data[start:end])
+            if declared != frame_bytes:  # unknown sizes too: the batch call needs them
+                raise FrameError(f"a frame declares {declared} bytes")
         decoded = _zstd_decompressor().multi_decompress_to_buffer(
             zstandard.BufferWithSegments(data, segments.tobytes()),
             decompressed_sizes=np.full(count, frame_bytes, np.uint64).tobytes(), threads=1)
