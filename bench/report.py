@@ -33,6 +33,9 @@ SECTIONS: dict[str, tuple[str, str]] = {
                "In-process `EpisodicBuffer.sample` beside a bare numpy gather of the same rows and the ALLO "
                "episodic buffer's samplers on its own layout; gRPC sample streams and inserts over loopback "
                "beside plain TCP and bare gRPC streams of the same bytes; the cores each side keeps busy."),
+    "pixels": ("Pixel observations", "Real Pong and Breakout frames in four layouts: the stack stored per row, "
+               "one frame per row stacked at sample time, and the same compressed with zstd or lz4: shared memory "
+               "per stored transition, sample streams, the Loader with decompress='client', wire bytes, inserts."),
     "sequences": ("Sequences and hindsight goals",
                   "R2D2-sized sequence batches on rings of two sizes beside `np.searchsorted` over episode "
                   "starts and TorchRL's `SliceSampler` on the same episodes; hindsight batches beside plain "

@@ -17,9 +17,9 @@ import json
 from bench import report
 from bench.machine import machine_record
 
-MODULES = ["bench.bench_replay", "bench.bench_sequences", "bench.bench_gae", "bench.bench_rollout_grpc",
-           "bench.bench_trainers", "bench.bench_prioritized", "bench.bench_shared_memory", "bench.bench_load",
-           "bench.bench_shards"]
+MODULES = ["bench.bench_replay", "bench.bench_pixels", "bench.bench_sequences", "bench.bench_gae",
+           "bench.bench_rollout_grpc", "bench.bench_trainers", "bench.bench_prioritized", "bench.bench_shared_memory",
+           "bench.bench_load", "bench.bench_shards"]
 RESULTS = report.RESULTS
 
 
