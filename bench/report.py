@@ -97,6 +97,8 @@ HEADLINES = [
              lambda r: r["metric"] == "rss_growth_after_rollout_1"),
     Headline("local reader beside a gRPC stream, cartpole", "shared_memory",
              lambda r: r["case"].startswith("cartpole transitions") and r["metric"] == "items_per_s"),
+    Headline("Pong frames: shared memory per stored transition, zstd", "pixels",
+             lambda r: r["case"].startswith("Pong: shared-memory bytes per stored transition, zstd")),
     Headline("Atari insert over gRPC", "replay",
              lambda r: r["case"].startswith("atari insert") and r["metric"] == "insert_MB_per_s"
              and r["baseline"].startswith("bare gRPC")),
