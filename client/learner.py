@@ -14,7 +14,7 @@ from client.algos import ALGOS, add_common_options, at_least, build, refuse_comp
 from client.learners.common import BufferMismatch, Progress, write_run
 from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
 from client.progress_bar import ProgressBar
-from client.replay_client import ReplayClient
+from client.sharded import connect
 
 __all__ = ["CARTPOLE_SCHEMA", "DQNLearnerConfig", "Progress", "learn_dqn", "main", "write_run"]
 
@@ -44,15 +44,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     refuse_compile_loss_off_cpu(parser, args)
     torch.set_num_threads(1)
     config = build(algo.learner_config, **args)
-    with ReplayClient(config.address) as monitor:
+    with connect(config.address) as monitor:  # one server or the shards, as the learner itself connects
         bar = ProgressBar(monitor, config.buffer, algo.counters, algo.score_label, config.seconds)
+
+        def finished(summary: dict) -> None:
+            """The summary line, printed before the final weights stop the actors (see finish_learner)."""
+            bar.close()
+            print(bar.summary_line(summary), flush=True)
+
         try:
-            summary = algo.learn(config, report=bar)
+            algo.learn(config, report=bar, finished=finished)
         except BufferMismatch as exc:
             parser.exit(1, f"{parser.prog}: {exc}\n")
         finally:
             bar.close()
-    print(bar.summary_line(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -173,9 +173,14 @@ class ShardSet:
             shard.life += 1
             shard._back = None
             self.generation += 1
+            listed = shard in self._members
         log.warning("%s answers again: it rejoins the shards", shard)
         self._rejoins.labels(shard.address).inc()
         self._up.labels(shard.address).set(1)
+        if self._name is not None and not listed:
+            # Its record left the name while it was down (a stopped container's, say) and is back with it: the name
+            # is resolved now rather than at the next interval, so that the shard takes part again at once.
+            self._resolve_again()
 
     def close(self) -> None:
         with self._lock:

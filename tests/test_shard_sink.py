@@ -205,6 +205,23 @@ def test_a_name_resolved_again_adds_and_drops_shards_and_a_shard_listed_again_ke
     assert [(s.index, s.address) for s in shards.members()] == [(0, "10.0.0.1:5"), (2, "10.0.0.3:5")]
 
 
+def test_a_shard_whose_record_left_the_name_while_down_is_listed_again_as_soon_as_it_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped container's record leaves the service name, and the failure's resolution dropped the shard; it
+    came back with its record, but only the next resolution (30 s later by default) listed it again."""
+    records = ["10.0.0.1:5", "10.0.0.2:5"]
+    monkeypatch.setattr("client.shard_set.resolve", lambda target: list(records))
+    monkeypatch.setattr("client.shard_set._RESOLVE_AFTER_FAILURE", 0.0)
+    shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 3600.0, CollectorRegistry())
+    victim = shards.members()[1]
+    records.remove("10.0.0.2:5")
+    shards.failed(victim, "connection reset")
+    assert [s.address for s in shards.members()] == ["10.0.0.1:5"]
+    records.append("10.0.0.2:5")
+    victim.client.comeback.resolve()
+    assert [(s.index, s.address, s.up) for s in shards.up()] == [(0, "10.0.0.1:5", True), (1, "10.0.0.2:5", True)]
+
+
 def test_a_name_that_stops_resolving_keeps_the_shards_known(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("client.shard_set.resolve", lambda target: ["10.0.0.1:5"])
     shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 1e-9, CollectorRegistry())
