@@ -374,6 +374,14 @@ class Stack:
         counters = (probed or {}).get("counters", {}).get(buffer, {})
         return float(counters.get("inserted_rows", 0)), float(counters.get("sampled_items", 0))
 
+    def client_log_lines(self, container: str, since: int, words: str) -> list[str]:
+        """The lines of a container's log since `since` (Unix time) that contain `words` (a progress bar's redraws,
+        which end in carriage returns, are lines of their own)."""
+        logs = run(["docker", "logs", "--since", str(since), container], env=self.engine.env, capture=True,
+                   quiet=True)
+        text = (logs.stdout + logs.stderr).replace("\r", "\n")
+        return [line[line.index("shard"):] if "shard" in line else line for line in text.splitlines() if words in line]
+
     def logs(self) -> str:
         return run([*self.compose, "logs", "--no-color", "--tail", "60"], env=self.env, capture=True, check=False,
                    quiet=True, timeout=120).stdout.replace("\r", "\n")
@@ -432,10 +440,20 @@ def check_stack(stack: Stack, timings: dict[str, float]) -> dict[str, Any]:
     log(f"training: actors insert into and the learner samples from all {SHARDS} shards "
         f"({time.monotonic() - started:.0f} s after `up`)")
 
-    # One shard killed mid-run: the learner samples on from the other, and the actors insert there.
-    before = {cid: stack.counters(cid) for cid in survivors}
+    # One shard killed mid-run: once the learner has found it down, it samples on from the other shard(s), and the
+    # actors insert there.
+    since = int(time.time()) - 1
     run(["docker", "kill", victim], env=stack.engine.env)
     killed = time.monotonic()
+
+    def noticed() -> list[str]:
+        if stack.state(learner)["Status"] == "exited":
+            raise CheckFailed("the learner exited while a shard was down")
+        return stack.client_log_lines(learner, since, "is down")
+
+    found = wait_for(noticed, KILL_SECONDS, f"the learner finding server {victim_number} down")
+    log(f"shard down: server {victim_number} killed; the learner says: {found[0][:160]}")
+    before = {cid: stack.counters(cid) for cid in survivors}
 
     def going_on_without_it() -> bool:
         if stack.state(learner)["Status"] == "exited":
@@ -450,10 +468,11 @@ def check_stack(stack: Stack, timings: dict[str, float]) -> dict[str, Any]:
     inserted, sampled = wait_for(going_on_without_it, KILL_SECONDS, "the learner sampling and the actors inserting "
                                  f"on the other shard(s) while server {victim_number} is down")
     timings["down"] = time.monotonic() - killed
-    log(f"shard down: server {victim_number} killed; the others took {inserted:,.0f} rows and served "
-        f"{sampled:,.0f} sampled items in {timings['down']:.0f} s")
+    log(f"shard down: since then, the other shard(s) took {inserted:,.0f} rows from the actors and served "
+        f"{sampled:,.0f} sampled items to the learner ({timings['down']:.0f} s after the kill)")
 
     # Started again: it restores its checkpoint, is healthy, and both kinds of client use it again.
+    since = int(time.time()) - 1
     run(["docker", "start", victim], env=stack.engine.env)
     restarted = time.monotonic()
     wait_for(lambda: stack.healthy(victim), HEALTHY_SECONDS, f"server {victim_number} healthy again", poll=0.5)
@@ -474,6 +493,9 @@ def check_stack(stack: Stack, timings: dict[str, float]) -> dict[str, Any]:
     timings["rejoined"] = time.monotonic() - restarted
     log(f"shard back: server {victim_number} restored its checkpoint, healthy {timings['healthy_again']:.0f} s and "
         f"inserted into and sampled from {timings['rejoined']:.0f} s after `docker start`")
+    for name, container in [("learner", learner), *((f"actor {n}", cid) for n, cid in sorted(actors.items()))]:
+        for line in stack.client_log_lines(container, since, "rejoins the shards"):
+            log(f"shard back: {name} says: {line[:160]}")
 
     # The learner solves within its budget and ends the run: its summary, then the actors stop.
     def learner_exited() -> dict[str, Any] | None:
