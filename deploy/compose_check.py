@@ -380,7 +380,8 @@ class Stack:
         logs = run(["docker", "logs", "--since", str(since), container], env=self.engine.env, capture=True,
                    quiet=True)
         text = (logs.stdout + logs.stderr).replace("\r", "\n")
-        return [line[line.index("shard"):] if "shard" in line else line for line in text.splitlines() if words in line]
+        lines = [line[line.index("shard"):] if "shard" in line else line for line in text.splitlines() if words in line]
+        return list(dict.fromkeys(lines))  # once each (a learner's progress bar has a client of its own)
 
     def logs(self) -> str:
         return run([*self.compose, "logs", "--no-color", "--tail", "60"], env=self.env, capture=True, check=False,
