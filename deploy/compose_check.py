@@ -362,6 +362,16 @@ class Stack:
             raise CheckFailed(f"container {container} exited {state['ExitCode']}")
         return state.get("Health", {}).get("Status") == "healthy"
 
+    def wait_healthy(self, container: str, seconds: float, what: str) -> None:
+        """Until the container's compose healthcheck passes; CheckFailed with its last result otherwise."""
+        try:
+            wait_for(lambda: self.healthy(container), seconds, what, poll=0.5)
+        except CheckFailed as exc:
+            health = self.state(container).get("Health") or {}
+            last = (health.get("Log") or [{}])[-1]
+            raise CheckFailed(f"{exc}; health {health.get('Status')!r}, last check exited {last.get('ExitCode')}: "
+                              f"{(last.get('Output') or '').strip()[-600:]}") from None
+
     def probe(self, container: str) -> dict[str, Any] | None:
         """The shard's buffer counters and checkpointed buffers; None while it does not answer."""
         result = run(["docker", "exec", container, "python", "-c", PROBE], env=self.engine.env, capture=True,
@@ -407,8 +417,8 @@ def check_stack(stack: Stack, timings: dict[str, float]) -> dict[str, Any]:
 
         shards = wait_for(created, HEALTHY_SECONDS, f"{SHARDS} server containers created")
         for number, container in sorted(shards.items()):
-            wait_for(lambda c=container: stack.healthy(c), HEALTHY_SECONDS - (time.monotonic() - started),
-                     f"server {number} healthy through its compose healthcheck", poll=0.5)
+            stack.wait_healthy(container, HEALTHY_SECONDS - (time.monotonic() - started),
+                               f"server {number} healthy through its compose healthcheck")
         timings["healthy"] = time.monotonic() - started
         log(f"healthy: {SHARDS} shards, {timings['healthy']:.1f} s after `up`")
         if up.wait(HEALTHY_SECONDS) != 0:
@@ -476,7 +486,7 @@ def check_stack(stack: Stack, timings: dict[str, float]) -> dict[str, Any]:
     since = int(time.time()) - 1
     run(["docker", "start", victim], env=stack.engine.env)
     restarted = time.monotonic()
-    wait_for(lambda: stack.healthy(victim), HEALTHY_SECONDS, f"server {victim_number} healthy again", poll=0.5)
+    stack.wait_healthy(victim, HEALTHY_SECONDS, f"server {victim_number} healthy again")
     timings["healthy_again"] = time.monotonic() - restarted
     back = wait_for(lambda: stack.probe(victim), 30, f"server {victim_number} answering the probe")
     if "cartpole" not in back["counters"]:
