@@ -524,8 +524,10 @@ def check_stack(stack: Stack, timings: dict[str, float]) -> dict[str, Any]:
     if not summary_line:
         raise CheckFailed("the learner's stdout has no summary line")
     if not (summary["solved"] and summary["final_eval_return"] >= TARGET_RETURN):
+        scores = [point["eval_return"] for point in summary["curve"]]
         raise CheckFailed(f"the learner did not reach a greedy return of {TARGET_RETURN:g} within {BUDGET_SECONDS} s "
-                          f"of training: final {summary['final_eval_return']}, curve {summary['curve']}")
+                          f"of training: final {summary['final_eval_return']}, best {max(scores, default=None)}, "
+                          f"last evaluations {scores[-5:]} ({len(scores)} in all)")
     timings["solve"] = summary["seconds"]
 
     def actors_exited() -> list[int] | None:
