@@ -633,6 +633,9 @@ def teardown(engine: Engine, stack: Stack | None, linked: list[Path], keep_image
             present = [image for image in IMAGES if image_present(engine, image)]
             if present:
                 attempt(lambda: run(["docker", "image", "rm", *present], env=engine.env, capture=True))
+        # Images of this project that a later build replaced (kept ones, from --keep-images runs), untagged now.
+        attempt(lambda: run(["docker", "image", "prune", "--force", "--filter",
+                             f"label=com.docker.compose.project={PROJECT}"], env=engine.env, capture=True))
     for path in linked:
         attempt(lambda p=path: p.unlink())
     attempt(engine.stop)
