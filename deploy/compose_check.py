@@ -13,13 +13,15 @@ Steps, each a function below:
                 with a torch wheel there, no torch index is used (TORCH_INDEX_URL empty).
 4. run          `docker compose up -d --scale server=2 --scale actor=2` with a training budget of BUDGET_SECONDS.
 5. checks       Both shards become healthy through the compose healthcheck; actors insert and the learner samples
-                on both; one shard is killed (docker kill) once its checkpoint holds the buffer: the learner samples
-                on from the other shard and the actors insert there; the shard, started again, restores its
-                checkpoint, is healthy again, and takes inserts and serves samples again (it rejoined the clients);
-                the learner solves CartPole (greedy return >= TARGET_RETURN, the mean of 20 episodes) within the
-                budget, read from summary.json in its run folder on the volume; learner and actors exit 0.
-6. teardown     Always: `docker compose down -v`, the images built (about 2 GB), the wheels linked, the private
-                Docker config, and the dockerd this check started (by its pid). The base image stays for the next run.
+                on both; one shard is killed (docker kill) once its checkpoint holds the buffer: once the learner
+                has found it down, it samples on from the other shard and the actors insert there; the shard,
+                started again, restores its checkpoint, is healthy again, and takes inserts and serves samples again
+                (it rejoined the clients); the learner solves CartPole (greedy return >= TARGET_RETURN, the mean of
+                20 episodes) within the budget, read from summary.json in its run folder on the volume; learner and
+                actors exit 0.
+6. teardown     Always: `docker compose down -v`, the images built (about 2 GB) and earlier builds of them left
+                untagged, the wheels linked, the private Docker config, and the dockerd this check started (by its
+                pid). The base image and the engine's build cache stay for the next run.
 
 It prints the time to build, to healthy and to solve. Exit status 0 only when every check passed.
 """
