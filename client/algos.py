@@ -39,7 +39,7 @@ class Baseline:
 class Algo:
     actor: Callable[..., Any]  # run_*_actor(config, stop=None) -> ActorReport
     actor_config: type
-    learn: Callable[..., dict]  # learn_*(config, report, waiting) -> summary
+    learn: Callable[..., dict]  # learn_*(config, report, waiting, finished) -> summary
     learner_config: type
     score: str  # the summary's final score
     score_label: str

@@ -11,10 +11,11 @@ import argparse
 import torch
 
 from client.algos import ALGOS, add_common_options, at_least, build, refuse_compile_loss_off_cpu, refuse_foreign_options
+from client.heartbeat import Heartbeat
 from client.learners.common import BufferMismatch, Progress, write_run
 from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
 from client.progress_bar import ProgressBar
-from client.replay_client import ReplayClient
+from client.sharded import connect
 
 __all__ = ["CARTPOLE_SCHEMA", "DQNLearnerConfig", "Progress", "learn_dqn", "main", "write_run"]
 
@@ -38,22 +39,36 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--compile-loss", action="store_true", default=None,
                         help="dqn: compile the Q-loss ahead with inductor (CPU; needs a C++ compiler; "
                         "a 1.4-1.9x faster loss step)")
+    parser.add_argument("--heartbeat", metavar="FILE",
+                        help="touch FILE at every report (at least once a second, training or waiting for data), for a "
+                             "liveness probe (python -m client.heartbeat FILE --max-age SECONDS)")
     args = vars(parser.parse_args(argv))
+    heartbeat_file = args.pop("heartbeat")
     algo_name = args.pop("algo")
     algo = ALGOS[algo_name]
     refuse_foreign_options(parser, algo_name, args, (algo.learner_config,))
     refuse_compile_loss_off_cpu(parser, args)
     torch.set_num_threads(1)
     config = build(algo.learner_config, **args)
-    with ReplayClient(config.address) as monitor:
+    heartbeat = Heartbeat(heartbeat_file)
+    with connect(config.address) as monitor:  # one server or the shards, as the learner itself connects
         bar = ProgressBar(monitor, config.buffer, algo.counters, algo.score_label, config.seconds)
+
+        def finished(summary: dict) -> None:
+            """The summary line, printed before the final weights stop the actors (see finish_learner)."""
+            bar.close()
+            print(bar.summary_line(summary), flush=True)
+
+        def report(progress: Progress) -> None:
+            heartbeat.beat()
+            bar(progress)
+
         try:
-            summary = algo.learn(config, report=bar)
+            algo.learn(config, report=report, finished=finished)
         except BufferMismatch as exc:
             parser.exit(1, f"{parser.prog}: {exc}\n")
         finally:
             bar.close()
-    print(bar.summary_line(summary), flush=True)
 
 
 if __name__ == "__main__":

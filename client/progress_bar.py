@@ -36,6 +36,8 @@ class ProgressBar:
         self.bar: tqdm | None = None  # drawn at the first report: a learner refused before it shows none
         self.readings: deque[tuple[float, float, float]] = deque()  # (time, inserted, sampled)
         self.first: tuple[float, float] | None = None  # (inserted, sampled) at the first report: this run's ratio
+        self._servers: dict[str, tuple[float, float]] = {}  # each server's (inserted, sampled) at the last reading
+        self._counted = (0.0, 0.0)  # what the servers inserted and sampled since the first reading, summed
         self.progress = Progress(budget_seconds=budget_seconds)
 
     def __call__(self, progress: Progress) -> None:
@@ -57,10 +59,25 @@ class ProgressBar:
         self.bar.n = min(progress.seconds, self.budget_seconds)
         self.bar.set_postfix_str(", ".join(parts))  # redraws the bar
 
+    def _tally(self, description: dict) -> tuple[float, float]:
+        """Inserted steps and sampled items since the first reading: each server's increases, summed. Over shards
+        (a description with `shards`), a shard that is down is missing from the sums of a merged description, and
+        one restored from a checkpoint counts from the checkpoint's counters again: neither counts backwards."""
+        servers = description.get("shards") or [description]
+        counted = list(self._counted)
+        for server in servers:
+            now = tuple(float(server["counters"].get(name, 0.0)) for name in self.counters)
+            address = server.get("address", "")
+            last = self._servers.get(address, now)
+            counted = [total + max(0.0, value - before)
+                       for total, value, before in zip(counted, now, last, strict=True)]
+            self._servers[address] = now
+        self._counted = (counted[0], counted[1])
+        return self._counted
+
     def _read(self) -> tuple[float, float]:
-        """The buffer's counters now, kept with those of the last RATE_SECONDS."""
-        counters = self.client.describe(self.buffer)["counters"]
-        inserted, sampled = (float(counters.get(name, 0.0)) for name in self.counters)
+        """The buffer's counts now, kept with those of the last RATE_SECONDS."""
+        inserted, sampled = self._tally(self.client.describe(self.buffer))
         now = time.monotonic()
         self.readings.append((now, inserted, sampled))
         while len(self.readings) > 2 and now - self.readings[1][0] >= RATE_SECONDS:
@@ -81,8 +98,7 @@ class ProgressBar:
     def summary_line(self, summary: dict) -> str:
         """One line on the whole run, from a learner's summary (its buffer's final counters included)."""
         seconds, steps = summary["seconds"], summary["learner_steps"]
-        counters = summary["buffer"]["counters"]
-        inserted, sampled = (float(counters.get(name, 0.0)) for name in self.counters)
+        inserted, sampled = self._tally(summary["buffer"])
         outcome = f"solved in {seconds:.0f} s" if summary["solved"] else f"budget of {self.budget_seconds:.0f} s spent"
         return (f"{outcome}: {self.score_label} {_score(self.progress.score)} "
                 f"(best {_score(self.progress.best_score)}), {summary['env_steps']:,} env steps, {steps:,} learner "

@@ -22,6 +22,9 @@ log = logging.getLogger("replayd.client")
 
 # After a shard fails, the name is resolved again (its replacement may listen elsewhere), at most this often.
 _RESOLVE_AFTER_FAILURE = 1.0
+# A shard found down stays down at least this long. A call can fail on a broken connection (a server killed) while
+# the channel still reads READY, before gRPC has noticed: a comeback that soon is looked at again once this passes.
+_HOLD_DOWN = 1.0
 
 
 def split_host_port(target: str) -> tuple[str, int]:
@@ -69,6 +72,8 @@ class Shard:
         self.up = True
         self.life = 0  # grows each time the shard comes back: what a failed call of an earlier life reports is old
         self._back: grpc.Future | None = None  # while down: resolves when the channel connects again
+        self._down_since = 0.0  # time.monotonic() when it was last found down
+        self._look_again: threading.Timer | None = None  # while down: a comeback seen too soon, looked at again
 
     def __repr__(self) -> str:
         return f"shard {self.index} ({self.address})"
@@ -148,12 +153,14 @@ class ShardSet:
                 self._set_members(addresses)
 
     def failed(self, shard: Shard, error: grpc.RpcError | str, life: int | None = None) -> None:
-        """`shard` did not answer (`error`): it is down until its channel connects again. Logged and counted.
+        """`shard` did not answer (`error`): it is down until its channel connects again, and for at least
+        _HOLD_DOWN. Logged and counted.
         `life`: the shard's life the failed call began in (None: now); a failure of an earlier life is old news."""
         with self._lock:
             if self._closed or not shard.up or (life is not None and life != shard.life):
                 return
             shard.up = False
+            shard._down_since = time.monotonic()
             self.generation += 1
             shard._back = shard.client.ready_future()
         detail = error if isinstance(error, str) else f"{error.code().name} {error.details()}"
@@ -168,20 +175,45 @@ class ShardSet:
     def _came_back(self, shard: Shard, future: grpc.Future) -> None:
         if future.cancelled():
             return
+        hold = shard._down_since + _HOLD_DOWN - time.monotonic()
+        if hold > 0:  # the channel may not have noticed the broken connection yet: look again after the hold-down
+            with self._lock:
+                if self._closed or shard.up:
+                    return
+                shard._look_again = threading.Timer(hold, self._watch, (shard,))
+                shard._look_again.daemon = True
+                shard._look_again.start()
+            return
         with self._lock:
             shard.up = True
             shard.life += 1
             shard._back = None
             self.generation += 1
+            listed = shard in self._members
         log.warning("%s answers again: it rejoins the shards", shard)
         self._rejoins.labels(shard.address).inc()
         self._up.labels(shard.address).set(1)
+        if self._name is not None and not listed:
+            # Its record left the name while it was down (a stopped container's, say) and is back with it: the name
+            # is resolved now rather than at the next interval, so that the shard takes part again at once.
+            self._resolve_again()
+
+    def _watch(self, shard: Shard) -> None:
+        """Waits for the down shard's channel to connect again (after a comeback seen within the hold-down)."""
+        with self._lock:
+            if self._closed or shard.up:
+                return
+            shard._look_again = None
+            shard._back = shard.client.ready_future()
+        shard._back.add_done_callback(lambda future: self._came_back(shard, future))
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             shards = list(self._known.values())
         for shard in shards:
+            if shard._look_again is not None:
+                shard._look_again.cancel()
             if shard._back is not None:
                 shard._back.cancel()
             shard.client.close()

@@ -1,5 +1,5 @@
 """The main job end to end on loopback with a tiny budget: `make demo`'s processes, and the services of
-docker-compose.yml run as local processes (no Docker engine in CI)."""
+docker-compose.yml run as local processes (`make compose-check` runs them in containers on a Docker engine)."""
 
 from __future__ import annotations
 
@@ -184,39 +184,75 @@ def test_a_baseline_gets_the_budget_the_algorithms_learner_had(algo: str) -> Non
 
 
 def _interpolate(text: str, env: dict[str, str]) -> str:
-    """docker compose's ${VAR:-default} interpolation, nested defaults included (innermost first)."""
-    innermost = re.compile(r"\$\{(\w+)(?::-([^${}]*))?\}")
-    while (expanded := innermost.sub(lambda m: env.get(m.group(1)) or m.group(2) or "", text)) != text:
+    """docker compose's ${VAR:-default} (unset or empty) and ${VAR-default} (unset) interpolation, nested defaults
+    included (innermost first), and $$ for a literal $."""
+    innermost = re.compile(r"\$\{(\w+)(?:(:?)-([^${}]*))?\}")
+
+    def value(match: re.Match) -> str:
+        name, colon, default = match.group(1), match.group(2), match.group(3) or ""
+        if name in env and (env[name] or not colon):
+            return env[name]
+        return default
+
+    text = text.replace("$$", "\0")
+    while (expanded := innermost.sub(value, text)) != text:
         text = expanded
-    return text
+    return text.replace("\0", "$")
+
+
+def _compose(name: str = "docker-compose.yml") -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
 
 
 def test_compose_ports_follow_their_variables() -> None:
-    """One variable moves a port everywhere: the server's flag, the mapping, the healthcheck, the clients."""
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = compose["services"]
+    """One variable moves a port everywhere: the server's flag, the healthcheck, the clients' shard name, and the
+    host ports docker-compose.publish.yml publishes for one shard."""
+    services = _compose()["services"]
     env = {"REPLAYD_PORT": "6000", "REPLAYD_HTTP_PORT": "7000"}
     server = _interpolate(services["server"]["command"], env)
     assert "--port 6000" in server and "--http-port 7000" in server
-    assert [_interpolate(p, env) for p in services["server"]["ports"]] == ["6000:6000", "7000:7000"]
-    assert "127.0.0.1:7000/healthz" in _interpolate(" ".join(services["server"]["healthcheck"]["test"]), env)
+    assert "127.0.0.1:7000/readyz" in _interpolate(" ".join(services["server"]["healthcheck"]["test"]), env)
     for name in ("actor", "learner"):
-        assert "--address server:6000" in _interpolate(services[name]["command"], env)
-        assert _interpolate(services[name]["environment"]["REPLAYD_ADDRESS"], env) == "server:6000"
-    assert "--address server:50051" in _interpolate(services["actor"]["command"], {})
+        assert "--address shards:server:6000" in _interpolate(services[name]["command"], env)
+        assert _interpolate(services[name]["environment"]["REPLAYD_ADDRESS"], env) == "shards:server:6000"
+    assert "--address shards:server:50051" in _interpolate(services["actor"]["command"], {})
+    published = _compose("docker-compose.publish.yml")["services"]["server"]["ports"]
+    assert [_interpolate(p, env) for p in published] == ["127.0.0.1:6000:6000", "127.0.0.1:7000:7000"]
 
 
-def test_compose_build_arguments_are_the_dockerfiles_own() -> None:
-    """Every build argument compose passes is an ARG of its Dockerfile, and every ARG a Dockerfile declares
-    can be set from compose (a GPU learner needs both a CUDA base image and torch's CUDA wheel index)."""
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    for name, service in compose["services"].items():
-        dockerfile = (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).read_text()
-        declared = set(re.findall(r"^ARG (\w+)", dockerfile, re.M))
-        assert set(service["build"]["args"]) == declared, name
+def test_the_replay_tier_scales_and_clients_find_its_shards_by_the_service_name() -> None:
+    """`--scale server=N`: no replica publishes a host port (N replicas cannot share one), each checkpoints into a
+    folder of its own and restores it on start (--recover with --checkpoint-dir), and clients resolve the service
+    name to every replica."""
+    services = _compose()["services"]
+    server = services["server"]
+    assert "ports" not in server and "container_name" not in server
+    command = _interpolate(server["command"], {})
+    assert command.startswith("sh -c 'exec replayd serve ") and command.endswith("'")
+    assert "--checkpoint-dir /checkpoints/server/$HOSTNAME " in command and " --recover " in command
+    for name in ("actor", "learner"):
+        assert _interpolate(services[name]["environment"]["REPLAYD_ADDRESS"], {}) == "shards:server:50051"
+
+
+def test_compose_builds_one_dockerfile_and_actors_share_the_learners_image() -> None:
+    """Every build argument compose passes is an ARG of the Dockerfile and every ARG can be set from compose (a GPU
+    learner needs both a CUDA base image and torch's CUDA wheel index); the server and client images are targets of
+    one build, and the actors run the image the learner builds (built once)."""
+    services = _compose()["services"]
+    dockerfile = (ROOT / services["server"]["build"]["context"] / services["server"]["build"]["dockerfile"]).read_text()
+    declared = set(re.findall(r"^ARG (\w+)", dockerfile, re.M))
+    stages = set(re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M))
+    built = {name: service["build"] for name, service in services.items() if "build" in service}
+    assert set(built) == {"server", "learner"}
+    for name, build in built.items():
+        assert set(build["args"]) == declared, name
+        assert build["target"] in stages, name
+    assert services["actor"]["image"] == services["learner"]["image"] != services["server"]["image"]
     cuda_wheels = "https://download.pytorch.org/whl/cu126"
-    learner_args = compose["services"]["learner"]["build"]["args"]
-    assert _interpolate(learner_args["TORCH_INDEX_URL"], {"TORCH_INDEX_URL": cuda_wheels}) == cuda_wheels
+    args = built["learner"]["args"]
+    assert _interpolate(args["TORCH_INDEX_URL"], {"TORCH_INDEX_URL": cuda_wheels}) == cuda_wheels
+    assert _interpolate(args["TORCH_INDEX_URL"], {"TORCH_INDEX_URL": ""}) == ""  # none: torch from docker/wheels/
+    assert _interpolate(args["TORCH_INDEX_URL"], {}) == "https://download.pytorch.org/whl/cpu"
 
 
 def _local_command(command: str, env: dict[str, str]) -> list[str]:
@@ -226,17 +262,17 @@ def _local_command(command: str, env: dict[str, str]) -> list[str]:
 
 
 def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = compose["services"]
+    """The services' commands and environments as local processes: two server replicas (the server's command run
+    by sh, as in its container, each with its own hostname, port and shared-memory instance), an actor and a
+    learner that address both as shards."""
+    services = _compose()["services"]
     assert set(services) == {"server", "actor", "learner"}
-    assert services["server"]["shm_size"] and "/healthz" in " ".join(services["server"]["healthcheck"]["test"])
-    port = free_port()
+    assert services["server"]["shm_size"] and "/readyz" in " ".join(services["server"]["healthcheck"]["test"])
+    ports = [free_port(), free_port()]
     env = {
         "REPLAYD_HOST": "127.0.0.1",
-        "REPLAYD_PORT": str(port),
         "REPLAYD_HTTP_PORT": "0",
-        "REPLAYD_ADDRESS": f"127.0.0.1:{port}",
-        "REPLAYD_INSTANCE": f"test{os.getpid()}compose",
+        "REPLAYD_ADDRESS": ",".join(f"127.0.0.1:{port}" for port in ports),
         "REPLAYD_SECONDS": "10",
         "REPLAYD_RUN_DIR": str(tmp_path / "run"),
         "REPLAYD_CHECKPOINT_DIR": str(tmp_path / "server"),
@@ -244,11 +280,18 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
     }
     process_env = {**os.environ, **{k: _interpolate(str(v), env) for k, v in
                                     (services["learner"].get("environment") or {}).items()}}
-    server = subprocess.Popen(_local_command(services["server"]["command"], env), cwd=ROOT)
-    processes = [server]
+    bin_path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # the replayd command
+    processes = []
     try:
-        with ReplayClient(env["REPLAYD_ADDRESS"]) as probe:
-            probe.wait_ready(timeout=60)
+        for index, port in enumerate(ports):
+            replica = {**env, "REPLAYD_PORT": str(port), "REPLAYD_INSTANCE": f"test{os.getpid()}compose{index}"}
+            command = shlex.split(_interpolate(services["server"]["command"], replica))
+            assert command[:2] == ["sh", "-c"]
+            processes.append(subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PATH": bin_path,
+                                                                      "HOSTNAME": f"replica{index}"}))
+        for port in ports:
+            with ReplayClient(f"127.0.0.1:{port}") as probe:
+                probe.wait_ready(timeout=60)
         # The actor's own budget is far longer than the learner's: it stops because the learner finished.
         actor_command = _local_command(services["actor"]["command"], {**env, "REPLAYD_SECONDS": "600"})
         actor = subprocess.Popen(actor_command, cwd=ROOT, env=process_env, stdout=subprocess.PIPE, text=True)
@@ -260,16 +303,20 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
         assert learner.returncode == 0 and actor.returncode == 0
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert summary["env_steps"] > 0
+        assert sorted(shard["address"] for shard in summary["buffer"]["shards"]) == sorted(
+            env["REPLAYD_ADDRESS"].split(","))
         # One summary line at the end (the progress bar goes to stderr).
         assert re.fullmatch(rf"(solved in \d+ s|budget of 10 s spent): greedy return [\d.]+ \(best [\d.]+\), "
                             rf"{summary['env_steps']:,} env steps, {summary['learner_steps']:,} learner steps "
                             r"\(\d+/s\), replay ratio [\d.]+", learner_out.strip())
         version = int(re.search(r"weights version (\d+)", actor_out).group(1))
-        with ReplayClient(env["REPLAYD_ADDRESS"]) as client:
-            stored = client.fetch_weights("q")
-            manifest = client.checkpoint()  # into the server's --checkpoint-dir (compose: the checkpoints volume)
-        assert stored.final and version == stored.version  # the actor fetched the learner's final weights
-        assert Path(manifest).is_relative_to(tmp_path / "server") and has_checkpoint(tmp_path / "server")
+        for index, port in enumerate(ports):
+            with ReplayClient(f"127.0.0.1:{port}") as client:
+                stored = client.fetch_weights("q")
+                manifest = client.checkpoint()  # into the replica's own folder of the --checkpoint-dir volume
+            assert stored.final and version == stored.version  # the actor fetched the learner's final weights
+            assert Path(manifest).is_relative_to(tmp_path / "server" / f"replica{index}")
+            assert has_checkpoint(tmp_path / "server" / f"replica{index}")
         assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "learning_curve.png").exists()
     finally:
         for process in processes:

@@ -156,3 +156,63 @@ def test_the_ppo_learner_does_not_reuse_a_rollout_buffer_made_with_other_gae_set
                                   rollout_steps=8, seconds=60)
     with pytest.raises(common.BufferMismatch if message else TimeoutError, match=message or "no actors"):
         ppo.learn_ppo(config)
+
+
+def record_the_end(monkeypatch: pytest.MonkeyPatch, events: list[str], fail_writing: bool = False) -> None:
+    """Records when the run folder is written and when weights are published final."""
+    publish = common.WeightsPublisher.publish
+
+    def write_run(run_dir, summary, plot) -> None:
+        if fail_writing:
+            raise OSError("no space left on device")
+        events.append("run folder")
+
+    def recording_publish(self, module, final=False, version=None) -> int:
+        published = publish(self, module, final=final, version=version)
+        if final:
+            events.append(f"final weights {published}")
+        return published
+
+    monkeypatch.setattr(common, "write_run", write_run)
+    monkeypatch.setattr(common.WeightsPublisher, "publish", recording_publish)
+
+
+@pytest.mark.parametrize("algo", ["dqn", "ppo"])
+def test_the_final_weights_that_stop_the_actors_come_after_the_run_folder_and_the_summary_line(
+        client: ReplayClient, tmp_path, monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
+    """The actors stop on the final weights, and a stack that ends when a process exits (compose's --exit-code-from
+    learner) stopped the learner while it was still evaluating and writing its summary: it published them first."""
+    events: list[str] = []
+    if algo == "dqn":
+        use_fake_loader(monkeypatch, dqn, 3)
+        monkeypatch.setattr(dqn, "DQNTrainer", FakeDQNTrainer)
+        monkeypatch.setattr(dqn, "evaluate_greedy", scores([10.0]))
+        record_the_end(monkeypatch, events)
+        config = dqn.DQNLearnerConfig(address=client.address, run_dir=str(tmp_path), learning_starts=0, seconds=60)
+        summary = dqn.learn_dqn(config, finished=lambda summary: events.append("summary line"))
+    else:
+        use_fake_loader(monkeypatch, ppo, 0)
+        monkeypatch.setattr(ppo, "PPOTrainer", FakePPOTrainer)
+        monkeypatch.setattr(ppo, "wait_until", lambda *args, **kwargs: True)
+        monkeypatch.setattr(ppo, "evaluate_greedy", scores([500.0]))
+        record_the_end(monkeypatch, events)
+        config = ppo.PPOLearnerConfig(address=client.address, run_dir=str(tmp_path), actors=1, num_envs=1,
+                                      rollout_steps=8, minibatches=1, seconds=60)
+        summary = ppo.learn_ppo(config, finished=lambda summary: events.append("summary line"))
+    final = client.fetch_weights(config.weights)
+    assert final.final and events == ["run folder", "summary line", f"final weights {final.version}"]
+    if algo == "dqn":
+        assert summary["weights_version"] == final.version
+
+
+def test_final_weights_stop_the_actors_even_when_the_run_folder_cannot_be_written(
+        client: ReplayClient, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    use_fake_loader(monkeypatch, dqn, 3)
+    monkeypatch.setattr(dqn, "DQNTrainer", FakeDQNTrainer)
+    monkeypatch.setattr(dqn, "evaluate_greedy", scores([10.0]))
+    record_the_end(monkeypatch, events, fail_writing=True)
+    config = dqn.DQNLearnerConfig(address=client.address, run_dir=str(tmp_path), learning_starts=0, seconds=60)
+    with pytest.raises(OSError, match="no space left"):
+        dqn.learn_dqn(config, finished=lambda summary: events.append("summary line"))
+    assert client.fetch_weights("q").final and events == [f"final weights {client.fetch_weights('q').version}"]

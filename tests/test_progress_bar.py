@@ -99,6 +99,53 @@ def test_the_rates_cover_the_last_seconds_only(clock: Clock) -> None:
     bar.close()
 
 
+class FakeShardedClient:
+    """A merged description over shards: the sums over the shards up, and each shard's own."""
+
+    def __init__(self) -> None:
+        self.shards = {"a:1": [0.0, 0.0], "b:1": [0.0, 0.0]}
+        self.down: set[str] = set()
+
+    def describe(self, buffer: str) -> dict:
+        up = {address: counts for address, counts in self.shards.items() if address not in self.down}
+        shards = [{"address": address, "counters": {"inserted_rows": i, "sampled_items": s}}
+                  for address, (i, s) in up.items()]
+        return {"counters": {"inserted_rows": sum(i for i, _ in up.values()),
+                             "sampled_items": sum(s for _, s in up.values())}, "shards": shards}
+
+
+def test_over_shards_the_rates_never_count_backwards_when_a_shard_leaves_or_comes_back_restored(
+        clock: Clock) -> None:
+    """The merged sums drop while a shard is down, and a shard restored from a checkpoint counts from the
+    checkpoint's counters: the bar showed negative insert and sample rates. Each shard's increases are summed."""
+    client = FakeShardedClient()
+    bar = ProgressBar(client, "cartpole", ("inserted_rows", "sampled_items"), "greedy return", 300.0)
+
+    def second(inserts: dict[str, float]) -> str:
+        for address, rows in inserts.items():
+            client.shards[address][0] += rows
+            client.shards[address][1] += 10 * rows
+        clock.now += 1.0
+        bar(Progress(training=True, seconds=clock.now - 1000.0))
+        return bar.bar.postfix
+
+    second({"a:1": 0.0, "b:1": 0.0})
+    for _ in range(6):
+        assert "inserts 1.00k/s, samples 10.0k/s" in second({"a:1": 500.0, "b:1": 500.0})
+    client.down.add("b:1")  # b's 3,000 rows leave the sums
+    assert "inserts 1.00k/s, samples 10.0k/s, replay ratio 10.0" in second({"a:1": 1000.0})
+    client.shards["b:1"] = [1000.0, 10000.0]  # back from an older checkpoint
+    client.down.clear()
+    postfixes = [second({"a:1": 500.0, "b:1": 500.0}) for _ in range(7)]
+    assert all("-" not in postfix.split("learner")[1] for postfix in postfixes)  # no negative rate
+    # Its first second back is not counted (its counters fell below the last reading); then every row is.
+    assert "inserts 1.00k/s, samples 10.0k/s, replay ratio 10.0" in postfixes[-1]
+    summary = {"solved": True, "seconds": 13.0, "learner_steps": 100, "env_steps": 13000,
+               "buffer": client.describe("cartpole")}
+    bar.close()
+    assert bar.summary_line(summary).endswith("replay ratio 10.0")
+
+
 def test_the_screenshot_is_taken_once_mid_run_on_its_own_thread(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
     taken = []

@@ -5,6 +5,7 @@ the shards a name resolves to as its records change."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from client import EpisodeWriter
+from client.polling import wait_until
 from client.shard_set import Shard, ShardError, ShardSet
 from client.shard_sink import ShardedSink
 
@@ -95,6 +97,12 @@ def run_all(calls: list[Callable[[], Any]]) -> list[Any]:
         except Exception as exc:
             results.append(exc)
     return results
+
+
+@pytest.fixture(autouse=True)
+def no_hold_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake shards come back when a test resolves their comeback (the hold-down has its own test)."""
+    monkeypatch.setattr("client.shard_set._HOLD_DOWN", 0.0)
 
 
 @pytest.fixture
@@ -191,6 +199,24 @@ def test_a_failure_from_before_a_shard_came_back_leaves_it_up(shards: ShardSet) 
     assert a.up
 
 
+def test_a_comeback_seen_as_the_shard_fails_is_looked_at_again_after_the_hold_down(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call failed on a connection that the server's death had broken while the channel still read READY: its
+    ready future resolved at once, the shard "answered again", and the next call found it down a second time."""
+    monkeypatch.setattr("client.shard_set._HOLD_DOWN", 0.3)
+    shards = ShardSet(["a:1", "b:1"], lambda address: FakeShardClient(), 30.0, CollectorRegistry())
+    a = shards.members()[0]
+    shards.failed(a, "connection reset")
+    stale = a.client.comeback
+    stale.resolve()  # the channel still read READY
+    assert not a.up
+    wait_until(lambda: a.client.comeback is not stale, time.monotonic() + 30, "the shard watched again")
+    assert not a.up
+    a.client.comeback.resolve()  # connected again, past the hold-down
+    assert a.up and a.life == 1
+    shards.close()
+
+
 def test_a_name_resolved_again_adds_and_drops_shards_and_a_shard_listed_again_keeps_its_index(
         monkeypatch: pytest.MonkeyPatch) -> None:
     records = [["10.0.0.1:5", "10.0.0.2:5"], ["10.0.0.2:5", "10.0.0.3:5"], ["10.0.0.1:5", "10.0.0.3:5"]]
@@ -203,6 +229,23 @@ def test_a_name_resolved_again_adds_and_drops_shards_and_a_shard_listed_again_ke
     assert shards.generation > generation and shards.by_index(0).address == "10.0.0.1:5"  # its keys still route
     records.pop(0)
     assert [(s.index, s.address) for s in shards.members()] == [(0, "10.0.0.1:5"), (2, "10.0.0.3:5")]
+
+
+def test_a_shard_whose_record_left_the_name_while_down_is_listed_again_as_soon_as_it_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped container's record leaves the service name, and the failure's resolution dropped the shard; it
+    came back with its record, but only the next resolution (30 s later by default) listed it again."""
+    records = ["10.0.0.1:5", "10.0.0.2:5"]
+    monkeypatch.setattr("client.shard_set.resolve", lambda target: list(records))
+    monkeypatch.setattr("client.shard_set._RESOLVE_AFTER_FAILURE", 0.0)
+    shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 3600.0, CollectorRegistry())
+    victim = shards.members()[1]
+    records.remove("10.0.0.2:5")
+    shards.failed(victim, "connection reset")
+    assert [s.address for s in shards.members()] == ["10.0.0.1:5"]
+    records.append("10.0.0.2:5")
+    victim.client.comeback.resolve()
+    assert [(s.index, s.address, s.up) for s in shards.up()] == [(0, "10.0.0.1:5", True), (1, "10.0.0.2:5", True)]
 
 
 def test_a_name_that_stops_resolving_keeps_the_shards_known(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,8 +59,10 @@ class AlloLearnerConfig:
 
 
 def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
-               waiting: Callable[[], None] = lambda: None) -> dict:
-    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+               waiting: Callable[[], None] = lambda: None,
+               finished: Callable[[dict], None] = lambda summary: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker); `finished` gets the
+    summary once the run folder is written (see finish_learner)."""
     tracker, client = start_learner(config, "avg_cosine", report, waiting)
     create_or_reuse(client, config.buffer, lambda: client.create_buffer(config.buffer, config.capacity_steps,
                                                                         GRID_SCHEMA),
@@ -104,11 +106,11 @@ def learn_allo(config: AlloLearnerConfig, report: Callable[[Progress], None] = l
     plot = CurvePlot("avg_cosine", f"average |cosine| of {config.d} eigenvectors",
                      f"ALLO on {config.layout} via replayd", config.target_cosine, x="learner_steps",
                      xlabel="learner steps")
-    summary = finish_learner(config, client, tracker, plot, {
-        "solved": bool(solved), "avg_cosine": float(cosine.mean()), "cosine": [round(float(c), 4) for c in cosine],
-        "target_cosine": config.target_cosine})
+    Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     plot_eigenvectors(env, learned, true, cosine, Path(config.run_dir) / "eigenvectors.png")
-    return summary
+    return finish_learner(config, client, tracker, plot, {
+        "solved": bool(solved), "avg_cosine": float(cosine.mean()), "cosine": [round(float(c), 4) for c in cosine],
+        "target_cosine": config.target_cosine}, finished)
 
 
 def plot_eigenvectors(env: GridWorld, learned: np.ndarray, true: np.ndarray, cosine: np.ndarray,

@@ -295,14 +295,28 @@ def env_steps(buffer_info: dict) -> int:
     return int(counters.get("inserted_rows", 0) - counters.get("inserted_episodes", 0))
 
 
-def finish_learner(config: Any, client: ReplayClient, tracker: Tracker, plot: CurvePlot, results: dict) -> dict:
+def finish_learner(config: Any, client: ReplayClient, tracker: Tracker, plot: CurvePlot, results: dict,
+                   finished: Callable[[dict], None] = lambda summary: None,
+                   final_weights: Callable[[], object] | None = None) -> dict:
     """The summary (timing, counts, `results`, the buffer's final state, config, curve), written into
-    `config.run_dir` with the learning curve; closes the client."""
+    `config.run_dir` with the learning curve; then `finished(summary)` (the command line prints its summary line);
+    then `final_weights()` publishes the last weights as final, which stops the actors; closes the client.
+
+    The actors stop last: a stack that ends as soon as a process exits (compose's --exit-code-from learner, a
+    supervisor stopping the learner with its actors) finds the run folder and the summary line complete. The final
+    weights are published even when writing the run folder fails, so that the actors stop all the same."""
     progress = tracker.progress
     buffer = client.describe(config.buffer)
     # Counted now, not at the last evaluation: a learner stopped before its first one still reports them.
     summary = {"seconds": tracker.seconds(), "learner_steps": progress.learner_steps, "env_steps": env_steps(buffer),
                **results, "buffer": buffer, "config": asdict(config), "curve": progress.curve}
-    write_run(Path(config.run_dir), summary, plot)
-    client.close()
+    try:
+        write_run(Path(config.run_dir), summary, plot)
+        finished(summary)
+    finally:
+        try:
+            if final_weights is not None:
+                final_weights()
+        finally:
+            client.close()
     return summary

@@ -63,8 +63,10 @@ class DQNLearnerConfig:
 
 
 def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
-               waiting: Callable[[], None] = lambda: None) -> dict:
-    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+              waiting: Callable[[], None] = lambda: None,
+              finished: Callable[[dict], None] = lambda summary: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker); `finished` gets the
+    summary once the run folder is written, before the final weights stop the actors (see finish_learner)."""
     tracker, client = start_learner(config, "eval_return", report, waiting)
     obs_shape, n_actions = env_spaces(config.env_id)
     schema = transition_schema(obs_shape)
@@ -124,11 +126,12 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
             loader.close()
         if reader is not None:
             reader.close()
-    weights.publish(trainer.online, final=True)  # the last weights: the actors stop
     if not progress.curve or progress.learner_steps % config.eval_every:
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
                      f"DQN on {config.env_id} via replayd", config.target_return)
+    final_version = weights.version + 1  # the last weights, published once the run folder is written
     return finish_learner(config, client, tracker, plot, {
         "solved": solved, "final_eval_return": progress.score, "target_return": config.target_return,
-        "weights_version": weights.version})
+        "weights_version": final_version}, finished,
+        lambda: weights.publish(trainer.online, final=True, version=final_version))

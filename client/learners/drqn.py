@@ -77,8 +77,10 @@ class DRQNLearnerConfig:
 
 
 def learn_drqn(config: DRQNLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
-               waiting: Callable[[], None] = lambda: None) -> dict:
-    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+               waiting: Callable[[], None] = lambda: None,
+               finished: Callable[[dict], None] = lambda summary: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker); `finished` gets the
+    summary once the run folder is written, before the final weights stop the actors (see finish_learner)."""
     tracker, client = start_learner(config, "eval_return", report, waiting)
     obs_shape, n_actions = env_spaces(config.env_id)
     schema = sequence_schema(obs_shape, config.hidden)
@@ -97,15 +99,16 @@ def learn_drqn(config: DRQNLearnerConfig, report: Callable[[Progress], None] = l
         raise
     wait_for_steps(client, config.buffer, config.learning_starts, tracker)
     train(config, client, trainer, tracker, weights)
-    weights.publish(trainer.online, final=True)  # the last weights: the actors stop
     progress = tracker.progress
     if not progress.curve or progress.learner_steps % config.eval_every:
         evaluate(config, client, trainer, tracker)  # the final policy: final_eval_return is never stale
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
                      f"DRQN on {config.env_id} via replayd", config.target_return)
+    final_version = weights.version + 1  # the last weights, published once the run folder is written
     return finish_learner(config, client, tracker, plot, {
         "solved": progress.score >= config.target_return, "final_eval_return": progress.score,
-        "target_return": config.target_return, "weights_version": weights.version})
+        "target_return": config.target_return, "weights_version": final_version}, finished,
+        lambda: weights.publish(trainer.online, final=True, version=final_version))
 
 
 def train(config: DRQNLearnerConfig, client: ReplayClient, trainer: DRQNTrainer, tracker: Tracker,

@@ -70,8 +70,10 @@ class HERLearnerConfig:
 
 
 def learn_her(config: HERLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
-              waiting: Callable[[], None] = lambda: None) -> dict:
-    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+              waiting: Callable[[], None] = lambda: None,
+              finished: Callable[[dict], None] = lambda summary: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker); `finished` gets the
+    summary once the run folder is written, before the final weights stop the actors (see finish_learner)."""
     from client.envs import make
 
     tracker, client = start_learner(config, "success_rate", report, waiting)
@@ -97,16 +99,17 @@ def learn_her(config: HERLearnerConfig, report: Callable[[Progress], None] = lam
                     device=config.device, prefetch=4,
                     prepare=her_prepare(env.compute_reward, env.compute_terminated, config.gamma))
     train(config, client, trainer, tracker, weights, loader)
-    weights.publish(trainer.online, final=True)  # the last weights: the actors stop
     progress = tracker.progress
     if not progress.curve or progress.learner_steps % config.eval_every:
         evaluate(config, client, trainer, tracker)  # the final policy: final_success_rate is never stale
     relabeling = f"HER ({config.strategy}, ratio {config.relabel_ratio})" if config.relabel_ratio else "no relabeling"
     plot = CurvePlot("success_rate", f"greedy success rate ({config.eval_episodes} episodes)",
                      f"DQN, {relabeling}, on {config.env_id} via replayd", config.target_success)
+    final_version = weights.version + 1  # the last weights, published once the run folder is written
     return finish_learner(config, client, tracker, plot, {
         "solved": progress.score >= config.target_success, "final_success_rate": progress.score,
-        "target_success": config.target_success, "weights_version": weights.version})
+        "target_success": config.target_success, "weights_version": final_version}, finished,
+        lambda: weights.publish(trainer.online, final=True, version=final_version))
 
 
 def train(config: HERLearnerConfig, client: ReplayClient, trainer: DQNTrainer, tracker: Tracker,

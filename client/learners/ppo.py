@@ -61,8 +61,10 @@ class PPOLearnerConfig:
 
 
 def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lambda progress: None,
-               waiting: Callable[[], None] = lambda: None) -> dict:
-    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
+              waiting: Callable[[], None] = lambda: None,
+              finished: Callable[[dict], None] = lambda summary: None) -> dict:
+    """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker); `finished` gets the
+    summary once the run folder is written, before the final weights stop the actors (see finish_learner)."""
     tracker, client = start_learner(config, "eval_return", report, waiting)
     import gymnasium as gym
 
@@ -126,12 +128,13 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
         weights.publish(trainer.model, version=version)
         if rollouts % config.eval_every == 0:
             evaluate()
-    # Published final, the actors stop instead of collecting for it (no policy version: no rollout uses it).
-    weights.publish(trainer.model, final=True)
     if not progress.curve or rollouts % config.eval_every:
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"deterministic return (mean of {config.eval_episodes} episodes)",
                      f"PPO on {config.env_id} via replayd", config.target_return)
+    # Published final once the run folder is written, the actors stop instead of collecting for it (no policy
+    # version: no rollout uses it; a rollout they collect meanwhile for `version` is left unused).
     return finish_learner(config, client, tracker, plot, {
         "solved": solved, "final_eval_return": progress.score, "target_return": config.target_return,
-        "env_steps": rollouts * config.rollout_steps * slots, "rollouts": rollouts, "weights_version": version})
+        "env_steps": rollouts * config.rollout_steps * slots, "rollouts": rollouts, "weights_version": version},
+        finished, lambda: weights.publish(trainer.model, final=True))
