@@ -1,6 +1,7 @@
-"""The servers (shards) of a ShardedReplayClient: from a list of addresses, or from one DNS name whose A/AAAA
-records are the shards (a compose service scaled to K replicas, a Kubernetes headless Service), re-resolved at
-an interval and when a shard fails. Each shard has its own ReplayClient; a shard that fails is down until its
+"""The servers (shards) of a ShardedReplayClient: from a list of addresses, from one DNS name whose A/AAAA
+records are the shards (a compose service scaled to K replicas, a Kubernetes headless Service), or from a function
+that lists them (the Ray launcher's, client/ray/resolver.py), the last two asked again at an interval and when a
+shard fails. Each shard has its own ReplayClient; a shard that fails is down until its
 channel connects again (gRPC's reconnects, 0.1-1 s apart), and both events are logged and counted."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -74,18 +76,25 @@ class Shard:
         return f"shard {self.index} ({self.address})"
 
 
+# What lists the shards now: the addresses ("host:port"), each call. It raises OSError when it cannot tell now.
+Resolver = Callable[[], Sequence[str]]
+
+
 class ShardSet:
-    """The current shards. `target`: one "name:port" (resolved to every record, again every `resolve_every`
-    seconds and after a failure) or a sequence of addresses (fixed). `connect(address)` makes a shard's client.
+    """The current shards. `target`: one "name:port" (resolved to every record), or a resolver (a function that
+    returns the addresses now): either is asked again every `resolve_every` seconds and after a failure; or a
+    sequence of addresses (fixed). `connect(address)` makes a shard's client.
 
     `generation` grows at every change (a shard failing, coming back, joining or leaving), so that what callers
     derive from the shards (which hold a buffer, their sizes) is derived again."""
 
-    def __init__(self, target: str | Sequence[str], connect: Callable[[str], ReplayClient],
+    def __init__(self, target: str | Resolver | Sequence[str], connect: Callable[[str], ReplayClient],
                  resolve_every: float, registry: CollectorRegistry) -> None:
         if not resolve_every > 0:
             raise ValueError(f"resolve_every: expected seconds > 0, got {resolve_every!r}")
-        self._name = target if isinstance(target, str) else None
+        self._name = target if isinstance(target, str) or callable(target) else None  # what the log lines name
+        self._resolve: Resolver | None = (partial(resolve, target) if isinstance(target, str)
+                                          else target if callable(target) else None)
         self._connect = connect
         self._resolve_every = resolve_every
         self._lock = threading.Lock()
@@ -99,7 +108,7 @@ class ShardSet:
                                 ["shard"], registry=registry)
         self._up = Gauge("replayd_client_shard_up", "1 while a shard is up, 0 while down", ["shard"],
                          registry=registry)
-        addresses = resolve(target) if self._name is not None else list(target)
+        addresses = list(self._resolve() if self._resolve is not None else target)
         if not addresses or len(set(addresses)) != len(addresses):
             raise ValueError(f"shards: expected distinct addresses, got {addresses!r} for {target!r}")
         self._set_members(addresses)
@@ -122,7 +131,7 @@ class ShardSet:
 
     def members(self) -> list[Shard]:
         """The shards now listed (resolving the name again when it is due)."""
-        if self._name is not None and time.monotonic() - self._resolved_at > self._resolve_every:
+        if self._resolve is not None and time.monotonic() - self._resolved_at > self._resolve_every:
             self._resolve_again()
         return list(self._members)
 
@@ -138,7 +147,7 @@ class ShardSet:
         with self._lock:
             self._resolved_at = time.monotonic()
         try:
-            addresses = resolve(self._name)
+            addresses = list(self._resolve())
         except OSError as exc:  # the name does not resolve now: the shards known stay
             log.warning("shards: resolving %s failed (%s); keeping %d shard(s)", self._name, exc, len(self._members))
             return
@@ -162,7 +171,7 @@ class ShardSet:
         self._failures.labels(shard.address).inc()
         self._up.labels(shard.address).set(0)
         shard._back.add_done_callback(lambda future: self._came_back(shard, future))
-        if self._name is not None and time.monotonic() - self._resolved_at > _RESOLVE_AFTER_FAILURE:
+        if self._resolve is not None and time.monotonic() - self._resolved_at > _RESOLVE_AFTER_FAILURE:
             self._resolve_again()
 
     def _came_back(self, shard: Shard, future: grpc.Future) -> None:
