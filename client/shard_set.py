@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -92,9 +91,7 @@ class ShardSet:
                  resolve_every: float, registry: CollectorRegistry) -> None:
         if not resolve_every > 0:
             raise ValueError(f"resolve_every: expected seconds > 0, got {resolve_every!r}")
-        self._name = target if isinstance(target, str) or callable(target) else None  # what the log lines name
-        self._resolve: Resolver | None = (partial(resolve, target) if isinstance(target, str)
-                                          else target if callable(target) else None)
+        self._name = target if isinstance(target, str) or callable(target) else None  # asked again; None: fixed
         self._connect = connect
         self._resolve_every = resolve_every
         self._lock = threading.Lock()
@@ -108,7 +105,7 @@ class ShardSet:
                                 ["shard"], registry=registry)
         self._up = Gauge("replayd_client_shard_up", "1 while a shard is up, 0 while down", ["shard"],
                          registry=registry)
-        addresses = list(self._resolve() if self._resolve is not None else target)
+        addresses = self._lookup() if self._name is not None else list(target)
         if not addresses or len(set(addresses)) != len(addresses):
             raise ValueError(f"shards: expected distinct addresses, got {addresses!r} for {target!r}")
         self._set_members(addresses)
@@ -131,7 +128,7 @@ class ShardSet:
 
     def members(self) -> list[Shard]:
         """The shards now listed (resolving the name again when it is due)."""
-        if self._resolve is not None and time.monotonic() - self._resolved_at > self._resolve_every:
+        if self._name is not None and time.monotonic() - self._resolved_at > self._resolve_every:
             self._resolve_again()
         return list(self._members)
 
@@ -143,11 +140,15 @@ class ShardSet:
         with self._lock:
             return next((shard for shard in self._known.values() if shard.index == index), None)
 
+    def _lookup(self) -> list[str]:
+        """The addresses the name resolves to, or the resolver returns, now."""
+        return resolve(self._name) if isinstance(self._name, str) else list(self._name())
+
     def _resolve_again(self) -> None:
         with self._lock:
             self._resolved_at = time.monotonic()
         try:
-            addresses = list(self._resolve())
+            addresses = self._lookup()
         except OSError as exc:  # the name does not resolve now: the shards known stay
             log.warning("shards: resolving %s failed (%s); keeping %d shard(s)", self._name, exc, len(self._members))
             return
@@ -171,7 +172,7 @@ class ShardSet:
         self._failures.labels(shard.address).inc()
         self._up.labels(shard.address).set(0)
         shard._back.add_done_callback(lambda future: self._came_back(shard, future))
-        if self._resolve is not None and time.monotonic() - self._resolved_at > _RESOLVE_AFTER_FAILURE:
+        if self._name is not None and time.monotonic() - self._resolved_at > _RESOLVE_AFTER_FAILURE:
             self._resolve_again()
 
     def _came_back(self, shard: Shard, future: grpc.Future) -> None:

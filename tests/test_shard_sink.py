@@ -214,3 +214,28 @@ def test_a_name_that_stops_resolving_keeps_the_shards_known(monkeypatch: pytest.
 
     monkeypatch.setattr("client.shard_set.resolve", fails)
     assert [s.address for s in shards.members()] == ["10.0.0.1:5"]
+
+
+def test_a_resolver_function_lists_the_shards_asked_again_at_its_interval_and_after_a_failure() -> None:
+    """What the Ray launcher's clients use (client/ray/resolver.py): a function that returns the addresses now."""
+    listed = [["127.0.0.1:5", "127.0.0.1:6"]]
+    asked = []
+
+    def resolver() -> list[str]:
+        asked.append(1)
+        if isinstance(listed[0], OSError):
+            raise listed[0]
+        return listed[0]
+
+    shards = ShardSet(resolver, lambda address: FakeShardClient(), 3600.0, CollectorRegistry())
+    assert [(s.index, s.address) for s in shards.members()] == [(0, "127.0.0.1:5"), (1, "127.0.0.1:6")]
+    assert len(asked) == 1  # not due again for an hour
+    listed[0] = ["127.0.0.1:5", "127.0.0.1:7"]  # shard 1 restarted elsewhere
+    shards._resolved_at -= 2  # the last answer is older than a failure's wait for the next (1 s)
+    shards.failed(shards.members()[1], "connection refused")
+    assert [(s.index, s.address) for s in shards.members()] == [(0, "127.0.0.1:5"), (2, "127.0.0.1:7")]
+    assert shards.by_index(1).address == "127.0.0.1:6" and not shards.by_index(1).up
+    listed[0] = OSError("the launcher cannot tell now")
+    shards._resolved_at -= 2
+    shards.failed(shards.members()[0], "connection refused")
+    assert [s.address for s in shards.members()] == ["127.0.0.1:5", "127.0.0.1:7"]  # the shards known stay

@@ -56,17 +56,18 @@ class ShardAddresses:
                         log.info("shard %d of %r listens on %s", index, self.group, address)
                     self._known[index], self._answered[index] = address, time.monotonic()
             self._asked[index] = handle.address.remote()
-        return self._distinct()
+        return distinct(self._known, self._answered)
 
-    def _distinct(self) -> list[str]:
-        """The addresses, each once: a shard that moved may listen where another one listened before it moved too;
-        that address is the shard's that told it last (the other one's is out of date)."""
-        newest: dict[str, int] = {}
-        for index, address in enumerate(self._known):
-            other = newest.get(address)
-            if other is None or self._answered[index] > self._answered[other]:
-                newest[address] = index
-        return [address for index, address in enumerate(self._known) if newest[address] == index]
+
+def distinct(addresses: list[str], told_at: list[float]) -> list[str]:
+    """The shards' addresses, each once: a shard that moved may listen where another one listened before it moved
+    too; that address is the shard's that told it last (`told_at`), the other one's is out of date."""
+    newest: dict[str, int] = {}
+    for index, address in enumerate(addresses):
+        other = newest.get(address)
+        if other is None or told_at[index] > told_at[other]:
+            newest[address] = index
+    return [address for index, address in enumerate(addresses) if newest[address] == index]
 
 
 def connect_ray() -> None:
