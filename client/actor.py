@@ -1,9 +1,11 @@
 """Actors: step environments and push experience into a replayd server.
 
-`python -m client.actor --algo {dqn,ppo,allo} --address HOST:PORT` (or `replayd actor ...`).
+`python -m client.actor --algo {dqn,ppo,allo,drqn,her} --address HOST:PORT` (or `replayd actor ...`).
 dqn: epsilon-greedy CartPole episodes with the newest Q-network; ppo: one rollout part per policy
 version (`--actor-index` picks the slots; the learner's `--actors` says how many there are); allo:
-random-walk episodes in four rooms. Implementations live in client/actors/.
+random-walk episodes in four rooms; drqn: epsilon-greedy CartPole-without-velocities episodes with the newest
+recurrent Q-network, its state stored per step; her: epsilon-greedy 15-bit-flipping episodes with the newest
+goal-conditioned Q-network. Implementations live in client/actors/.
 """
 
 from __future__ import annotations

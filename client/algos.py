@@ -11,12 +11,28 @@ from typing import Any, TypeVar
 
 from client.actors.allo import AlloActorConfig, run_allo_actor
 from client.actors.dqn import DQNActorConfig, run_dqn_actor
+from client.actors.drqn import DRQNActorConfig, run_drqn_actor
+from client.actors.her import HERActorConfig, run_her_actor
 from client.actors.ppo import PPOActorConfig, run_ppo_actor
+from client.envs import CARTPOLE_POMDP
 from client.learners.allo import AlloLearnerConfig, learn_allo
 from client.learners.dqn import DQNLearnerConfig, learn_dqn
+from client.learners.drqn import DRQNLearnerConfig, learn_drqn
+from client.learners.her import HERLearnerConfig, learn_her
 from client.learners.ppo import PPOLearnerConfig, learn_ppo
 
 C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What the demo trains after an algorithm, on the same task with the same budget, to compare with: the
+    algorithm `algo` (an ALGOS name) with its learner's and actors' config values `options` (its own buffer
+    and weights names, the task's env), named `label` in the curve's legend and the summary."""
+
+    algo: str
+    label: str
+    options: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,10 @@ class Algo:
     score_label: str
     counters: tuple[str, str]  # buffer counters of steps in and items out: the progress bar's rates and ratio
     outputs: tuple[str, ...] = ("learning_curve.png", "summary.json")
+    curve: str = "eval_return"  # the score's key in the summary's curve points
+    target: str = "target_return"  # the summary's key of the score the learner stops at
+    label: str = ""  # the algorithm's name beside its baseline's
+    baseline: Baseline | None = None
 
 
 ALGOS: dict[str, Algo] = {
@@ -37,7 +57,17 @@ ALGOS: dict[str, Algo] = {
     "ppo": Algo(run_ppo_actor, PPOActorConfig, learn_ppo, PPOLearnerConfig, "final_eval_return",
                 "deterministic return", ("pushed_steps", "served_samples")),
     "allo": Algo(run_allo_actor, AlloActorConfig, learn_allo, AlloLearnerConfig, "avg_cosine", "average |cosine|",
-                 ("inserted_rows", "sampled_items"), ("learning_curve.png", "summary.json", "eigenvectors.png")),
+                 ("inserted_rows", "sampled_items"), ("learning_curve.png", "summary.json", "eigenvectors.png"),
+                 curve="avg_cosine", target="target_cosine"),
+    "drqn": Algo(run_drqn_actor, DRQNActorConfig, learn_drqn, DRQNLearnerConfig, "final_eval_return",
+                 "greedy return", ("inserted_rows", "sampled_items"), label="DRQN",
+                 baseline=Baseline("dqn", "DQN (no memory)", {
+                     "env_id": CARTPOLE_POMDP, "buffer": "cartpole_pomdp", "weights": "q_pomdp",
+                     "target_return": DRQNLearnerConfig.target_return})),
+    "her": Algo(run_her_actor, HERActorConfig, learn_her, HERLearnerConfig, "final_success_rate",
+                "greedy success rate", ("inserted_rows", "sampled_items"), curve="success_rate",
+                target="target_success", label="DQN + HER", baseline=Baseline("her", "DQN (no relabeling)", {
+                    "relabel_ratio": 0.0, "buffer": "bit_flipping_plain", "weights": "q_bit_flipping"})),
 }
 
 

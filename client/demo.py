@@ -6,12 +6,19 @@ learner reaches its target or the budget runs out. `--algo` picks what runs:
 * ppo: 2 actors x 4 CartPole envs pushing on-policy rollouts, a PPO learner owning the policy versions,
   until the deterministic policy's mean return over 20 episodes reaches 475;
 * allo: 2 random-walk actors in four rooms and an ALLO learner, until the learned Laplacian
-  representation's average |cosine| with the exact eigenvectors reaches 0.9.
+  representation's average |cosine| with the exact eigenvectors reaches 0.9;
+* drqn: 2 epsilon-greedy recurrent actors on CartPole without velocities and a DRQN learner on prioritized
+  sequences with stored states, until the greedy policy's mean return over 20 episodes reaches 475; then,
+  as its baseline, plain DQN on the same task with the same budget;
+* her: 2 epsilon-greedy actors on 15-bit flipping and a DQN learner on hindsight-relabeled transitions, until
+  the greedy policy succeeds in 95 of 100 episodes; then, as its baseline, the same learner without
+  relabeling with the same budget.
 
 Every part is its own process talking gRPC on loopback, as it would across machines. A progress bar runs
 over the training budget; the run folder gets a learning curve (PNG), a JSON summary, a screenshot of the
 server's status page taken mid-run (status.png, where Chromium is installed) and, for allo, eigenvector
-heatmaps; the server unlinks its shared memory on exit.
+heatmaps; a run with a baseline draws both learning curves in one PNG, gives both final scores in its summary
+(`scores`) and leaves the baseline's own run folder in `baseline/`. The server unlinks its shared memory on exit.
 """
 
 from __future__ import annotations
@@ -34,13 +41,15 @@ import torch
 
 from client.algos import (
     ALGOS,
+    Algo,
+    Baseline,
     add_common_options,
     at_least,
     build,
     refuse_compile_loss_off_cpu,
     refuse_foreign_options,
 )
-from client.learners.common import Progress, write_summary
+from client.learners.common import CurvePlot, Progress, write_curves, write_summary
 from client.progress_bar import ProgressBar
 from client.replay_client import ReplayClient
 from client.status_screenshot import MidRunScreenshot
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--run-dir", help="default runs/demo (dqn) or runs/demo-<algo>")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eval-every", type=at_least(1),
-                        help="dqn/allo: learner steps, ppo: versions between evaluations")
+                        help="dqn/drqn/her/allo: learner steps, ppo: versions between evaluations")
     parser.add_argument("--instance", help="names the server's shared memory (rpd_<instance>_...)")
     parser.add_argument("--local", action="store_true", default=None,
                         help="dqn: the learner samples the server's shared memory directly instead of over gRPC")
@@ -158,41 +167,81 @@ def main(argv: list[str] | None = None) -> dict:
 
     with local_server(instance) as (address, status_url):
         print(f"status page: {status_url}")
-        learner_config = build(algo.learner_config, address=address, **args)
-        actor_seconds = learner_config.seconds + 60
-        # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
-        actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address,
-                               seed=1000 * i, actor_index=i) for i in range(args["actors"])]
         screenshot = MidRunScreenshot(status_url, Path(args["run_dir"]) / "status.png")
-        with actor_processes(algo.actor, actor_configs) as actors:
-            monitor = ReplayClient(address)
-            bar = ProgressBar(monitor, learner_config.buffer, algo.counters, algo.score_label,
-                              learner_config.seconds, actors.check)
-
-            def report(progress: Progress) -> None:
-                bar(progress)
-                screenshot(progress)
-
-            try:
-                summary = algo.learn(learner_config, report, actors.check)
-                screenshot.finish()  # a run shorter than the screenshot's moment: the server as the run ends
-            except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
-                failure = actors.failure()
-                if failure is not None:
-                    raise SystemExit(f"demo: {failure}") from exc
-                raise
-            finally:
-                bar.close()
-                monitor.close()
-    summary["actors"] = actors.reports
-    write_summary(Path(args["run_dir"]), summary)  # again, with the actors' reports
+        summary, bar = run_algo(algo, args, address, algo.label, screenshot)
+        if algo.baseline is not None:  # the same task and budget without the algorithm's idea, to compare with
+            summary["baseline"], baseline_bar = run_algo(ALGOS[algo.baseline.algo],
+                                                         baseline_args(algo.baseline, args, summary), address,
+                                                         algo.baseline.label, baseline=True)
+    runs = [summary]
     print(bar.summary_line(summary))
+    if algo.baseline is not None:
+        runs.append(summary["baseline"])
+        print(f"baseline, {baseline_bar.summary_line(summary['baseline'])}")
+        write_comparison(algo, summary)
+    for run in runs:
+        write_summary(Path(run["config"]["run_dir"]), run)  # again, with the actors' reports
     outputs = (*algo.outputs, "status.png") if screenshot.saved else algo.outputs
     print(f"run folder: {args['run_dir']} ({', '.join(outputs)})")
-    silent = [index for index, report in enumerate(actors.reports) if report is None]
-    if silent:
-        raise SystemExit(f"demo: actor(s) {silent} ended without a report (failed or stuck; see above)")
+    for run, which in zip(runs, ("", "baseline "), strict=False):
+        silent = [index for index, report in enumerate(run["actors"]) if report is None]
+        if silent:
+            raise SystemExit(f"demo: {which}actor(s) {silent} ended without a report (failed or stuck; see above)")
     return summary
+
+
+def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str,
+             screenshot: MidRunScreenshot | None = None, baseline: bool = False) -> tuple[dict, ProgressBar]:
+    """One algorithm's actors and learner against the server at `address`, with a progress bar (its score named
+    after `label`) and the status page's screenshot; the learner's summary with the actors' reports, and the
+    bar. An actor's failure ends the demo, naming the baseline's actors as such."""
+    learner_config = build(algo.learner_config, address=address, **args)
+    actor_seconds = learner_config.seconds + 60
+    # 1000 apart: a vector-env actor seeds its sub-envs seed + j, which must not overlap another actor's
+    actor_configs = [build(algo.actor_config, **{**args, "seconds": actor_seconds}, address=address,
+                           seed=1000 * i, actor_index=i) for i in range(args["actors"])]
+    with actor_processes(algo.actor, actor_configs) as actors:
+        monitor = ReplayClient(address)
+        bar = ProgressBar(monitor, learner_config.buffer, algo.counters, f"{label} {algo.score_label}".strip(),
+                          learner_config.seconds, actors.check)
+
+        def report(progress: Progress) -> None:
+            bar(progress)
+            if screenshot is not None:
+                screenshot(progress)
+
+        try:
+            summary = algo.learn(learner_config, report, actors.check)
+            if screenshot is not None:
+                screenshot.finish()  # a run shorter than the screenshot's moment: the server as the run ends
+        except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)
+            failure = actors.failure()
+            if failure is not None:
+                raise SystemExit(f"demo: {'baseline ' if baseline else ''}{failure}") from exc
+            raise
+        finally:
+            bar.close()
+            monitor.close()
+    summary["actors"] = actors.reports
+    return summary, bar
+
+
+def baseline_args(baseline: Baseline, args: dict[str, Any], summary: dict) -> dict[str, Any]:
+    """The baseline's options: the demo's, its own (`baseline.options`), the budget the algorithm's learner had
+    (given or its default, which the baseline's learner may not share), and a run folder inside the algorithm's."""
+    return {**args, **baseline.options, "seconds": summary["config"]["seconds"],
+            "run_dir": str(Path(summary["config"]["run_dir"]) / "baseline")}
+
+
+def write_comparison(algo: Algo, summary: dict) -> None:
+    """The run folder's learning curve with the baseline's beside the algorithm's (against training time: the
+    budget they share), and each one's final score into the summary (`scores`)."""
+    baseline = summary["baseline"]
+    summary["scores"] = {algo.label: summary[algo.score], algo.baseline.label: baseline[algo.score]}
+    plot = CurvePlot(algo.curve, algo.score_label, f"{algo.label} vs {algo.baseline.label} on "
+                     f"{summary['config']['env_id']}", summary[algo.target], x="seconds", xlabel="training seconds")
+    write_curves(Path(summary["config"]["run_dir"]) / "learning_curve.png",
+                 [(algo.label, summary["curve"]), (algo.baseline.label, baseline["curve"])], plot)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Learners: create the buffer, train from replayd, publish weights, write a run folder.
 
-`python -m client.learner --algo {dqn,ppo,allo} --address HOST:PORT` (or `replayd learn ...`): a progress bar
-over the training budget while it runs, one summary line at the end. Implementations live in client/learners/.
+`python -m client.learner --algo {dqn,ppo,allo,drqn,her} --address HOST:PORT` (or `replayd learn ...`): a progress
+bar over the training budget while it runs, one summary line at the end. Implementations live in client/learners/.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--run-dir")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--eval-every", type=at_least(1),
-                        help="dqn/allo: learner steps, ppo: versions between evaluations")
-    parser.add_argument("--learning-starts", type=at_least(0), help="dqn/allo: sampleable steps before training")
+                        help="dqn/drqn/her/allo: learner steps, ppo: versions between evaluations")
+    parser.add_argument("--learning-starts", type=at_least(0),
+                        help="dqn/drqn/her/allo: sampleable steps before training")
     parser.add_argument("--actors", type=at_least(1), help="ppo: number of actors (rollout slots = actors * envs)")
     parser.add_argument("--local", action="store_true", default=None,
                         help="dqn: sample the server's shared memory directly (the server runs on this host)")

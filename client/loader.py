@@ -3,7 +3,9 @@
 The sample stream keeps requests in flight on the wire; a background thread decodes each Arrow batch
 into tensors without copying (`torch.from_numpy` over the received bytes) and, on CUDA, stages them
 in pinned host memory and copies with `non_blocking=True`, so the learner never waits while the server
-keeps up. Batches come out in the order the server sent them, each exactly once.
+keeps up. Batches come out in the order the server sent them, each exactly once. An optional `prepare`
+function rewrites each numpy batch in that thread before its tensors are made (hindsight relabeling's
+reward recomputation, client/hindsight.py), off the learner's critical path.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 _DONE = object()
+
+Prepare = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
 def to_tensors(batch: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -46,11 +50,12 @@ def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _fill(source: Iterator[dict[str, np.ndarray]], device: torch.device, batches: queue.Queue,
-          stop: threading.Event) -> None:
-    """The loader's thread: queues each batch of `source` as tensors, then the end or the source's error."""
+          stop: threading.Event, prepare: Prepare | None) -> None:
+    """The loader's thread: queues each batch of `source` (rewritten by `prepare` when given) as tensors, then
+    the end or the error of the source or of `prepare`."""
     try:
         for batch in source:
-            tensors = to_tensors(batch, device)
+            tensors = to_tensors(batch if prepare is None else prepare(batch), device)
             if device.type == "cuda":
                 # The copies were queued on the target device's current stream (not the thread's current
                 # device's, for cuda:1); the learner's stream on that device waits for them.
@@ -99,13 +104,17 @@ def _stop_filling(source: Iterator[dict[str, np.ndarray]], stop: threading.Event
 class Loader:
     """Iterates `source` (numpy batches) in a background thread, yielding tensor dicts on `device`.
 
+    `prepare`, when given, maps each numpy batch to the batch whose tensors are made, in that thread (an
+    error it raises reaches the consumer as the source's would). Decoded server batches are read-only
+    views of the received message: `prepare` returns new arrays rather than writing into them.
+
     Leaving the iteration early (a `break`, an error in the loop, the iterator dropped), leaving a `with`
     block, or close() stops the thread and closes the source: no server stream stays open. So does dropping
     an unclosed Loader: its thread holds only what it fills, so the Loader is collected.
     """
 
     def __init__(self, source: Iterable[dict[str, np.ndarray]], device: torch.device | str = "cpu",
-                 prefetch: int = 4) -> None:
+                 prefetch: int = 4, prepare: Prepare | None = None) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         self.device = torch.device(device)
@@ -113,7 +122,8 @@ class Loader:
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._finished = False  # closed (also once the consumer got the end or the source's error): iterations end
-        self._thread = threading.Thread(target=_fill, args=(self._source, self.device, self._queue, self._stop),
+        self._thread = threading.Thread(target=_fill,
+                                        args=(self._source, self.device, self._queue, self._stop, prepare),
                                         name="replayd-loader", daemon=True)
         # Runs once: on close(), or when an unclosed Loader is collected.
         self._stop_filling = weakref.finalize(self, _stop_filling, self._source, self._stop, self._thread)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from client import ReplayClient
-from client.actors.common import ActorReport, EpisodeRecorder, action_rng, refresh_weights
-from client.actors.dqn import DQNActorConfig, epsilon_at, explores, run_dqn_actor
+from client.actors.common import ActorReport, EpisodeRecorder, action_rng, epsilon_at, explores, refresh_weights
+from client.actors.dqn import DQNActorConfig, run_dqn_actor
 from client.actors.ppo import PPOActorConfig, Rollout, collect, run_ppo_actor
 from client.learners.dqn import CARTPOLE_SCHEMA
 from client.params import module_to_bytes

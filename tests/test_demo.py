@@ -23,8 +23,9 @@ import yaml
 from client import ReplayClient
 from client.actor import main as actor_main
 from client.algos import ALGOS
-from client.demo import ActorFailed, actor_processes
+from client.demo import ActorFailed, actor_processes, baseline_args
 from client.demo import main as demo_main
+from client.envs import CARTPOLE_POMDP
 from client.learner import main as learner_main
 from client.learners import common as learner_common
 from client.learners import dqn as dqn_learner
@@ -137,6 +138,49 @@ def test_demo_allo_learns_from_random_walk_episodes(tmp_path: Path) -> None:
     assert (tmp_path / "learning_curve.png").stat().st_size > 1000
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["cosine"] == summary["cosine"] and saved["curve"][-1]["avg_cosine"] == round(summary["avg_cosine"], 4)
+
+
+def _check_comparison(tmp_path: Path, summary: dict, labels: tuple[str, str], score: str) -> None:
+    """Both runs trained and reported; the run folder holds both curves, both scores, and the baseline's own folder."""
+    baseline = summary["baseline"]
+    for run in (summary, baseline):
+        assert run["learner_steps"] > 0 and run["curve"]
+        assert [report["weights_version"] >= 1 for report in run["actors"]] == [True, True]
+    assert baseline["config"]["buffer"] != summary["config"]["buffer"]  # its own data, not the algorithm's
+    assert baseline["config"]["seconds"] == summary["config"]["seconds"]  # the same budget
+    assert summary["scores"] == {labels[0]: summary[score], labels[1]: baseline[score]}
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["scores"] == summary["scores"] and saved["baseline"]["curve"] == baseline["curve"]
+    assert json.loads((tmp_path / "baseline" / "summary.json").read_text())["curve"] == baseline["curve"]
+    assert (tmp_path / "learning_curve.png").stat().st_size > 1000
+    assert (tmp_path / "baseline" / "learning_curve.png").stat().st_size > 1000
+
+
+def test_demo_drqn_trains_on_stored_state_sequences_beside_plain_dqn(tmp_path: Path) -> None:
+    summary = _demo(tmp_path, "drqn", "--seconds", "5", "--eval-every", "50")
+    _check_comparison(tmp_path, summary, ("DRQN", "DQN (no memory)"), "final_eval_return")
+    assert summary["buffer"]["fields"]["h"][1] == (summary["config"]["hidden"],)  # the actors' stored states
+    assert summary["buffer"]["counters"]["sampled_items"] >= 32 * summary["learner_steps"]  # sequences
+    assert summary["baseline"]["config"]["env_id"] == summary["config"]["env_id"] == CARTPOLE_POMDP
+    assert summary["baseline"]["buffer"]["fields"]["obs"][1] == (2,)  # the POMDP's observation
+
+
+def test_demo_her_trains_on_relabeled_goals_beside_dqn_without_relabeling(tmp_path: Path) -> None:
+    summary = _demo(tmp_path, "her", "--seconds", "5", "--eval-every", "50")
+    _check_comparison(tmp_path, summary, ("DQN + HER", "DQN (no relabeling)"), "final_success_rate")
+    assert tuple(summary["buffer"]["goal_fields"]) == ("achieved_goal", "desired_goal")
+    assert summary["config"]["relabel_ratio"] == 0.8 and summary["baseline"]["config"]["relabel_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("algo", ["drqn", "her"])
+def test_a_baseline_gets_the_budget_the_algorithms_learner_had(algo: str) -> None:
+    """Without --seconds each learner takes its own default (drqn 600 s, dqn 300 s): the baseline takes the
+    algorithm's, and runs in a folder of its own inside the algorithm's."""
+    learner = ALGOS[algo].learner_config(address="unused")
+    summary = {"config": {"seconds": learner.seconds, "run_dir": "runs/x"}}
+    args = baseline_args(ALGOS[algo].baseline, {"seconds": None, "run_dir": "runs/x", "actors": 2}, summary)
+    assert args["seconds"] == learner.seconds and args["run_dir"] == str(Path("runs/x") / "baseline")
+    assert args["buffer"] != learner.buffer and args["weights"] != learner.weights
 
 
 def _interpolate(text: str, env: dict[str, str]) -> str:
@@ -293,6 +337,8 @@ def test_greedy_evaluation_runs_the_policy_on_its_device() -> None:
 @pytest.mark.parametrize(("command", "argv", "refused"), [
     (demo_main, ["--algo", "ppo", "--local"], "--local"),
     (demo_main, ["--algo", "allo", "--envs", "3", "--compile-loss"], "--envs, --compile-loss"),
+    (demo_main, ["--algo", "drqn", "--local"], "--local"),
+    (learner_main, ["--algo", "her", "--address", "127.0.0.1:1", "--compile-loss"], "--compile-loss"),
     (learner_main, ["--algo", "ppo", "--address", "127.0.0.1:1", "--learning-starts", "5"], "--learning-starts"),
     (actor_main, ["--algo", "dqn", "--address", "127.0.0.1:1", "--envs", "2"], "--envs"),
 ])

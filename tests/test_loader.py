@@ -265,3 +265,25 @@ def test_close_from_another_thread_ends_a_consumer_waiting_for_a_batch() -> None
     consumer.join(timeout=10)
     assert not consumer.is_alive(), "the consumer stayed blocked after close()"
     assert len(got) == 2 and got[1] == "ended"
+
+
+def test_prepare_rewrites_each_batch_in_the_loaders_thread_before_its_tensors_are_made() -> None:
+    threads = []
+
+    def prepare(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        threads.append(threading.current_thread().name)
+        return {**batch, "double": batch["i"] * 2}
+
+    batches = [{"i": np.array([i])} for i in range(5)]
+    got = _drain(Loader(iter(batches), prepare=prepare))
+    assert [int(b["double"][0]) for b in got] == [0, 2, 4, 6, 8]
+    assert all(isinstance(b["double"], torch.Tensor) for b in got)
+    assert threads == ["replayd-loader"] * 5
+
+
+def test_an_error_in_prepare_reaches_the_consumer() -> None:
+    def prepare(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise ValueError("compute_reward: bad shape")
+
+    with pytest.raises(ValueError, match="compute_reward: bad shape"):
+        _drain(Loader(iter([{"i": np.zeros(1)}]), prepare=prepare))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +27,26 @@ def action_rng(seed: int) -> np.random.Generator:
 
 class StopEvent(Protocol):
     def is_set(self) -> bool: ...
+
+
+class EpsilonSchedule(Protocol):
+    """An actor config's exploration schedule (see epsilon_at)."""
+
+    epsilon_start: float
+    epsilon_end: float
+    epsilon_decay_steps: int
+
+
+def epsilon_at(steps: int, config: EpsilonSchedule) -> float:
+    """The exploration rate after `steps` env steps: linear from epsilon_start to epsilon_end over
+    epsilon_decay_steps, then epsilon_end."""
+    fraction = min(1.0, steps / config.epsilon_decay_steps)
+    return config.epsilon_start + fraction * (config.epsilon_end - config.epsilon_start)
+
+
+def explores(rng: np.random.Generator, epsilon: float) -> bool:
+    """Whether this step takes a random action (probability `epsilon`) instead of the greedy one."""
+    return bool(rng.random() < epsilon)
 
 
 @dataclass
@@ -123,11 +143,19 @@ class EpisodeRecorder:
         self.retry_deadline = retry_deadline  # monotonic time until which failed flushes are retried
 
     def step(self, obs: Any, action: Any, reward: Any, next_obs: Any, terminated: bool, truncated: bool) -> bool:
-        """Records one step; returns whether the episode ended (the caller resets its environment)."""
-        self.writer.append(obs=obs, action=action, reward=reward)
+        """Records one step of a buffer whose observation field is `obs`; returns whether the episode ended
+        (the caller resets its environment)."""
+        return self.record({"obs": obs}, {"action": action, "reward": reward}, {"obs": next_obs}, terminated,
+                           truncated)
+
+    def record(self, observation: Mapping[str, Any], step: Mapping[str, Any], next_observation: Mapping[str, Any],
+               terminated: bool, truncated: bool) -> bool:
+        """Records one step given as its observation fields, its step fields (action, reward, a recurrent
+        state, ...) and the observation fields after it; returns whether the episode ended."""
+        self.writer.append(**observation, **step)
         if not (terminated or truncated):
             return False
-        self.writer.end_episode(terminated=bool(terminated), obs=next_obs)
+        self.writer.end_episode(terminated=bool(terminated), **next_observation)
         if self.writer.pending_rows >= self.writer.batch_rows:
             flush_with_retry(self.writer, self.retry_deadline)
         return True

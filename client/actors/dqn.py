@@ -14,6 +14,8 @@ from client.actors.common import (
     StopEvent,
     action_rng,
     connect,
+    epsilon_at,
+    explores,
     refresh_weights,
     stop_condition,
 )
@@ -35,24 +37,12 @@ class DQNActorConfig:
     hidden: tuple[int, ...] = (128, 128)
 
 
-def epsilon_at(steps: int, config: DQNActorConfig) -> float:
-    """The exploration rate after `steps` env steps: linear from epsilon_start to epsilon_end over
-    epsilon_decay_steps, then epsilon_end."""
-    fraction = min(1.0, steps / config.epsilon_decay_steps)
-    return config.epsilon_start + fraction * (config.epsilon_end - config.epsilon_start)
-
-
-def explores(rng: np.random.Generator, epsilon: float) -> bool:
-    """Whether this step takes a random action (probability `epsilon`) instead of the greedy one."""
-    return bool(rng.random() < epsilon)
-
-
 def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> ActorReport:
     """Epsilon-greedy actor until `config.seconds` pass, `stop` is set or the learner publishes its final weights."""
-    import gymnasium as gym
+    from client.envs import make
 
     torch.set_num_threads(1)
-    env = gym.make(config.env_id)
+    env = make(config.env_id)
     rng = action_rng(config.seed)
     network = QNetwork(int(np.prod(env.observation_space.shape)), int(env.action_space.n), config.hidden)
     report = ActorReport()

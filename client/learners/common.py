@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,23 +110,44 @@ def evaluate_greedy(act: Callable[[torch.Tensor], torch.Tensor], env_id: str, ep
                     device: torch.device | str = "cpu") -> float:
     """Mean undiscounted return of a deterministic policy over `episodes` episodes (episode i is reset
     with seed + i); the episodes run side by side, one batched forward per step on `device`."""
-    import gymnasium as gym
+    return evaluate_recurrent(lambda obs, state: (act(obs), state), torch.zeros(episodes, 0, device=device), env_id,
+                              episodes, seed, device)
 
-    envs = [gym.make(env_id) for _ in range(episodes)]
+
+@torch.no_grad()
+def evaluate_recurrent(act: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                       state: torch.Tensor, env_id: str, episodes: int, seed: int,
+                       device: torch.device | str = "cpu") -> float:
+    """evaluate_greedy for a policy with a recurrent state: `act(obs (N, *S), states (N, H))` returns the
+    actions (N,) and the states after the step; `state` (episodes, H) holds the states the episodes start from."""
+    from client.envs import make
+
+    envs = [make(env_id) for _ in range(episodes)]
     obs = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
     returns = np.zeros(episodes)
+    state = state.clone()  # (episodes, H), each episode's state, updated in place
     active = list(range(episodes))
     while active:
         batch = torch.as_tensor(np.stack([obs[i] for i in active]), dtype=torch.float32, device=device)
-        actions = act(batch).tolist()
+        rows = torch.as_tensor(active, device=state.device)
+        actions, state_after = act(batch, state[rows])
+        state[rows] = state_after
         still = []
-        for i, action in zip(active, actions, strict=True):
+        for i, action in zip(active, actions.tolist(), strict=True):
             obs[i], reward, terminated, truncated, _ = envs[i].step(int(action))
             returns[i] += float(reward)
             if not (terminated or truncated):
                 still.append(i)
         active = still
     return float(returns.mean())
+
+
+def env_spaces(env_id: str) -> tuple[tuple[int, ...], int]:
+    """(observation shape, number of actions) of an env with a Box observation and Discrete actions."""
+    from client.envs import make
+
+    env = make(env_id)
+    return env.observation_space.shape, int(env.action_space.n)
 
 
 STARTUP_SECONDS = 120.0  # how long a learner waits for the actors' first data, outside its budget
@@ -195,24 +216,30 @@ class CurvePlot:
 
 def write_run(run_dir: Path, summary: dict, plot: CurvePlot) -> None:
     """summary.json and learning_curve.png into `run_dir`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_summary(run_dir, summary)
+    write_curves(run_dir / "learning_curve.png", [("", summary["curve"])], plot)
+
+
+def write_curves(path: Path, curves: Sequence[tuple[str, list[dict]]], plot: CurvePlot) -> None:
+    """A PNG of one or more learning curves, each (legend label, curve points), and the target line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_summary(run_dir, summary)
-    curve = summary["curve"]
     figure, axis = plt.subplots(figsize=(6, 4))
-    axis.plot([p[plot.x] for p in curve], [p[plot.y] for p in curve], marker="o")
+    for label, curve in curves:
+        axis.plot([p[plot.x] for p in curve], [p[plot.y] for p in curve], marker="o", label=label or None)
     if plot.target is not None:
         axis.axhline(plot.target, color="gray", linestyle="--", label="target")
+    if plot.target is not None or any(label for label, _ in curves):
         axis.legend()
     axis.set_xlabel(plot.xlabel)
     axis.set_ylabel(plot.ylabel)
     axis.set_title(plot.title)
     figure.tight_layout()
-    save_figure(figure, run_dir / "learning_curve.png")
+    save_figure(figure, path)
     plt.close(figure)
 
 

@@ -8,11 +8,14 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from client.learners.common import (
     CurvePlot,
     Progress,
     WeightsPublisher,
     create_or_reuse,
+    env_spaces,
     env_steps,
     evaluate_greedy,
     finish_learner,
@@ -24,7 +27,13 @@ from client.local_reader import LocalReader
 from client.trainers.dqn import DQNTrainer
 from service.wire.components import Transitions
 
-CARTPOLE_SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
+
+def transition_schema(obs_shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The buffer's fields for an env with float observations of `obs_shape` and discrete actions."""
+    return {"obs": ("float32", obs_shape), "action": ("int64", ()), "reward": ("float32", ())}
+
+
+CARTPOLE_SCHEMA = transition_schema((4,))
 
 
 @dataclass
@@ -57,15 +66,17 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
                waiting: Callable[[], None] = lambda: None) -> dict:
     """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker)."""
     tracker, client = start_learner(config, "eval_return", report, waiting)
-    trainer = DQNTrainer(4, 2, hidden=config.hidden, lr=config.lr, double=True,
+    obs_shape, n_actions = env_spaces(config.env_id)
+    schema = transition_schema(obs_shape)
+    trainer = DQNTrainer(int(np.prod(obs_shape)), n_actions, hidden=config.hidden, lr=config.lr, double=True,
                          target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device,
                          loss_strategy="compiled" if config.compile_loss else "auto")
     weights = WeightsPublisher(client, config.weights)
     weights.publish(trainer.online)  # before the buffer: actors wait for it, then fetch the weights
     try:
         create_or_reuse(client, config.buffer,
-                        lambda: client.create_buffer(config.buffer, config.capacity_steps, CARTPOLE_SCHEMA),
-                        "episodic", config.capacity_steps, CARTPOLE_SCHEMA)
+                        lambda: client.create_buffer(config.buffer, config.capacity_steps, schema),
+                        "episodic", config.capacity_steps, schema)
     except BaseException:
         weights.publish(trainer.online, final=True)  # the actors waiting for this learner stop
         raise
