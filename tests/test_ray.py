@@ -124,6 +124,15 @@ def test_an_address_two_shards_told_is_the_one_that_told_it_last() -> None:
     assert distinct(["127.0.0.1:5", "127.0.0.1:6"], [1.0, 0.5]) == ["127.0.0.1:5", "127.0.0.1:6"]
 
 
+def test_run_actors_refuses_options_the_programs_do_not_have() -> None:
+    with pytest.raises(ValueError, match=r"actor options \['epsilon'\] are not options of DQNActorConfig"):
+        run_actors("replayd", "dqn", actor_options={"epsilon": 0.1})
+    with pytest.raises(ValueError, match=r"learner options \['actors'\] are not options of DQNLearnerConfig"):
+        run_actors("replayd", "dqn", learner_options={"actors": 2})
+    with pytest.raises(ValueError, match="algo: expected one of"):
+        run_actors("replayd", "a2c")
+
+
 def test_shards_land_on_distinct_nodes_and_serve_one_buffer_found_by_name(cluster: LocalCluster) -> None:
     name = group("a")
     started = start_shards(3, [BufferSpec("spread", 3000, SCHEMA)], name=name, strategy="STRICT_SPREAD",

@@ -58,9 +58,10 @@ def _run(args: argparse.Namespace) -> None:
     except BaseException:
         run.cancel()
         raise
+    from client.algos import ALGOS
+
     steps = sum(report.env_steps for report in reports)
-    shown = {key: summary.get(key) for key in ("seconds", "learner_steps", "env_steps", "solved",
-                                               "final_eval_return", "avg_cosine") if key in summary}
+    shown = {key: summary.get(key) for key in ("seconds", "learner_steps", "env_steps", ALGOS[args.algo].score)}
     print(f"learner: {json.dumps(shown)}; {len(reports)} actor(s): {steps} env steps", flush=True)
 
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     _add_cluster_options(status)
     run = commands.add_parser("run", help="run the actor and learner programs as Ray tasks against the shards")
     _add_cluster_options(run)
-    run.add_argument("--algo", choices=("dqn", "ppo", "allo"), default="dqn")
+    run.add_argument("--algo", default="dqn", help="an algorithm `replayd learn --algo` takes (default dqn)")
     run.add_argument("--actors", type=int, default=2)
     run.add_argument("--seconds", type=float, default=300.0, help="the learner's training budget")
     run.add_argument("--run-dir", default=None, help="the learner's run folder (on the learner's node)")

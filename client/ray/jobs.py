@@ -78,7 +78,6 @@ def run_actors(shards: RayShards | str, algo: str = "dqn", actors: int = 2, *, l
         raise ValueError(f"algo: expected one of {sorted(ALGOS)}, got {algo!r}")
     if actors < 0 or (algo == "ppo" and learner and actors < 1):
         raise ValueError(f"actors: expected a count >= {1 if algo == 'ppo' else 0}, got {actors}")
-    connect_ray()
     spec = ALGOS[algo]
     group = shards if isinstance(shards, RayShards) else None
     address = group.address if group is not None else f"ray:{shards}"
@@ -88,8 +87,9 @@ def run_actors(shards: RayShards | str, algo: str = "dqn", actors: int = 2, *, l
     base_seed = actor_options.pop("seed", None)
     base_seed = secrets.randbits(30) if base_seed is None else base_seed
     actor_configs = []
+    seeded = "seed" in {f.name for f in fields(spec.actor_config)}
     for index in range(actors):
-        options = {"address": address, "seed": base_seed + 1000 * index, **actor_options}
+        options = {"address": address, **({"seed": base_seed + 1000 * index} if seeded else {}), **actor_options}
         if algo == "ppo":
             options["actor_index"] = index
         actor_configs.append(_config(spec.actor_config, "actor", options))
@@ -99,6 +99,8 @@ def run_actors(shards: RayShards | str, algo: str = "dqn", actors: int = 2, *, l
         if algo == "ppo":
             options.setdefault("actors", actors)
         learner_config = _config(spec.learner_config, "learner", options)
+
+    connect_ray()
 
     def task(function: Any, cpus: float, ray_options: dict[str, Any] | None) -> Any:
         options = {"num_cpus": cpus, **({"runtime_env": env} if env else {}), **(ray_options or {})}
