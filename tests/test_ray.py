@@ -120,8 +120,9 @@ def episode(number: int, steps: int = 9) -> dict[str, np.ndarray]:
 
 def test_an_address_two_shards_told_is_the_one_that_told_it_last() -> None:
     """Shard 0 moved away from 127.0.0.1:5, where shard 1 listens now; shard 0's new address is not known yet."""
-    assert distinct(["127.0.0.1:5", "127.0.0.1:5", "127.0.0.1:7"], [1.0, 2.0, 1.5]) == ["127.0.0.1:5", "127.0.0.1:7"]
-    assert distinct(["127.0.0.1:5", "127.0.0.1:6"], [1.0, 0.5]) == ["127.0.0.1:5", "127.0.0.1:6"]
+    assert distinct(["127.0.0.1:5", "127.0.0.1:5", "127.0.0.1:7"], [1.0, 2.0, 1.5]) == {"1": "127.0.0.1:5",
+                                                                                       "2": "127.0.0.1:7"}
+    assert distinct(["127.0.0.1:5", "127.0.0.1:6"], [1.0, 0.5]) == {"0": "127.0.0.1:5", "1": "127.0.0.1:6"}
 
 
 def test_run_actors_refuses_options_the_programs_do_not_have() -> None:
@@ -182,9 +183,10 @@ def test_a_shard_whose_server_dies_is_restarted_on_its_node_and_reattaches_its_s
             assert after["started_from"] == "recovered" and after["restarted"]
             with ReplayClient(after["address"], timeout=30) as shard:
                 assert shard.describe("kept")["episodes"] == held[0]  # every episode, from its shared memory
-            # The client asks the actors where they are, and the shard rejoins it.
+            # The client asks the actors where they are, and the shard rejoins it (as shard 0, at its new port).
             wait_until(lambda: after["address"] in [s.address for s in client.shards.up()], time.monotonic() + 60,
                        "the restarted shard rejoining the client")
+            assert [s.address for s in client.shards.members()] == [after["address"], before[1]["address"]]
             wait_until(lambda: client.describe("kept")["episodes"] == 40, time.monotonic() + 60,
                        "both shards' episodes described")
     finally:
@@ -252,6 +254,7 @@ def test_dqn_actors_and_a_learner_train_through_shards_while_a_shards_node_is_re
                 inserted = shard.describe("cartpole")["counters"]["inserted_episodes"]  # at most what is checkpointed
             assert len(client.checkpoint()) == 2  # every shard's checkpoint, in its directory on the shared storage
 
+            index = next(s.index for s in client.shards.members() if s.address == victim["address"])
             cluster.cluster.remove_node(cluster.node(victim["node_id"]))
             version = client.fetch_weights("q").version
             moved = wait_until(lambda: restarted(started, victim["index"], victim["server_pid"]),
@@ -260,21 +263,23 @@ def test_dqn_actors_and_a_learner_train_through_shards_while_a_shards_node_is_re
             assert moved["node_id"] not in {shard["node_id"] for shard in before if shard is not victim}
             with ReplayClient(moved["address"], timeout=30) as shard:  # its counters, and rows, from the checkpoint
                 assert shard.describe("cartpole")["counters"]["inserted_episodes"] >= inserted > 0
-            # It rejoins the client through the launcher, and the learner keeps going over both shards.
+            # It rejoins the client through the launcher, as the same shard (its keys' index), and the learner keeps
+            # going over both shards.
             wait_until(lambda: moved["address"] in [s.address for s in client.shards.up()], time.monotonic() + 60,
                        "the moved shard rejoining the client")
+            assert next(s.index for s in client.shards.members() if s.address == moved["address"]) == index
             wait_until(lambda: client.fetch_weights("q").version >= version + 3, time.monotonic() + 60,
                        "the learner training on")
-            index = next(s.index for s in client.shards.members() if s.address == moved["address"])
             drawn = wait_until(lambda: index in (client.sample("cartpole", 256, States(), include_keys=True)["key"]
                                                  >> 48).tolist(), time.monotonic() + 60, "a batch from the moved shard")
             assert drawn
         summary, reports = run.result(timeout=240)
+        run = None
         assert summary["learner_steps"] >= 10 * (version + 3) - 10
         assert all(report.env_steps > 0 for report in reports)
         assert (tmp_path / "run" / "summary.json").exists()
     finally:
-        if run is not None:
+        if run is not None:  # the test failed before the run ended
             run.cancel()
         started.stop()
     assert segments(f"rpd_{name}") == []

@@ -239,3 +239,33 @@ def test_a_resolver_function_lists_the_shards_asked_again_at_its_interval_and_af
     shards._resolved_at -= 2
     shards.failed(shards.members()[0], "connection refused")
     assert [s.address for s in shards.members()] == ["127.0.0.1:5", "127.0.0.1:7"]  # the shards known stay
+
+
+def test_a_shard_that_moves_keeps_its_index_and_gets_the_spans_held_for_it_at_its_new_address() -> None:
+    """A resolver that names its shards (the Ray launcher's, by shard index): a shard restarted at another address
+    is the same shard; what a writer holds for it in doubt goes to its new life (which acknowledges what its
+    checkpoint holds, and stores the rest)."""
+    listed = [{"0": "127.0.0.1:5", "1": "127.0.0.1:6"}]
+    clients: dict[str, FakeShardClient] = {}
+
+    def connect(address: str) -> FakeShardClient:
+        clients[address] = FakeShardClient()
+        return clients[address]
+
+    shards = ShardSet(lambda: listed[0], connect, 3600.0, CollectorRegistry())
+    writer = writer_over(shards, CollectorRegistry(), auto_flush=False)
+    a, b = shards.members()
+    steps(writer, 3)
+    writer.end_episode(True, obs=np.zeros(2, np.float32))
+    a.client.fail = True
+    writer.flush()  # in doubt on shard 0, whose node goes away
+    assert not a.up and clients["127.0.0.1:5"].stored == []
+    listed[0] = {"0": "127.0.0.1:7", "1": "127.0.0.1:6"}  # Ray restarted shard 0 elsewhere
+    shards._resolved_at -= 3600
+    assert shards.members() == [a, b] and (a.index, a.address) == (0, "127.0.0.1:7") and not a.up
+    generation = shards.generation
+    clients["127.0.0.1:7"].comeback.resolve()  # it answers at its new address
+    assert a.up and shards.generation > generation
+    writer.close()
+    assert [span[1:] for span in clients["127.0.0.1:7"].stored] == [(0, 4, True, True)]
+    assert clients["127.0.0.1:5"].stored == [] and b.client.stored == []

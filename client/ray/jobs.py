@@ -30,9 +30,12 @@ class ActorRun:
         return summary, ray.get(self.actors, timeout=timeout)
 
     def cancel(self) -> None:
-        """Ends every task of the run that is still going."""
-        for ref in [*self.actors, *([self.learner] if self.learner is not None else [])]:
-            ray.cancel(ref, force=True)
+        """Ends the tasks of the run that are still going (a KeyboardInterrupt in each: an actor's recorder is not
+        flushed, a learner writes no run folder)."""
+        refs = [*self.actors, *([self.learner] if self.learner is not None else [])]
+        _, going = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in going:
+            ray.cancel(ref)
 
 
 def _config(config_type: type, role: str, options: dict[str, Any]) -> Any:

@@ -1,9 +1,12 @@
 """Where the Ray shard actors are now: the addresses a ShardedReplayClient re-resolves through the launcher.
 
 Each shard actor answers `address()` with the address its replay server listens on in its current life; after Ray
-restarted it (on its node, or on another one), the same call reaches the new life. A client asks every few seconds
-and after a shard fails, in the middle of its calls, so the resolver never waits: it hands back the answers that
-have arrived and sends the next questions, and a shard that has not answered (restarting) keeps its last address.
+restarted it (on its node, or on another one), the same call reaches the new life. A client asks every second and
+after a shard fails, in the middle of its calls, so the resolver never waits: it hands back the answers that have
+arrived and sends the next questions, and a shard that has not answered (restarting) keeps its last address. The
+shards are listed by their index: a shard that moved to another address stays the same shard of the client (its
+key bits, and the spans a writer holds for it, which its new life acknowledges or stores: its checkpoint holds its
+exactly-once memory).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class ShardAddresses:
     def __repr__(self) -> str:
         return f"Ray shards {self.group!r}"
 
-    def __call__(self) -> list[str]:
+    def __call__(self) -> dict[str, str]:
         for index, handle in enumerate(self._handles):
             asked = self._asked[index]
             if asked is not None:
@@ -59,15 +62,16 @@ class ShardAddresses:
         return distinct(self._known, self._answered)
 
 
-def distinct(addresses: list[str], told_at: list[float]) -> list[str]:
-    """The shards' addresses, each once: a shard that moved may listen where another one listened before it moved
-    too; that address is the shard's that told it last (`told_at`), the other one's is out of date."""
+def distinct(addresses: list[str], told_at: list[float]) -> dict[str, str]:
+    """The shards (index -> address), each address once: a shard that moved may listen where another one listened
+    before it moved too; that address is the shard's that told it last (`told_at`), the other one's is out of date
+    (that shard is left out until it tells its new one)."""
     newest: dict[str, int] = {}
     for index, address in enumerate(addresses):
         other = newest.get(address)
         if other is None or told_at[index] > told_at[other]:
             newest[address] = index
-    return [address for index, address in enumerate(addresses) if newest[address] == index]
+    return {str(index): address for index, address in enumerate(addresses) if newest[address] == index}
 
 
 def connect_ray() -> None:
