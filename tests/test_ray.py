@@ -9,6 +9,7 @@ finds none of its segments there and restores its checkpoint, as it would on ano
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -199,7 +200,9 @@ def restarted(started, index: int, old_pid: int) -> dict | None:
     return info if info["server_pid"] != old_pid else None
 
 
-def test_replayd_ray_up_status_and_down_run_shards_that_outlive_the_command(cluster: LocalCluster) -> None:
+def test_replayd_ray_up_status_run_and_down_as_commands(cluster: LocalCluster, tmp_path: Path) -> None:
+    """`up` starts shards that outlive the command (detached); `run` trains a DQN learner and an actor against them as
+    Ray tasks; `down` stops them."""
     name = group("cli")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -221,6 +224,9 @@ def test_replayd_ray_up_status_and_down_run_shards_that_outlive_the_command(clus
             assert client.describe("cli")["episodes"] == 4
         status = replayd("status")
         assert all(address in status for address in addresses)
+        ran = replayd("run", "--algo", "dqn", "--actors", "1", "--seconds", "3", "--run-dir", str(tmp_path / "run"))
+        assert "learner: " in ran and "1 actor(s)" in ran, ran
+        assert json.loads((tmp_path / "run" / "summary.json").read_text())["learner_steps"] > 0
         assert "2 shard(s)" in replayd("down")
     finally:
         if not actor_gone(name):

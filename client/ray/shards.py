@@ -24,6 +24,7 @@ Ray does the placing and the restarting; this module only tells each life of a s
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import logging
@@ -165,10 +166,14 @@ class ShardServer:
                                          env=env, preexec_fn=_die_with_parent)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._forward_output, name="replayd-shard-output", daemon=True).start()
-        self._address, self.http_port = self._wait_listening(time.monotonic() + spec.start_timeout)
-        self._serving.set()
-        self._create_missing_buffers()
-        self.removed_stale = self._remove_stale_lives()
+        try:
+            self._address, self.http_port = self._wait_listening(time.monotonic() + spec.start_timeout)
+            self._serving.set()
+            self._create_missing_buffers()
+            self._remove_stale_lives()
+        except BaseException:  # the actor dies with this error: its server goes first, unlinking its shared memory
+            self._stop_server(timeout=60)
+            raise
         print(f"shard {spec.index} of {spec.group!r} ({self.started_from}, instance {self.instance}) serves on "
               f"{self._address}", flush=True)
 
@@ -195,7 +200,6 @@ class ShardServer:
             try:
                 line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.0))
             except queue.Empty:
-                self._process.kill()
                 raise RuntimeError(f"replayd server of shard {self.spec.index} did not serve within "
                                    f"{self.spec.start_timeout:g} s: {' | '.join(output[-20:])}") from None
             if line is None:
@@ -260,15 +264,18 @@ class ShardServer:
     def stop(self, timeout: float = 60.0) -> int:
         """Stops the server (SIGTERM: it unlinks its shared memory) and removes what earlier lives left on this host;
         the server's exit code."""
+        code = self._stop_server(timeout)
+        self._remove_stale_lives()
+        return code
+
+    def _stop_server(self, timeout: float) -> int:
         self._stopping.set()
         self._process.terminate()
         try:
-            code = self._process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+            return self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a server that hangs: its shared memory stays for the next --recover
             self._process.kill()
-            code = self._process.wait()
-        self._remove_stale_lives()
-        return code
+            return self._process.wait()
 
 
 ShardActor = ray.remote(ShardServer)
@@ -281,6 +288,13 @@ class RayShards:
     def __init__(self, name: str, handles: list[ActorHandle], token: str | None = None,
                  group: PlacementGroup | None = None) -> None:
         self.name, self.handles, self.token, self._group = name, handles, token, group
+        self.stopped = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "handles": self.handles, "token": self.token, "group": self._group}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
 
     def __repr__(self) -> str:
         return f"RayShards({self.name!r}, {len(self.handles)} shards)"
@@ -311,6 +325,7 @@ class RayShards:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stops every shard's server (its shared memory unlinked), ends the actors and removes the placement group."""
+        self.stopped = True
         group = self._group
         if group is None:
             group = next((found for found in self._ask_each("placement_group", timeout) if found is not None), None)
@@ -319,6 +334,12 @@ class RayShards:
             ray.kill(handle, no_restart=True)
         if group is not None:
             remove_placement_group(group)
+
+    def _stop_at_exit(self) -> None:
+        """At the exit of the driver that started them (not detached): Ray would end the actors, and their servers
+        with SIGKILL, leaving their shared memory behind."""
+        if not self.stopped and ray.is_initialized():
+            self.stop(timeout=30)
 
     def _ask_each(self, method: str, timeout: float) -> list[Any]:
         """Each shard's answer to `method` (None from a shard that is gone)."""
@@ -422,5 +443,7 @@ def start_shards(num_shards: int, buffers: Sequence[BufferSpec] = (), *, name: s
     except BaseException:
         started.stop(timeout=30)
         raise
+    if not detached:
+        atexit.register(started._stop_at_exit)
     return started
 
