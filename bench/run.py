@@ -10,9 +10,9 @@ import importlib
 import json
 from pathlib import Path
 
-MODULES = ["bench.bench_replay", "bench.bench_sequences", "bench.bench_gae", "bench.bench_rollout_grpc",
-           "bench.bench_trainers", "bench.bench_prioritized", "bench.bench_shared_memory", "bench.bench_load",
-           "bench.bench_shards"]
+MODULES = ["bench.bench_replay", "bench.bench_pixels", "bench.bench_sequences", "bench.bench_gae",
+           "bench.bench_rollout_grpc", "bench.bench_trainers", "bench.bench_prioritized", "bench.bench_shared_memory",
+           "bench.bench_load", "bench.bench_shards"]
 RESULTS = Path(__file__).resolve().parent / "results.jsonl"
 
 

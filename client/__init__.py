@@ -17,7 +17,8 @@ from service.wire.components import (
     Transitions,
     Uniform,
 )
+from service.wire.frame_fields import Frames
 
-__all__ = ["EpisodeWriter", "Fifo", "Geometric", "Hindsight", "MaxTimesSampled", "MinSize", "Prioritized",
+__all__ = ["EpisodeWriter", "Fifo", "Frames", "Geometric", "Hindsight", "MaxTimesSampled", "MinSize", "Prioritized",
            "ReplayClient", "SampleToInsertRatio", "Sequences", "ShardedReplayClient", "States", "Transitions",
            "Uniform"]

@@ -1,7 +1,13 @@
-"""A server stream of batches as an iterator that any thread may close (which cancels the call).
+"""A server stream of batches as an iterator that any thread may close (which cancels the call), and the
+decoding of a sampled message.
 
 A generator over the call could only be closed by the thread running it: a Loader's thread waiting in
 `next()` for the server made `Loader.close()` fail with "generator already executing".
+
+A batch sampled with decompress="client" carries its compressed fields' frames compressed, each distinct frame
+once, and in their columns the index of each stacked frame into them: decoding decompresses each frame once
+and stacks them into the columns (the compiled kernel the server stacks with). It runs where the stream is
+iterated: in a Loader, on its prefetch thread.
 """
 
 from __future__ import annotations
@@ -18,9 +24,37 @@ import grpc
 import numpy as np
 
 from client.retries import cut_short_by_deadline, server_retry_after
+from service import kernels
 from service.wire import codec
+from service.wire.frame_fields import decompress_many, stacked_shape
+from service.wire.frames import SampledMessage
 
 log = logging.getLogger("replayd.client")
+
+
+def decode_sample(message: SampledMessage) -> dict[str, np.ndarray]:
+    """A sampled batch as numpy arrays: views of the message, and the shipped compressed fields decompressed and
+    stacked into their columns (fresh arrays)."""
+    columns = codec.decode(message.batch)
+    if not message.frames:
+        return columns
+    columns = dict(columns)
+    for shipped, frames in message.frames:
+        spec = shipped.spec
+        shape, dtype, stack = tuple(spec.shape), np.dtype(spec.dtype), spec.stack if spec.HasField("stack") else 1
+        frame_bytes = dtype.itemsize * math.prod(shape)
+        decoded = decompress_many(spec.compression, frames, frame_bytes).view(dtype).reshape(len(frames), *shape)
+        stacked: dict[int, np.ndarray] = {}  # an aliased column (bootstrap_ of 1-step transitions) is stacked once
+        for name in shipped.columns:
+            indices = columns[name]
+            if id(indices) not in stacked:
+                rows = indices.reshape(-1, stack).astype(np.int64)  # (N, stack)
+                leading = indices.shape[:-1] if stack > 1 else indices.shape
+                out = np.empty(leading + stacked_shape(shape, stack, spec.stack_axis), dtype)
+                kernels.stack_frames(out, decoded, rows, int(spec.stack_axis == 0))
+                stacked[id(indices)] = out
+            columns[name] = stacked[id(indices)]
+    return columns
 
 
 class BatchStream:
@@ -34,8 +68,10 @@ class BatchStream:
     """
 
     def __init__(self, open_call: Callable[[float | None], Any], timeout: float | None,
-                 on_unavailable: Callable[[], None] | None = None) -> None:
+                 on_unavailable: Callable[[], None] | None = None,
+                 decode: Callable[[Any], dict[str, np.ndarray]] = codec.decode) -> None:
         self._open_call = open_call  # open_call(seconds): the grpc call, an iterator of payloads that can be cancelled
+        self._decode = decode  # a payload -> its batch (decode_sample for sampled messages)
         self._on_unavailable = on_unavailable  # e.g. the client forgetting a sample worker's address
         self._timeout = timeout
         self._deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -79,7 +115,7 @@ class BatchStream:
                         raise StopIteration from None
                 raise
         self._received = True
-        return codec.decode(payload)
+        return self._decode(payload)
 
     def _reopen(self, delay: float) -> bool:
         """Opens the call again after a pause (False: the stream was closed, or its deadline came first)."""

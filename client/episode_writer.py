@@ -11,7 +11,8 @@ import grpc
 import numpy as np
 
 from client.polling import RECONNECT
-from client.replay_client import ReplayClient, Span, SpanSink, is_int, new_episode_id
+from client.replay_client import ReplayClient, Span, SpanSink, compress_columns, is_int, new_episode_id
+from service.wire.frame_fields import Frames, stacked_shape
 
 if TYPE_CHECKING:
     from client.sharded import ShardedReplayClient
@@ -27,7 +28,11 @@ class EpisodeWriter:
 
     Values are checked against the buffer's schema (names, dtype, shape) as they are given, so a wrong
     one raises ValueError there and changes nothing: a value is converted to its field's dtype only within
-    its kind or from a narrower kind (see `_row`), never truncated or wrapped.
+    its kind or from a narrower kind (see `_row`), never truncated or wrapped. A stacked observation field
+    (Frames(stack=k)) takes its frame, or the stacked observation an environment wrapper gives (gymnasium's
+    FrameStackObservation), of which the newest frame is kept: the buffer stacks frames again when sampled. A
+    compressed field's frames are compressed when their chunk or episode is complete (so requests carry them
+    compressed).
 
     A flush that fails because the server is unreachable keeps its spans for the next flush. One the
     server refuses (an open episode evicted meanwhile, say) is sent again one episode at a time: the
@@ -51,10 +56,13 @@ class EpisodeWriter:
         self.batch_rows = batch_rows
         self.auto_flush = auto_flush  # False: the caller flushes (e.g. to retry while a server restarts)
         self._sink: SpanSink = client.span_sink(buffer)
-        fields = client.describe(buffer)["fields"]
+        info = client.describe(buffer)
+        fields = info["fields"]
         self.observation_fields = {name for name, (_, _, observation) in fields.items() if observation}
         self.dtypes = {name: np.dtype(dtype) for name, (dtype, _, _) in fields.items()}
         self.shapes = {name: tuple(shape) for name, (_, shape, _) in fields.items()}
+        self.frames: dict[str, Frames] = dict(info["frames"])
+        self._compressed = {name: frames for name, frames in self.frames.items() if frames.compression}
         self._steps: list[dict[str, np.ndarray]] = []  # rows of the open episode not sent yet
         self._episode_id = new_episode_id()
         self._rows_sent = 0  # rows of the open episode already sent as chunks
@@ -109,7 +117,7 @@ class EpisodeWriter:
             raise ValueError(f"{call}: buffer {self.buffer!r} expects fields {sorted(expected)}, got {sorted(values)}")
         row = {}
         for name, value in values.items():
-            dtype, shape = self.dtypes[name], self.shapes[name]
+            dtype = self.dtypes[name]
             given = np.asarray(value)
             # Signed ints into an unsigned field too (numpy's same_kind refuses int64 -> uint8, Python ints
             # included): the range check below refuses the values that do not fit.
@@ -125,10 +133,21 @@ class EpisodeWriter:
             overflowed = dtype.kind == "f" and (np.isfinite(given) & ~np.isfinite(array)).any()
             if wrapped or overflowed:
                 raise ValueError(f"{call}: field {name!r} cannot be {dtype}: values out of its range")
-            if array.shape != shape:
-                raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")
-            row[name] = array
+            row[name] = self._frame(call, name, array)
         return row
+
+    def _frame(self, call: str, name: str, array: np.ndarray) -> np.ndarray:
+        """The row of field `name` that `array` gives: itself, or the newest frame of a stacked observation."""
+        shape, frames = self.shapes[name], self.frames.get(name)
+        if array.shape == shape:
+            return array
+        if frames is None:
+            raise ValueError(f"{call}: field {name!r} expected shape {shape}, got {array.shape}")
+        stacked = stacked_shape(shape, frames.stack, frames.stack_axis)
+        if array.shape != stacked:
+            raise ValueError(f"{call}: field {name!r} expected a frame of shape {shape} or a stack of shape "
+                             f"{stacked}, got {array.shape}")
+        return np.array(array[-1] if frames.stack_axis == 0 else array[..., -1])  # a copy of the frame alone
 
     def append(self, **step: Any) -> None:
         self._check_open()
@@ -173,7 +192,8 @@ class EpisodeWriter:
         self._restarted_episode_ends = not self._steps
 
     def _chunk(self, ends: bool, terminated: bool) -> Span:
-        columns = {name: np.stack([step[name] for step in self._steps]) for name in self.dtypes}
+        columns = compress_columns({name: np.stack([step[name] for step in self._steps]) for name in self.dtypes},
+                                   self._compressed)
         # The offset names the chunk (with the episode id), so a retried flush stores it once.
         span = Span(columns, self._episode_id, begins=self._rows_sent == 0, ends=ends, terminated=terminated,
                     offset=self._rows_sent)

@@ -3,9 +3,11 @@
 The sample stream keeps requests in flight on the wire; a background thread decodes each Arrow batch
 into tensors without copying (`torch.from_numpy` over the received bytes) and, on CUDA, stages them
 in pinned host memory and copies with `non_blocking=True`, so the learner never waits while the server
-keeps up. Batches come out in the order the server sent them, each exactly once. An optional `prepare`
-function rewrites each numpy batch in that thread before its tensors are made (hindsight relabeling's
-reward recomputation, client/hindsight.py), off the learner's critical path.
+keeps up. Batches come out in the order the server sent them, each exactly once. A stream sampled with
+decompress="client" is decoded on that thread too: the compressed frames it ships are decompressed and
+stacked there (client/batch_stream.py), beside the learner's work. An optional `prepare` function rewrites each
+numpy batch in that thread before its tensors are made (hindsight relabeling's reward recomputation,
+client/hindsight.py), off the learner's critical path.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import numpy as np
 
-from client.batch_stream import BatchStream
+from client.batch_stream import BatchStream, decode_sample
 from client.retries import cut_short_by_deadline, server_retry_after
 from service.wire import codec
 from service.wire import components as options
@@ -36,9 +36,11 @@ from service.wire.components import (
     Transitions,
     Uniform,
 )
-from service.wire.frames import InsertFrame, sample_response_batch, serialize_insert
+from service.wire.frame_fields import CompressedFrames, Frames, compress, concatenate
+from service.wire.frames import InsertFrame, SampledMessage, sample_response, sample_response_batch, serialize_insert
 
-Schema = Mapping[str, tuple[str, tuple[int, ...]]]
+# field -> (numpy dtype, row shape), or (dtype, frame shape, Frames(...)) for a stacked or compressed observation field
+Schema = Mapping[str, tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], Frames]]
 T = TypeVar("T")
 
 
@@ -137,7 +139,12 @@ def _info_to_dict(info: pb.BufferInfo) -> dict[str, Any]:
         "episodes": info.episodes,
         "counters": dict(info.counters),
         "capacity_steps": capacity,
+        "capacity_bytes": config.capacity_bytes if which == "episodic" else 0,
         "fields": {f.name: (f.dtype, tuple(f.shape), f.observation) for f in config.fields},
+        # the stacked observation fields' options (FieldSpec's absent stack is 1)
+        "frames": {f.name: Frames(f.stack, f.stack_axis, f.compression or None,
+                                  f.compression_level if f.HasField("compression_level") else None)
+                   for f in config.fields if f.stack > 1 or f.compression},
         "policy_version": info.policy_version,
         "missing_steps": info.missing_steps,
         "rollout_complete": info.rollout_complete,
@@ -159,6 +166,17 @@ def _episodic_components(config: pb.EpisodicConfig) -> dict[str, Any]:
             "sampling_changes_state": options.sampling_changes_state(remover, rate_limiter)}
 
 
+def _field_spec(name: str, entry: tuple, observation: bool) -> pb.FieldSpec:
+    """A schema entry, (dtype, shape) or (dtype, shape, Frames(...)), as its wire message."""
+    if not isinstance(entry, tuple | list) or len(entry) not in (2, 3):
+        raise ValueError(f"schema[{name!r}]: expected (dtype, shape) or (dtype, shape, Frames(...)), got {entry!r}")
+    frames = entry[2] if len(entry) == 3 else Frames()
+    _expect(f"schema[{name!r}][2]", frames, Frames, "Frames(stack=..., compression=...)")
+    return pb.FieldSpec(name=name, dtype=np.dtype(entry[0]).name, shape=list(entry[1]), observation=observation,
+                        stack=frames.stack, stack_axis=frames.stack_axis, compression=frames.compression or "",
+                        compression_level=frames.compression_level)
+
+
 def _expect(role: str, value: Any, kind: type, examples: str) -> None:
     """Refuses an option of the wrong role (a string, a dict, another role's options) by name."""
     if not isinstance(value, kind):
@@ -168,12 +186,12 @@ def _expect(role: str, value: Any, kind: type, examples: str) -> None:
 @dataclass
 class Span:
     """Rows of one episode in ring layout (every field has the same rows; step fields of a final row are
-    padding). `begins`: the first row is the episode's first observation; `ends`: the last row is its
-    final observation. `offset`: the row index of the first row within its episode (0 when it begins;
-    for a later chunk, the rows sent before it): with `episode_id` it names the span, so the server
-    stores a retried span once."""
+    padding; a compressed field's rows are its frames, compressed: compress_columns). `begins`: the first row
+    is the episode's first observation; `ends`: the last row is its final observation. `offset`: the row index
+    of the first row within its episode (0 when it begins; for a later chunk, the rows sent before it): with
+    `episode_id` it names the span, so the server stores a retried span once."""
 
-    columns: Mapping[str, np.ndarray]
+    columns: Mapping[str, np.ndarray | CompressedFrames]
     episode_id: int
     begins: bool = True
     ends: bool = True
@@ -196,12 +214,19 @@ class FetchedWeights:
     final: bool
 
 
+def compress_columns(columns: Mapping[str, np.ndarray], frames: Mapping[str, Frames]
+                     ) -> dict[str, np.ndarray | CompressedFrames]:
+    """The columns with each compressed field's rows (frames) compressed one by one, as inserts send them."""
+    return {name: compress(frames[name].compression, frames[name].compression_level, column)
+            if name in frames and frames[name].compression else column for name, column in columns.items()}
+
+
 def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
-    names = list(spans[0].columns)
-    columns = {
-        name: spans[0].columns[name] if len(spans) == 1 else np.concatenate([s.columns[name] for s in spans])
-        for name in names
-    }
+    joined = {name: [s.columns[name] for s in spans] for name in spans[0].columns}
+    columns = {name: parts[0] if len(parts) == 1 else np.concatenate(parts)
+               for name, parts in joined.items() if not isinstance(parts[0], CompressedFrames)}
+    frames = tuple((name, concatenate(parts)) for name, parts in joined.items()
+                   if isinstance(parts[0], CompressedFrames))
     request = pb.InsertRequest(
         buffer=buffer,
         episode_ids=[s.episode_id for s in spans],
@@ -212,7 +237,7 @@ def spans_request(buffer: str, spans: Sequence[Span]) -> InsertFrame:
         span_offsets=[s.offset for s in spans],
     )
     # The frame holds the payload as parts over the columns: gRPC's serializer joins them, one copy.
-    return InsertFrame(request, codec.encode_parts(columns))
+    return InsertFrame(request, codec.encode_parts(columns), frames)
 
 
 # Requests above this are split (see split_spans): messages of a few MB keep both ends' copies in reused
@@ -231,7 +256,8 @@ def _piece(span: Span, lo: int, hi: int, rows: int) -> Span:
 
 def request_rows(spans: Sequence[Span], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
     """Rows of `spans` (all of one buffer's layout) that one request of `max_request_bytes` holds (>= 2)."""
-    row_bytes = sum(c.itemsize * math.prod(c.shape[1:]) for c in spans[0].columns.values())
+    row_bytes = sum(c.itemsize * math.prod(c.shape[1:]) if isinstance(c, np.ndarray) else -(-c.nbytes // max(len(c), 1))
+                    for c in spans[0].columns.values())
     return max(2, max_request_bytes // max(row_bytes, 1))
 
 
@@ -372,10 +398,10 @@ class _SamplingCalls:
     def on(cls, channel: grpc.Channel) -> _SamplingCalls:
         return cls(
             channel.unary_unary("/replayd.v1.Replay/Sample", request_serializer=pb.SampleRequest.SerializeToString,
-                                response_deserializer=sample_response_batch),
+                                response_deserializer=sample_response),
             channel.unary_stream("/replayd.v1.Replay/SampleStream",
                                  request_serializer=pb.SampleStreamRequest.SerializeToString,
-                                 response_deserializer=sample_response_batch),
+                                 response_deserializer=sample_response),
         )
 
 
@@ -418,7 +444,7 @@ class ReplayClient:
         self._rollout_minibatches = self._channel.unary_stream(
             "/replayd.v1.Replay/RolloutMinibatches", request_serializer=pb.RolloutMinibatchesRequest.SerializeToString,
             response_deserializer=sample_response_batch)
-        self._observation_fields: dict[str, tuple[str, ...]] = {}
+        self._described: dict[str, dict[str, Any]] = {}  # buffer -> its description, for inserts (fields, frames)
         self._stateful_sampling: dict[str, bool] = {}  # buffer -> sampling_changes_state (describe)
         # Sample workers (`replayd serve --sample-workers K`) found in buffer descriptions: calls go round-robin.
         self.use_sample_workers = use_sample_workers
@@ -563,8 +589,15 @@ class ReplayClient:
         remover: RemoverOptions = Fifo(),
         rate_limiter: RateLimiterOptions = MinSize(),
         goal_fields: tuple[str, str] | None = None,
+        capacity_bytes: int = 0,
     ) -> dict[str, Any]:
-        """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape).
+        """Creates an episodic buffer. `schema` maps field -> (numpy dtype, per-row shape), or, for an observation
+        field stored one frame per row (sampled stacked, or stored compressed), -> (dtype, frame shape,
+        Frames(stack=k, stack_axis=..., compression="zstd" | "lz4", compression_level=...)).
+
+        capacity_steps: rows (an episode of L steps takes L + 1); capacity_bytes: the buffer's shared memory
+        (0: sized by rows). With both, the compressed fields' frames get what the rows leave of the bytes; with
+        bytes alone (capacity_steps=0), the rows are sized from them too.
 
         reward_field: the per-step reward for n-step returns (None: the field named "reward", if any).
         sampler: Uniform() or Prioritized(alpha=0.6). remover: Fifo() or MaxTimesSampled(k) (a step is retired
@@ -573,32 +606,30 @@ class ReplayClient:
         goal_fields: (achieved, desired), the observation fields of goal-conditioned episodes that the
         Hindsight mode relabels.
         """
-        _refuse_none(capacity_steps=capacity_steps)
+        _refuse_none(capacity_steps=capacity_steps, capacity_bytes=capacity_bytes)
         _expect("sampler", sampler, SamplerOptions, "Uniform() or Prioritized(alpha=...)")
         _expect("remover", remover, RemoverOptions, "Fifo() or MaxTimesSampled(k)")
         _expect("rate_limiter", rate_limiter, RateLimiterOptions, "MinSize(n) or SampleToInsertRatio(...)")
         unknown = set(observation_fields) - set(schema)
         if unknown:
             raise ValueError(f"observation_fields {sorted(unknown)} are not in the schema {sorted(schema)}")
-        fields = [
-            pb.FieldSpec(name=n, dtype=np.dtype(dtype).name, shape=list(shape), observation=n in observation_fields)
-            for n, (dtype, shape) in schema.items()
-        ]
+        fields = [_field_spec(name, entry, name in observation_fields) for name, entry in schema.items()]
         achieved, desired = ("", "") if goal_fields is None else goal_fields
-        config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, reward_field=reward_field or "",
+        config = pb.EpisodicConfig(fields=fields, capacity_steps=capacity_steps, capacity_bytes=capacity_bytes,
+                                   reward_field=reward_field or "",
                                    sampler=sampler.to_proto(), remover=remover.to_proto(),
                                    rate_limiter=rate_limiter.to_proto(), achieved_goal_field=achieved,
                                    desired_goal_field=desired)
         info = _info_to_dict(self._stub.CreateBuffer(pb.CreateBufferRequest(name=name, episodic=config),
                                                      timeout=self.timeout))
-        self._observation_fields[name] = tuple(observation_fields)
+        self._described[name] = info
         self._forget_sampling(name)
         self._stateful_sampling[name] = info["sampling_changes_state"]
         return info
 
     def delete_buffer(self, name: str) -> None:
         self._forget_sampling(name)
-        self._observation_fields.pop(name, None)
+        self._described.pop(name, None)
         self._stub.DeleteBuffer(pb.DeleteBufferRequest(name=name), timeout=self.timeout)
 
     def list_buffers(self) -> list[dict[str, Any]]:
@@ -610,10 +641,28 @@ class ReplayClient:
                                               timeout))
 
     def observation_fields(self, buffer: str) -> tuple[str, ...]:
-        if buffer not in self._observation_fields:
-            fields = self.describe(buffer)["fields"]
-            self._observation_fields[buffer] = tuple(n for n, (_, _, obs) in fields.items() if obs)
-        return self._observation_fields[buffer]
+        return tuple(n for n, (_, _, obs) in self._description(buffer)["fields"].items() if obs)
+
+    def _description(self, buffer: str) -> dict[str, Any]:
+        """The buffer's description, asked once (what inserts need: its fields, which are compressed)."""
+        if buffer not in self._described:
+            self._described[buffer] = self.describe(buffer)
+        return self._described[buffer]
+
+    def _episode_span(self, buffer: str, columns: Mapping[str, np.ndarray], terminated: bool,
+                      episode_id: int | None) -> Span:
+        """A whole episode as a span, its compressed fields' frames checked against the schema and compressed."""
+        info = self._description(buffer)
+        span = episode_span(columns, terminated, self.observation_fields(buffer), episode_id)
+        compressed = {name: frames for name, frames in info["frames"].items() if frames.compression}
+        for name in compressed.keys() & span.columns.keys():
+            dtype, shape, _ = info["fields"][name]
+            column = span.columns[name]
+            if column.dtype != np.dtype(dtype) or column.shape[1:] != tuple(shape):
+                raise ValueError(f"insert: field {name!r} is compressed ({compressed[name].compression}): expected "
+                                 f"frames of {dtype}{list(shape)}, got {column.dtype}{list(column.shape[1:])}")
+        span.columns = compress_columns(span.columns, compressed)
+        return span
 
     def create_rollout_buffer(self, name: str, num_steps: int, num_envs: int, schema: Schema,
                               gamma: float = 0.99, gae_lambda: float = 0.95) -> dict[str, Any]:
@@ -717,7 +766,7 @@ class ReplayClient:
     def insert_episode(self, buffer: str, terminated: bool, episode_id: int | None = None,
                        **columns: np.ndarray) -> int:
         """Inserts one whole episode: observation fields have L + 1 rows, step fields L rows."""
-        span = episode_span(columns, terminated, self.observation_fields(buffer), episode_id)
+        span = self._episode_span(buffer, columns, terminated, episode_id)
         self._insert_spans(buffer, [span])
         return span.episode_id
 
@@ -730,41 +779,55 @@ class ReplayClient:
         ids = list(episode_ids) if episode_ids is not None else [None] * len(episodes)
         if len(ids) != len(episodes):
             raise ValueError(f"{len(episodes)} episodes but {len(ids)} episode_ids")
-        fields = self.observation_fields(buffer)
-        spans = [episode_span(e, t, fields, i) for e, t, i in zip(episodes, terminated, ids, strict=True)]
+        spans = [self._episode_span(buffer, e, t, i) for e, t, i in zip(episodes, terminated, ids, strict=True)]
         self._insert_spans(buffer, spans)
 
     def _insert_spans(self, buffer: str, spans: Sequence[Span]) -> None:
         """Whole episodes in requests of at most `max_request_bytes`. The server refuses an episode longer than
-        the ring request by request, so one sent as chunks is checked here first: its earlier chunks would
-        otherwise land, and evict older episodes, before a later one is refused."""
-        longest = max(spans, key=lambda span: span.rows, default=None)
-        if longest is not None and longest.rows > request_rows(spans, self.max_request_bytes):
-            capacity = self.describe(buffer)["capacity_steps"]
-            if longest.rows > capacity:
-                raise ValueError(f"insert: episode {longest.episode_id} has {longest.rows} rows, more than "
-                                 f"capacity_steps={capacity} of buffer {buffer!r}; nothing was sent")
+        the ring (or whose compressed frames outgrow their arena) request by request, so one sent as chunks is
+        checked here first: its earlier chunks would otherwise land, and evict older episodes, before a later
+        one is refused."""
+        chunked = [span for span in spans if span.rows > request_rows(spans, self.max_request_bytes)]
+        if chunked:
+            info = self.describe(buffer)
+            for span in chunked:
+                if span.rows > info["capacity_steps"]:
+                    raise ValueError(f"insert: episode {span.episode_id} has {span.rows} rows, more than "
+                                     f"capacity_steps={info['capacity_steps']} of buffer {buffer!r}; nothing was sent")
+                for name, frames in span.columns.items():
+                    arena = info["counters"].get(f"frames.{name}.arena_bytes")
+                    if isinstance(frames, CompressedFrames) and arena is not None and frames.nbytes > arena:
+                        raise ValueError(f"insert: episode {span.episode_id}'s frames of field {name!r} take "
+                                         f"{frames.nbytes} bytes, more than its arena of {int(arena)} bytes in "
+                                         f"buffer {buffer!r} (capacity_bytes); nothing was sent")
         self.insert(spans_requests(buffer, spans, self.max_request_bytes))
 
     # ---------------------------------------------------------------- sampling
     @staticmethod
     def sample_request(buffer: str, batch_size: int, mode: ModeOptions = Transitions(), seed: int | None = None,
                        include_keys: bool = False, wait: bool = False,
-                       importance_beta: float = 0.0) -> pb.SampleRequest:
+                       importance_beta: float = 0.0, decompress: str = "server") -> pb.SampleRequest:
         """`mode`: Transitions(n_step=..., gamma=...), Geometric(discount=...), States(), ... (validated where
-        constructed)."""
+        constructed). `decompress`: where compressed fields' frames are decompressed, "server" (the batch
+        carries them whole) or "client" (the message carries each frame compressed once, and the client
+        decompresses and stacks them as it decodes the batch: fewer bytes on the wire, and the work on the
+        learner's side, in a Loader's prefetch thread)."""
         _refuse_none(batch_size=batch_size, importance_beta=importance_beta)
         _expect("mode", mode, ModeOptions, "a batch mode's options (Transitions(), Geometric(discount=...), ...)")
+        if decompress not in ("server", "client"):
+            raise ValueError(f"decompress: expected 'server' or 'client', got {decompress!r}")
         request = pb.SampleRequest(buffer=buffer, batch_size=batch_size, mode=mode.to_proto(),
-                                   include_keys=include_keys, wait=wait, importance_beta=importance_beta)
+                                   include_keys=include_keys, wait=wait, importance_beta=importance_beta,
+                                   decompress=decompress)
         if seed is not None:
             request.seed = seed
         return request
 
     def sample(self, buffer: str, batch_size: int, mode: ModeOptions = Transitions(), *,
                timeout: float | None = None, **request_options: Any) -> dict[str, np.ndarray]:
-        """One batch as read-only numpy arrays (views into the received bytes). `request_options`: seed,
-        include_keys, wait, importance_beta (see sample_request)."""
+        """One batch as read-only numpy arrays (views into the received bytes; compressed fields shipped to be
+        decompressed here are fresh arrays). `request_options`: seed, include_keys, wait, importance_beta,
+        decompress (see sample_request)."""
         request = self.sample_request(buffer, batch_size, mode, **request_options)
         # The first sample of a buffer asks the server about it: within the sample's timeout, which covers
         # that describe, the sample and its retries.
@@ -773,7 +836,7 @@ class ReplayClient:
         # sampling is retried.
         codes = [] if self._sampling_changes_state(buffer, _left(give_up)) else list(self.RETRYABLE)
 
-        def attempt(remaining: float | None) -> bytes:
+        def attempt(remaining: float | None) -> SampledMessage:
             try:
                 calls, left = self._sampling_within(buffer, remaining)
                 return calls.sample(request, timeout=left)
@@ -787,7 +850,7 @@ class ReplayClient:
                         codes.clear()
                 raise
 
-        return codec.decode(self._with_retries(attempt, codes, _left(give_up)))
+        return decode_sample(self._with_retries(attempt, codes, _left(give_up)))
 
     def update_priorities(self, buffer: str, keys: Sequence[int] | np.ndarray,
                           priorities: Sequence[float] | np.ndarray, timeout: float | None = None) -> tuple[int, int]:
@@ -815,5 +878,5 @@ class ReplayClient:
             calls, left = self._sampling_within(buffer, remaining)
             return calls.stream(request, timeout=left)
 
-        return BatchStream(open_call, timeout,
-                           on_unavailable=lambda: self._forget_sampling(buffer))
+        return BatchStream(open_call, timeout, on_unavailable=lambda: self._forget_sampling(buffer),
+                           decode=decode_sample)

@@ -162,8 +162,17 @@ def _summed_rate_limiter(limiters: Sequence[RateLimiterOptions]) -> RateLimiterO
 # Counters that are no sums over the shards: each merges its own way.
 _COUNTER_MERGES = {"prioritized.alpha": lambda values: values[0], "prioritized.max_priority": max,
                    "prioritized.min_positive": lambda values: min((v for v in values if v > 0), default=0.0)}
-_SUMMED = ("bytes", "stored_steps", "sampleable_steps", "episodes", "capacity_steps", "missing_steps")
-_ALIKE = ("kind", "fields", "sampler", "remover", "num_steps", "num_envs", "gamma", "gae_lambda")
+_SUMMED = ("bytes", "stored_steps", "sampleable_steps", "episodes", "capacity_steps", "capacity_bytes", "missing_steps")
+_ALIKE = ("kind", "fields", "frames", "sampler", "remover", "num_steps", "num_envs", "gamma", "gae_lambda")
+
+
+def _compression_ratios(counters: dict[str, float], infos: Sequence[dict[str, Any]]) -> None:
+    """A compressed field's ratio over every shard's stored frames: their raw bytes (each shard's ratio times its
+    stored bytes) over their stored bytes, not the sum of the shards' ratios."""
+    for name in [name for name in counters if name.startswith("frames.") and name.endswith(".compression_ratio")]:
+        stored = name.removesuffix("compression_ratio") + "stored_bytes"
+        raw = sum(info["counters"].get(name, 0.0) * info["counters"].get(stored, 0.0) for info in infos)
+        counters[name] = raw / counters[stored] if counters.get(stored) else 0.0
 
 
 def merge_descriptions(described: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -183,6 +192,7 @@ def merge_descriptions(described: Sequence[tuple[str, dict[str, Any]]]) -> dict[
     names = {name for info in infos for name in info["counters"]}
     merged["counters"] = {name: _COUNTER_MERGES.get(name, sum)([info["counters"].get(name, 0.0) for info in infos])
                           for name in sorted(names)}
+    _compression_ratios(merged["counters"], infos)
     if first["kind"] == "episodic":
         merged["rate_limiter"] = _summed_rate_limiter([info["rate_limiter"] for info in infos])
     merged |= {"shm_name": "", "host": "", "sample_endpoints": [],

@@ -215,16 +215,19 @@ class ShardedReplayClient:
                       observation_fields: Sequence[str] = ("obs",), reward_field: str | None = None,
                       sampler: SamplerOptions = Uniform(), remover: RemoverOptions = Fifo(),
                       rate_limiter: RateLimiterOptions = MinSize(),
-                      goal_fields: tuple[str, str] | None = None) -> dict[str, Any]:
-        """Creates the buffer on every shard up, `capacity_steps` split between them (an episode must fit one
-        shard's part), and the rate limiter's sizes too (client/shard_math.py split_rate_limiter); a shard's
-        remover and limiter act on its own steps. Raises the first shard's refusal (the others keep theirs)."""
+                      goal_fields: tuple[str, str] | None = None, capacity_bytes: int = 0) -> dict[str, Any]:
+        """Creates the buffer on every shard up, `capacity_steps` and `capacity_bytes` (0: not given) split
+        between them (an episode must fit one shard's part), and the rate limiter's sizes too
+        (client/shard_math.py split_rate_limiter); a shard's remover and limiter act on its own steps. Raises the
+        first shard's refusal (the others keep theirs)."""
         shards = self._up()
-        capacities = split_capacity(capacity_steps, len(shards))
+        capacities = split_capacity(capacity_steps, len(shards)) if capacity_steps else [0] * len(shards)
+        budgets = split_capacity(capacity_bytes, len(shards)) if capacity_bytes else [0] * len(shards)
         limiter = split_rate_limiter(rate_limiter, len(shards))
         results = self._on_up_shards(
             lambda shard: shard.client.create_buffer(name, capacities[shards.index(shard)], schema, observation_fields,
-                                                     reward_field, sampler, remover, limiter, goal_fields), shards)
+                                                     reward_field, sampler, remover, limiter, goal_fields,
+                                                     budgets[shards.index(shard)]), shards)
         error = self._first_error(results)
         if error is not None:
             raise error

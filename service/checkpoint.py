@@ -17,20 +17,24 @@ way (temporary name, fsync, rename, fsync of DIR). A crash leaves the previous L
 never reads a .tmp-* directory or one without manifest.json, and the next checkpoint written to DIR removes
 the temporary files of writers that died.
 
-Consistency while serving. Each buffer is a consistent snapshot of itself (buffers are snapshotted one
-after the other, not at one instant together). Episodic buffers: under the buffer's lock, everything but
-the field columns is copied at once (state, row bounds, extent table, sampler and remover arrays, open
-extents, counters, limiter and dedup state: O(capacity) small integers). The field columns, the bulk, are
-then copied in chunks of rows (`chunk_bytes`), taking the lock per chunk only, so samples and inserts run
-between chunks. A chunk copied later is still the snapshot's data: the writer never changes the row of a
-live position (>= the tail) -- appends land in reserved rows past the snapshot's landed rows, moves copy to
-the head and only relabel the old rows, and a row is overwritten only after its position was evicted,
-which first moves the tail past it (the same invariant lock-free readers rely on, service/buffers/ring.py).
-So a chunk is clean unless the tail, read under the lock with the chunk, has passed one of the snapshot's
-live positions stored in the chunk's rows. If it has (the ring turned over during the checkpoint), the
-snapshot is taken again; the last of SNAPSHOT_ATTEMPTS attempts copies every column under one hold of the
-lock (a memory copy, no disk I/O under the lock). Rollout buffers are copied whole under their lock (a
-memory copy; minibatches and pushes wait for it) and written afterwards.
+Consistency while serving. Each buffer is a consistent snapshot of itself (buffers are snapshotted one after
+the other, not at one instant together). Episodic buffers: under the buffer's lock, everything but the field
+columns is copied at once (state, row bounds, extent table, sampler and remover arrays, open extents,
+counters, limiter and dedup state: O(capacity) small integers). The field columns (and the compressed fields'
+per-row frame offsets and lengths), the bulk, are then copied in chunks of rows (`chunk_bytes`), and the
+compressed fields' arenas in chunks of bytes, taking the lock per chunk only, so samples and inserts run
+between chunks. A chunk copied later is still the snapshot's data: the writer never changes the row of a live
+position (>= the tail) -- appends land in reserved rows past the snapshot's landed rows, moves copy to the
+head and only relabel the old rows, and a row is overwritten only after its position was evicted, which first
+moves the tail past it (the same invariant lock-free readers rely on, service/buffers/ring.py). So a chunk is
+clean unless the tail, read under the lock with the chunk, has passed one of the snapshot's live positions
+stored in the chunk's rows. Arenas alike: the bytes of a live position's frame never change, frames are
+written only at the arena's head, after the extents whose frames those bytes held were evicted
+(service/buffers/arena.py); an arena chunk is clean unless the head, read under the lock with the chunk, has
+moved over bytes of the snapshot's live frames stored in it. If a chunk is not clean (the ring turned over
+during the checkpoint), the snapshot is taken again; the last of SNAPSHOT_ATTEMPTS attempts copies every
+column under one hold of the lock (a memory copy, no disk I/O under the lock). Rollout buffers are copied
+whole under their lock (a memory copy; minibatches and pushes wait for it) and written afterwards.
 
 Restore recreates each buffer with its configuration, checks that the arrays this code builds for it match
 the checkpoint's (name, dtype, shape) and refuses the checkpoint naming the buffer and array otherwise,
@@ -51,14 +55,16 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from service.buffers.arena import ARENA_HEAD, Arena
 from service.buffers.episodic import EpisodicBuffer
-from service.buffers.ring import HEAD, TAIL_POS
+from service.buffers.ring import HEAD, NEXT_SEQ, TAIL_POS, TAIL_SEQ
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.errors import FailedPrecondition, NotFound, ReplayError, Unavailable
 from service.registry import BufferRegistry
@@ -66,7 +72,7 @@ from service.registry import BufferRegistry
 log = logging.getLogger("replayd")
 
 FORMAT = "replayd-checkpoint"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # of the manifest: each field a dict of all its attributes; compressed fields in arenas
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 CHUNK_BYTES = 64 * 2**20
@@ -154,47 +160,92 @@ def _ring_rows_overlap(lo: int, hi: int, row_lo: int, row_hi: int, capacity: int
     return any(x < row_hi and row_lo < y for x, y in pieces)
 
 
+@dataclass(frozen=True)
+class _Region:
+    """Arrays of a buffer copied in chunks along their first axis: ring rows (the columns and per-row frame
+    tables), or an arena's bytes. `damaged()`, read under the lock, is the absolute range [lo, hi) of the
+    snapshot's live units that writes since the snapshot may have overwritten."""
+
+    names: tuple[str, ...]
+    length: int  # units of the first axis (ring rows, arena bytes)
+    per_chunk: int
+    damaged: Callable[[], tuple[int, int]]
+
+
+def _regions(buffer: EpisodicBuffer, chunk_bytes: int) -> list[_Region]:
+    """The bulk of an episodic buffer (call with its lock held: the snapshot's bounds are read here). Live rows
+    are the positions [tail, head) of the snapshot; an arena's live bytes lie in [first frame of the tail
+    extent, arena head). A write overwrites a live unit only after the tail moved past it (the invariant
+    lock-free readers rely on, service/buffers/ring.py): rows below the tail now, arena bytes below its head
+    now less its size."""
+    ring, capacity = buffer.ring, buffer.capacity
+    arrays = buffer.storage.arrays
+    tail, head = int(ring.state[TAIL_POS]), int(ring.state[HEAD])
+    rows = tuple(f"field.{name}" for name in ring.columns) + tuple(
+        f"field.{name}.{part}" for name in ring.arenas for part in ("offset", "length"))
+    row_bytes = sum(arrays[name][:1].nbytes for name in rows)
+    regions = [_Region(rows, capacity, max(1, chunk_bytes // max(1, row_bytes)),
+                       lambda: (tail, min(int(ring.state[TAIL_POS]), head)))]
+    live = int(ring.state[TAIL_SEQ]) < int(ring.state[NEXT_SEQ])
+    first_row = int(ring.extent_start[int(ring.state[TAIL_SEQ]) % ring.extent_slots]) % capacity
+    for name, arena in ring.arenas.items():
+        arena_head = int(arena.state[ARENA_HEAD])
+        arena_tail = int(arena.offset[first_row]) if live else arena_head
+
+        def damaged(arena: Arena = arena, arena_head: int = arena_head, arena_tail: int = arena_tail
+                    ) -> tuple[int, int]:
+            return max(arena_tail, arena_head - arena.size), min(arena_head, int(arena.state[ARENA_HEAD]) - arena.size)
+
+        regions.append(_Region((f"field.{name}.arena",), arena.size, chunk_bytes, damaged))
+    return regions
+
+
+def _write_regions(buffer: EpisodicBuffer, directory: Path, regions: list[_Region],
+                   on_chunk: Callable[[], None] | None) -> tuple[dict[str, int], bool]:
+    """Writes each region chunk by chunk, the lock held per chunk; (CRC-32s, whether a chunk was found torn)."""
+    arrays = buffer.storage.arrays
+    with buffer.live():  # the layout is read under the lock: a delete racing the chunks empties `arrays`
+        dtypes = {name: arrays[name].dtype for region in regions for name in region.names}
+    outputs = {name: _ArrayFile(directory / f"{name}.arrow", name, dtype) for name, dtype in dtypes.items()}
+    try:
+        for region in regions:
+            for lo in range(0, region.length, region.per_chunk):
+                hi = min(region.length, lo + region.per_chunk)
+                with buffer.live():
+                    chunk = {name: arrays[name][lo:hi].copy() for name in region.names}
+                    damaged = region.damaged()
+                if _ring_rows_overlap(*damaged, lo, hi, region.length):
+                    return {name: out.crc32 for name, out in outputs.items()}, True
+                for name, values in chunk.items():
+                    outputs[name].write(values)
+                if on_chunk is not None:
+                    on_chunk()
+    finally:
+        for out in outputs.values():
+            out.close()
+    return {name: out.crc32 for name, out in outputs.items()}, False
+
+
 def _write_episodic(buffer: EpisodicBuffer, directory: Path, chunk_bytes: int,
                     on_chunk: Callable[[], None] | None) -> dict[str, Any]:
     arrays = buffer.storage.arrays
     config = buffer.config()
-    field_names = [f"field.{f.name}" for f in buffer.fields]
-    capacity = buffer.capacity
-    rows_per_chunk = max(1, chunk_bytes // max(1, buffer.row_bytes))
     for attempt in range(1, SNAPSHOT_ATTEMPTS + 1):
         whole = attempt == SNAPSHOT_ATTEMPTS
         with buffer.live():
             # The layout is read under the lock: a delete racing the chunks below empties `arrays`.
             entries = _array_entries(arrays)
-            dtypes = {name: arrays[name].dtype for name in field_names}
-            small = {name: array.copy() for name, array in arrays.items() if name not in field_names}
+            regions = _regions(buffer, chunk_bytes)
+            bulk = {name for region in regions for name in region.names}
+            small = {name: array.copy() for name, array in arrays.items() if name not in bulk}
             state = buffer.python_state()
-            tail, head = int(arrays["state"][TAIL_POS]), int(arrays["state"][HEAD])
-            columns = {name: arrays[name].copy() for name in field_names} if whole else None
+            copies = {name: arrays[name].copy() for name in bulk} if whole else None
         crc32 = _write_whole(directory, small)
-        if columns is not None:  # last attempt: everything was copied under one hold of the lock
-            crc32.update(_write_whole(directory, columns))
+        if copies is not None:  # last attempt: everything was copied under one hold of the lock
+            crc32.update(_write_whole(directory, copies))
             break
-        outputs = {name: _ArrayFile(directory / f"{name}.arrow", name, dtypes[name]) for name in field_names}
-        torn = False
-        try:
-            for row_lo in range(0, capacity, rows_per_chunk):
-                row_hi = min(capacity, row_lo + rows_per_chunk)
-                with buffer.live():
-                    chunk = {name: arrays[name][row_lo:row_hi].copy() for name in field_names}
-                    tail_now = int(arrays["state"][TAIL_POS])
-                # Live positions of the snapshot are [tail, head); those below tail_now may have been overwritten.
-                if _ring_rows_overlap(tail, min(tail_now, head), row_lo, row_hi, capacity):
-                    torn = True
-                    break
-                for name, values in chunk.items():
-                    outputs[name].write(values)
-                if on_chunk is not None:
-                    on_chunk()
-        finally:
-            for out in outputs.values():
-                out.close()
-        crc32.update({name: out.crc32 for name, out in outputs.items()})
+        written, torn = _write_regions(buffer, directory, regions, on_chunk)
+        crc32.update(written)
         if not torn:
             break
         log.info("checkpoint of buffer %r raced with evictions (attempt %d); taking the snapshot again",

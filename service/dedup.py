@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.errors import InvalidArgument
+from service.wire.frame_fields import CompressedFrames
 
 if TYPE_CHECKING:
     from service.buffers.planner import Spans
@@ -151,8 +152,8 @@ class SpanDedup:
             recent.popitem(last=False)
 
 
-def select(columns: Mapping[str, np.ndarray], spans: Spans, offsets: np.ndarray,
-           keep: np.ndarray) -> tuple[dict[str, np.ndarray], Spans, np.ndarray]:
+def select(columns: Mapping[str, np.ndarray | CompressedFrames], spans: Spans, offsets: np.ndarray,
+           keep: np.ndarray) -> tuple[dict[str, np.ndarray | CompressedFrames], Spans, np.ndarray]:
     """The kept spans, their rows of `columns`, and their offsets (no copy when every span is kept)."""
     if keep.all():
         return dict(columns), spans, offsets
@@ -160,4 +161,5 @@ def select(columns: Mapping[str, np.ndarray], spans: Spans, offsets: np.ndarray,
     kept = replace(spans, episode_ids=spans.episode_ids[keep], rows=spans.rows[keep], begins=spans.begins[keep],
                    ends=spans.ends[keep], terminated=spans.terminated[keep],
                    offsets=None if spans.offsets is None else np.asarray(spans.offsets)[keep])
-    return {name: np.asarray(column)[rows] for name, column in columns.items()}, kept, offsets[keep]
+    return ({name: column[rows] if isinstance(column, CompressedFrames) else np.asarray(column)[rows]
+             for name, column in columns.items()}, kept, offsets[keep])

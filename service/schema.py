@@ -6,12 +6,14 @@ import math
 import operator
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from service.errors import InvalidArgument
 from service.wire.codec import CodecError, check_dtype
+from service.wire.frame_fields import CompressedFrames, check_frames, stacked_shape
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # No underscore: segments are named rpd_<instance>_<buffer>, and buffer names may contain one, so an
@@ -32,16 +34,55 @@ MAX_ROW_BYTES = 2**30
 
 @dataclass(frozen=True)
 class Field:
-    """One stored column: `shape` excludes the row axis. Observation fields have a row per state."""
+    """One stored column: `shape` excludes the row axis. Observation fields have a row per state.
+
+    A field stacked `stack` deep stores one frame (`shape`) per row and is sampled as its frames of rows
+    t-k+1 .. t of one episode, stacked on `stack_axis` of the batch's row; a compressed one ("zstd" at
+    `compression_level`, or "lz4") stores each frame compressed (service/wire/frame_fields.py).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...] = ()
     observation: bool = False
+    stack: int = 1
+    stack_axis: int = -1
+    compression: str | None = None
+    compression_level: int | None = None
 
     @property
     def row_bytes(self) -> int:
+        """Bytes of one stored row (one frame)."""
         return np.dtype(self.dtype).itemsize * math.prod(int(d) for d in self.shape)
+
+    @property
+    def framed(self) -> bool:
+        """Whether sampling assembles this field from stored frames (the batch modes' kernels gather only the
+        others; a pass after them stacks these: service/buffers/stacking.py)."""
+        return self.stack > 1 or self.compressed
+
+    @property
+    def compressed(self) -> bool:
+        """Whether this field's frames are stored compressed (in a byte arena of the ring, not a column)."""
+        return self.compression is not None
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The row shape of this field in a batch: its frames stacked."""
+        return stacked_shape(self.shape, self.stack, self.stack_axis)
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one row of this field in a batch."""
+        return self.row_bytes * self.stack
+
+    def to_config(self) -> dict[str, Any]:
+        """Every attribute, as JSON: the encoding of the shared-memory header and of checkpoints."""
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Field:
+        return cls(**{**config, "shape": tuple(config["shape"])})
 
 
 def check_buffer_name(name: str) -> str:
@@ -99,21 +140,30 @@ def check_fields(fields: Iterable[Field], reserved: frozenset[str] = RESERVED_NA
             dtype = check_dtype(field.name, field.dtype).name
         except CodecError as exc:
             raise InvalidArgument(str(exc)) from exc
-        checked.append(replace(field, dtype=dtype, shape=check_shape(field.name, dtype, field.shape)))
+        shape = check_shape(field.name, dtype, field.shape)
+        stack, stack_axis, compression, level = check_frames(f"field {field.name!r}", field.stack, field.stack_axis,
+                                                             field.observation, field.compression,
+                                                             field.compression_level)
+        checked.append(replace(field, dtype=dtype, shape=shape, stack=stack, stack_axis=stack_axis,
+                               compression=compression, compression_level=level))
     return tuple(checked)
 
 
-def check_columns(fields: tuple[Field, ...], columns: Mapping[str, np.ndarray], what: str) -> int:
-    """Checks that `columns` holds exactly the declared fields with equal row counts; returns the row count."""
+def check_columns(fields: tuple[Field, ...], columns: Mapping[str, np.ndarray | CompressedFrames], what: str) -> int:
+    """Checks that `columns` holds exactly the declared fields with equal row counts, the compressed fields as
+    frames that each decompress to the field's frame size; returns the row count."""
     declared = {field.name for field in fields}
     extra = sorted(set(columns) - declared)
     if extra:
         raise InvalidArgument(f"{what}: unknown field(s) {extra}; the buffer declares {sorted(declared)}")
     rows = None
-    for field in fields:
+    for field in sorted(fields, key=lambda f: f.compressed):  # the cheap checks first
         if field.name not in columns:
             raise InvalidArgument(f"{what}: field {field.name!r} is missing")
         column = columns[field.name]
+        if field.compressed or isinstance(column, CompressedFrames):
+            rows = _check_frames(field, column, rows, what)
+            continue
         if column.dtype != np.dtype(field.dtype):
             got = column.dtype.name if column.dtype.isnative else f"{column.dtype.name} in non-native byte order"
             raise InvalidArgument(f"{what}: field {field.name!r} expected dtype {field.dtype}, got {got}")
@@ -126,3 +176,16 @@ def check_columns(fields: tuple[Field, ...], columns: Mapping[str, np.ndarray], 
         elif len(column) != rows:
             raise InvalidArgument(f"{what}: field {field.name!r} has {len(column)} rows, other fields have {rows}")
     return int(rows or 0)
+
+
+def _check_frames(field: Field, column: np.ndarray | CompressedFrames, rows: int | None, what: str) -> int:
+    """The rows of a compressed field's frames (checked: service/wire/frame_fields.py), or InvalidArgument for a
+    field sent in the other form than it is stored in."""
+    if not field.compressed:
+        raise InvalidArgument(f"{what}: field {field.name!r} is not compressed: expected an Arrow column, got "
+                              "compressed frames")
+    if not isinstance(column, CompressedFrames):
+        raise InvalidArgument(f"{what}: field {field.name!r} is compressed ({field.compression}): expected its "
+                              "frames compressed one by one (InsertRequest.frames), got a column")
+    column.check(field.name, field.compression, field.row_bytes, len(column) if rows is None else rows)
+    return len(column)

@@ -218,7 +218,7 @@ def test_incompatible_checkpoints_are_refused(tmp_path: Path) -> None:
         with pytest.raises(FailedPrecondition, match="layout_version 99, this code reads"):
             restore_checkpoint(tmp_path, other)
         bad = json.loads(json.dumps(manifest))
-        bad["buffers"][0]["config"]["fields"][0][2] = [5]  # obs (3,) -> (5,): the code builds another array
+        bad["buffers"][0]["config"]["fields"][0]["shape"] = [5]  # obs (3,) -> (5,): the code builds another array
         path.write_text(json.dumps(bad))
         with pytest.raises(FailedPrecondition, match=r"buffer 'b': array 'field.obs' is float32 \[100, 3\] in the "
                                                      r"checkpoint, but this code builds float32 \[100, 5\]"):

@@ -355,9 +355,10 @@ def test_buffer_detail_shows_configuration_rate_limiter_and_priorities(http_serv
     assert config["remover"] == {"kind": "fifo"}
     assert config["rate_limiter"] == {"kind": "sample_to_insert_ratio", "samples_per_insert": 4.0,
                                       "min_size_to_sample": 5, "error_buffer": 100.0}
-    assert config["fields"] == [{"name": "obs", "dtype": "float32", "shape": [4], "observation": True},
-                                {"name": "action", "dtype": "int64", "shape": [], "observation": False},
-                                {"name": "reward", "dtype": "float32", "shape": [], "observation": False}]
+    plain = {"stack": 1, "stack_axis": -1, "compression": None, "compression_level": None}
+    assert config["fields"] == [{"name": "obs", "dtype": "float32", "shape": [4], "observation": True, **plain},
+                                {"name": "action", "dtype": "int64", "shape": [], "observation": False, **plain},
+                                {"name": "reward", "dtype": "float32", "shape": [], "observation": False, **plain}]
     assert detail["rate_limiter"] == {side: {"waiting": 0.0, "waits": 0.0, "wait_seconds": 0.0}
                                       for side in ("insert", "sample")}
     priorities = detail["priorities"]

@@ -40,24 +40,24 @@ def test_the_using_it_examples_run(server: ReplayServer) -> None:
     rng = np.random.default_rng(0)
     steps = 10
     namespace = {
-        "obs": rng.integers(0, 256, (steps + 1, 84, 84, 4), dtype=np.uint8),
+        "obs": rng.integers(0, 256, (steps + 1, 84, 84), dtype=np.uint8),  # one frame per state
         "action": rng.integers(0, 4, steps),
         "reward": rng.random(steps, dtype=np.float32),
-        "o": rng.integers(0, 256, (84, 84, 4), dtype=np.uint8),
+        "o": rng.integers(0, 256, (4, 84, 84), dtype=np.uint8),  # a frame-stacking wrapper's observation
         "a": 1,
         "r": 0.5,
-        "final_obs": rng.integers(0, 256, (84, 84, 4), dtype=np.uint8),
+        "final_obs": rng.integers(0, 256, (84, 84), dtype=np.uint8),
         "cartpole_episode": {"obs": rng.random((21, 4), dtype=np.float32), "action": rng.integers(0, 2, 20),
                              "reward": np.ones(20, dtype=np.float32)},
     }
     try:
         exec(compile(actor_side, "README: Using it", "exec"), namespace)
         batch, pairs, streamed = namespace["batch"], namespace["pairs"], namespace["streamed"]
-        assert batch["obs"].shape == (32, 84, 84, 4)
-        assert batch["bootstrap_obs"].shape == (32, 84, 84, 4)
-        assert pairs["future_obs"].shape == (256, 84, 84, 4)
+        assert batch["obs"].shape == (32, 4, 84, 84)  # the frames stacked at sample time
+        assert batch["bootstrap_obs"].shape == (32, 4, 84, 84)
+        assert pairs["future_obs"].shape == (256, 4, 84, 84)
         assert (pairs["offset"] >= 1).all()
-        assert streamed["next_obs"].shape == (32, 84, 84, 4)
+        assert streamed["next_obs"].shape == (32, 4, 84, 84)
         # the writer's one-step episode landed beside the inserted one
         assert namespace["rc"].describe("atari")["episodes"] == 2
 

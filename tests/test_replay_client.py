@@ -31,6 +31,7 @@ from service.wire.components import (
     Transitions,
     Uniform,
 )
+from service.wire.frames import SampledMessage
 from tests.conftest import rpc_status
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
@@ -161,7 +162,7 @@ def test_the_sample_call_gets_what_is_left_of_the_timeout_after_describing(monke
 
     def sample(request, timeout=None):
         given.append(timeout)
-        return codec.encode({"x": np.zeros(1, np.float32)})
+        return SampledMessage(memoryview(codec.encode({"x": np.zeros(1, np.float32)})))
 
     with ReplayClient("127.0.0.1:1", timeout=1) as replay_client:
         monkeypatch.setattr(replay_client, "describe", slow_describe)

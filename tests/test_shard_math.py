@@ -163,7 +163,8 @@ def description(address: str, steps: int, counters: dict[str, float], limiter: M
     return address, {"name": "b", "kind": "episodic", "fields": {"obs": ("float32", (2,), True)},
                      "sampler": Prioritized(0.6), "remover": None, "rate_limiter": limiter, "bytes": 10 * steps,
                      "stored_steps": steps, "sampleable_steps": steps - 1, "episodes": 1, "capacity_steps": 100,
-                     "missing_steps": 0, "counters": counters, "shm_name": f"rpd_{address}_b", "host": address,
+                     "capacity_bytes": 0, "frames": {}, "missing_steps": 0, "counters": counters,
+                     "shm_name": f"rpd_{address}_b", "host": address,
                      "sample_endpoints": []}
 
 
@@ -180,6 +181,15 @@ def test_descriptions_merge_into_totals_and_a_list_of_shards() -> None:
     assert merged["rate_limiter"] == MinSize(4)
     assert [shard["address"] for shard in merged["shards"]] == ["a:1", "b:1"]
     assert merged["shards"][1]["stored_steps"] == 21 and merged["shm_name"] == ""
+
+
+def test_a_compressed_fields_ratio_is_over_every_shards_stored_frames() -> None:
+    merged = merge_descriptions([
+        description("a:1", 11, {"frames.obs.stored_bytes": 100.0, "frames.obs.compression_ratio": 40.0}),
+        description("b:1", 21, {"frames.obs.stored_bytes": 300.0, "frames.obs.compression_ratio": 20.0}),
+    ])
+    assert merged["counters"]["frames.obs.stored_bytes"] == 400.0
+    assert merged["counters"]["frames.obs.compression_ratio"] == (40 * 100 + 20 * 300) / 400
 
 
 def test_shards_holding_a_buffer_made_otherwise_are_named() -> None:

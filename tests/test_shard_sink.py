@@ -81,7 +81,7 @@ class FakeShardedClient:
         self.sink = sink
 
     def describe(self, buffer: str) -> dict[str, Any]:
-        return {"fields": {"obs": ("float32", (2,), True), "reward": ("float32", (), False)}}
+        return {"fields": {"obs": ("float32", (2,), True), "reward": ("float32", (), False)}, "frames": {}}
 
     def span_sink(self, buffer: str) -> ShardedSink:
         return self.sink

@@ -170,3 +170,31 @@ def test_a_name_resolves_to_every_address_it_has() -> None:
     assert set(resolve(f"localhost:{port}")) == expected
     with pytest.raises(ValueError, match="expected host:port"):
         resolve("localhost")
+
+
+def test_compressed_stacked_frames_on_every_shard(client: ShardedReplayClient) -> None:
+    """A buffer of compressed frames stacked at sample time, sized by bytes on every shard: a writer's episodes and
+    a merged batch decompressed by the client name their own episode and steps, and the ratio is over all shards."""
+    from client import EpisodeWriter, Frames
+    from tests.test_compressed_frames import FRAME, frame_of, named
+
+    schema = {"obs": ("uint8", FRAME, Frames(stack=4, stack_axis=0, compression="zstd")), "t": ("int64", ()),
+              "reward": ("float32", ())}
+    info = client.create_buffer("pix", 3000, schema, capacity_bytes=3 * 400_000)
+    try:
+        assert info["capacity_bytes"] == 3 * 400_000 and info["frames"]["obs"].compression == "zstd"
+        with EpisodeWriter(client, "pix", chunk_rows=16) as writer:
+            for episode in range(30):
+                for t in range(20):
+                    writer.append(obs=frame_of(episode, t), t=t, reward=1.0)
+                writer.end_episode(terminated=True, obs=frame_of(episode, 20))
+        for decompress in ("server", "client"):
+            batch = client.sample("pix", 64, Transitions(), decompress=decompress)
+            _, steps = named(batch["obs"].reshape(-1, *FRAME))
+            np.testing.assert_array_equal(steps.reshape(64, 4), np.maximum(batch["t"][:, None] + np.arange(-3, 1), 0))
+        counters = client.describe("pix")["counters"]
+        shards = [shard["counters"] for shard in client.describe("pix")["shards"]]
+        raw = sum(c["frames.obs.compression_ratio"] * c["frames.obs.stored_bytes"] for c in shards)
+        assert counters["frames.obs.compression_ratio"] == pytest.approx(raw / counters["frames.obs.stored_bytes"])
+    finally:
+        client.delete_buffer("pix")

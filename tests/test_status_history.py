@@ -71,7 +71,7 @@ def test_each_sample_holds_rates_ratio_latency_and_bytes(server: ReplayServer, c
     assert cp["inserts_per_s"][1] == 0 and cp["samples_per_s"][1] == 0
     assert cp["insert_p50"][1] is None and cp["sample_p99"][1] is None
     assert cp["replay_ratio"][1] == 16 / 11
-    assert cp["t"][1] > cp["t"][0]
+    assert cp["t"][1] >= cp["t"][0]  # wall time, which two samples within its resolution share
 
 
 def test_the_ring_keeps_ten_minutes_and_the_ratio_ten_seconds(server: ReplayServer, client: ReplayClient) -> None:

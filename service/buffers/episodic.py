@@ -15,6 +15,7 @@ release; the buffer wakes it after every insert and after every sample a limiter
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -25,11 +26,23 @@ from typing import Any
 import numpy as np
 
 from service import components
+from service.buffers.arena import ARENA_HEAD, ARENA_STORED, arena_sizes, arena_specs, rows_from_bytes, sizes_from_rows
 from service.buffers.lifetime import Lifetime, LiveBuffer
-from service.buffers.planner import Extent, Op, RingSnapshot, Spans, check_spans, plan_insert
+from service.buffers.planner import (
+    ArenaSnapshot,
+    Extent,
+    FrameLengths,
+    Op,
+    RingSnapshot,
+    Spans,
+    check_frames_fit,
+    check_spans,
+    plan_insert,
+)
 from service.buffers.reader import RingReader, shared_sampling
 from service.buffers.repair import repair
 from service.buffers.ring import HOLE, NEXT_SEQ, SAMPLEABLE, STATE_SIZE, EpisodicRing, shm_name
+from service.buffers.stacking import Shipped
 from service.buffers.writer import RingWriter
 from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
 from service.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ShortOfDraws
@@ -41,7 +54,8 @@ from service.samplers.base import Sampler
 from service.samplers.draw import Draw
 from service.samplers.uniform import UniformSampler
 from service.schema import Field, check_buffer_name, check_columns, check_fields
-from service.storage.shared_arrays import ArraySpec, SharedArrays
+from service.storage.shared_arrays import ALIGN, ArraySpec, SharedArrays
+from service.wire.frame_fields import CompressedFrames, compress_bound
 from service.worker_seats import WorkerSeats
 
 
@@ -55,10 +69,12 @@ def call_ended(ended: threading.Event | None) -> bool:
     return ended is not None and ended.is_set()
 
 
-def ring_specs(fields: tuple[Field, ...], capacity: int) -> list[ArraySpec]:
-    """The ring's own arrays: field columns, row bounds, the extent table and the state counters."""
+def ring_specs(fields: tuple[Field, ...], capacity: int, arena_sizes: list[int]) -> list[ArraySpec]:
+    """The ring's own arrays: field columns (the compressed fields' arenas instead), row bounds, the extent table
+    and the state counters."""
     extent_slots = capacity // 2 + 2  # every extent spans >= 2 positions
-    return [ArraySpec(f"field.{f.name}", f.dtype, (capacity, *f.shape)) for f in fields] + [
+    columns = [ArraySpec(f"field.{f.name}", f.dtype, (capacity, *f.shape)) for f in fields if not f.compressed]
+    return columns + arena_specs(fields, capacity, arena_sizes) + [
         ArraySpec("row.end", "int64", (capacity,)),
         ArraySpec("row.seq", "int64", (capacity,)),
         ArraySpec("extent.episode_id", "uint64", (extent_slots,)),
@@ -67,6 +83,41 @@ def ring_specs(fields: tuple[Field, ...], capacity: int) -> list[ArraySpec]:
         ArraySpec("extent.flags", "uint8", (extent_slots,)),
         ArraySpec("state", "int64", (STATE_SIZE,)),
     ]
+
+
+def _table_bytes(fields: tuple[Field, ...], capacity: int, sampler: Sampler, remover: Remover) -> int:
+    """Shared memory of every array of a buffer of `capacity` rows but the arenas' bytes (alignment included)."""
+    specs = ring_specs(fields, capacity, [0] * sum(f.compressed for f in fields))
+    return sum(spec.nbytes + ALIGN for spec in specs + sampler.array_specs(capacity) + remover.array_specs(capacity))
+
+
+def ring_layout(fields: tuple[Field, ...], capacity_steps: Any, capacity_bytes: Any, sampler: Sampler,
+                remover: Remover) -> tuple[int, list[int]]:
+    """(rows, arena sizes) of a buffer of `capacity_steps` rows and/or `capacity_bytes` of shared memory (0: not
+    given). Given bytes, the arenas take what the rows' tables leave; given rows alone, arenas hold frames that
+    compress ARENA_SIZING_RATIO times; given bytes alone, rows are sized by ROW_SIZING_RATIO (arena.py)."""
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int | np.integer) or capacity_bytes < 0:
+        raise InvalidArgument(f"capacity_bytes must be an integer >= 0 (0: sized by capacity_steps), got "
+                              f"{capacity_bytes!r}")
+    sized = isinstance(capacity_steps, int | np.integer) and not isinstance(capacity_steps, bool)
+    if not (sized and (capacity_steps >= 2 or capacity_steps == 0 < capacity_bytes)):
+        raise InvalidArgument(f"capacity_steps must be an integer >= 2 (or 0 with capacity_bytes > 0), got "
+                              f"{capacity_steps!r}")
+    capacity, budget = int(capacity_steps), int(capacity_bytes)
+    if budget == 0:
+        return capacity, sizes_from_rows(fields, capacity)
+    compressed = [f for f in fields if f.compressed]
+    least = sum(2 * compress_bound(f.compression, f.row_bytes) for f in compressed)
+    if capacity == 0:
+        per_row = _table_bytes(fields, 2**20, sampler, remover) / 2**20
+        capacity = rows_from_bytes(fields, budget, per_row)
+        while (excess := _table_bytes(fields, capacity, sampler, remover) + least - budget) > 0 and capacity > 2:
+            capacity = max(2, capacity - math.ceil(excess / per_row))  # the estimate missed fixed costs
+    left = budget - _table_bytes(fields, capacity, sampler, remover)
+    if left < least:
+        raise InvalidArgument(f"capacity_bytes={budget}: {capacity} rows take {budget - left} bytes, which leaves "
+                              f"{left} for the compressed fields' frames, expected >= {least} (two frames each)")
+    return capacity, arena_sizes(fields, left) if compressed else []
 
 
 def check_goal_fields(fields: tuple[Field, ...], goal_fields: tuple[str, str] | None) -> tuple[str, str] | None:
@@ -82,6 +133,10 @@ def check_goal_fields(fields: tuple[Field, ...], goal_fields: tuple[str, str] | 
             raise InvalidArgument(f"goal_fields: the {role} goal {name!r} is not an observation field of the schema "
                                   f"(observation fields: {sorted(f.name for f in fields if f.observation)})")
     achieved, desired = (by_name[name] for name in goal_fields)
+    for goal in (achieved, desired):
+        if goal.framed:  # the relabeling kernel copies one stored goal row per transition
+            raise InvalidArgument(f"goal_fields: goal field {goal.name!r} has stack={goal.stack} and compression="
+                                  f"{goal.compression!r}; goals are plain observation fields (stack 1, no compression)")
     if (achieved.dtype, achieved.shape) != (desired.dtype, desired.shape):
         raise InvalidArgument(f"goal_fields: expected one dtype and shape, got {achieved.name} "
                               f"{achieved.dtype}{list(achieved.shape)} and {desired.name} "
@@ -89,11 +144,9 @@ def check_goal_fields(fields: tuple[Field, ...], goal_fields: tuple[str, str] | 
     return (achieved.name, desired.name)
 
 
-def check_schema(fields: tuple[Field, ...], capacity_steps: Any, reward_field: str | None,
+def check_schema(fields: tuple[Field, ...], capacity_steps: int, reward_field: str | None,
                  limiter: RateLimiter) -> str | None:
     """Refuses a schema, capacity or limiter the buffer could not serve; returns the reward field."""
-    if not isinstance(capacity_steps, int | np.integer) or capacity_steps < 2:
-        raise InvalidArgument(f"capacity_steps must be an integer >= 2, got {capacity_steps!r}")
     if limiter.min_size_to_sample > capacity_steps - 1:
         raise InvalidArgument(
             f"rate_limiter.min_size_to_sample={limiter.min_size_to_sample} can never be reached: a buffer of "
@@ -133,16 +186,18 @@ class EpisodicBuffer(LiveBuffer):
         max_bytes: int | None = None,
         dedup_window: int = DEFAULT_WINDOW,
         goal_fields: tuple[str, str] | None = None,
+        capacity_bytes: int = 0,
     ) -> None:
         sampler, remover = sampler or UniformSampler(), remover or FifoRemover()
         limiter = limiter or MinSizeLimiter()
         fields = check_fields(fields)
-        reward_field = check_schema(fields, capacity_steps, reward_field, limiter)
+        capacity, arenas = ring_layout(fields, capacity_steps, capacity_bytes, sampler, remover)
+        reward_field = check_schema(fields, capacity, reward_field, limiter)
         goal_fields = check_goal_fields(fields, goal_fields)
-        capacity = int(capacity_steps)
         config = {
-            "fields": [[f.name, f.dtype, list(f.shape), f.observation] for f in fields],
+            "fields": [f.to_config() for f in fields],
             "capacity_steps": capacity,
+            "capacity_bytes": int(capacity_bytes),
             "reward_field": reward_field,
             "goal_fields": None if goal_fields is None else list(goal_fields),
             "sampler": sampler.to_config(),
@@ -154,7 +209,7 @@ class EpisodicBuffer(LiveBuffer):
         meta = {"kind": self.kind, "name": check_buffer_name(name), "capacity": capacity,
                 "reward_field": reward_field, "goal_fields": config["goal_fields"], "fields": config["fields"],
                 "config": config}
-        specs = ring_specs(fields, capacity) + sampler.array_specs(capacity) + remover.array_specs(capacity)
+        specs = ring_specs(fields, capacity, arenas) + sampler.array_specs(capacity) + remover.array_specs(capacity)
         storage = SharedArrays.create(shm_name(instance, name), specs, meta, max_bytes)
         remover.bind(storage.arrays)
         sampler.bind(storage.arrays)
@@ -166,6 +221,8 @@ class EpisodicBuffer(LiveBuffer):
                  dedup_window: int) -> None:
         self.ring = EpisodicRing(storage, remover.retired())
         self.name = self.ring.name
+        # The arenas' sizes (heads unused), known without reading shared memory.
+        self.arena_sizes = tuple(ArenaSnapshot(name, arena.size, 0) for name, arena in self.ring.arenas.items())
         self.sampler, self.remover, self.limiter = sampler, remover, limiter
         self.reader = RingReader(self.ring, sampler, limiter)
         self.counters: Counter[str] = Counter()
@@ -185,13 +242,14 @@ class EpisodicBuffer(LiveBuffer):
 
     @classmethod
     def from_config(cls, name: str, instance: str, config: dict, max_bytes: int | None = None) -> EpisodicBuffer:
-        fields = tuple(Field(f, dtype, tuple(shape), observation) for f, dtype, shape, observation in config["fields"])
+        fields = tuple(Field.from_config(field) for field in config["fields"])
         return cls(name, instance, fields, int(config["capacity_steps"]), reward_field=config["reward_field"],
                    sampler=components.from_config("sampler", config["sampler"]),
                    remover=components.from_config("remover", config["remover"]),
                    limiter=components.from_config("rate_limiter", config["rate_limiter"]), max_bytes=max_bytes,
                    dedup_window=int(config["dedup_window"]),
-                   goal_fields=None if config["goal_fields"] is None else tuple(config["goal_fields"]))
+                   goal_fields=None if config["goal_fields"] is None else tuple(config["goal_fields"]),
+                   capacity_bytes=int(config["capacity_bytes"]))
 
     @classmethod
     def recover(cls, header_name: str) -> EpisodicBuffer:
@@ -232,7 +290,8 @@ class EpisodicBuffer(LiveBuffer):
         """The writer's state that lives outside shared memory (call with `lock` held): open episodes'
         reservations, counters, limiter counts, dedup memory. Checkpoints store it beside the arrays."""
         return {
-            "open": [[e.episode_id, e.seq, e.start, e.last, e.reserved_end] for e in self.writer.open.values()],
+            "open": [[e.episode_id, e.seq, e.start, e.last, e.reserved_end, list(e.arena_first), list(e.arena_bytes)]
+                     for e in self.writer.open.values()],
             "counters": dict(self.counters),
             "remover_counters": dict(self.remover.counters),
             "limiter": self.limiter.snapshot(),
@@ -240,7 +299,8 @@ class EpisodicBuffer(LiveBuffer):
         }
 
     def restore_python_state(self, state: dict) -> None:
-        self.writer.open = {int(e[0]): Extent(*(int(v) for v in e)) for e in state["open"]}
+        self.writer.open = {int(e[0]): Extent(*(int(v) for v in e[:5]), tuple(map(int, e[5])), tuple(map(int, e[6])))
+                            for e in state["open"]}
         self.counters.clear()
         self.counters.update(state["counters"])
         self.remover.counters = Counter(state["remover_counters"])
@@ -314,6 +374,17 @@ class EpisodicBuffer(LiveBuffer):
                 "open_episodes": self.open_episodes,
                 "counters": dict(self.counters),
             }
+
+    def frame_stats(self) -> dict[str, dict[str, float]]:
+        """Per compressed field (call inside `live()`): the bytes of its stored frames, its arena's size, and the
+        compression ratio of what is stored (raw frame bytes over stored bytes; 0 while nothing is stored)."""
+        stats = {}
+        for name, arena in self.ring.arenas.items():
+            stored = int(arena.state[ARENA_STORED])
+            raw = self.stored_steps * arena.field.row_bytes
+            stats[name] = {"stored_bytes": float(stored), "arena_bytes": float(arena.size),
+                           "compression_ratio": raw / stored if stored else 0.0}
+        return stats
 
     def component_counters(self) -> dict[str, float]:
         """The components' counters, prefixed by their role (call inside `live()`)."""
@@ -401,19 +472,22 @@ class EpisodicBuffer(LiveBuffer):
         """
         return self.insert_result(columns, spans, timeout).completed
 
-    def insert_result(self, columns: Mapping[str, np.ndarray], spans: Spans, timeout: float | None = None,
-                      ended: threading.Event | None = None) -> InsertResult:
+    def insert_result(self, columns: Mapping[str, np.ndarray | CompressedFrames], spans: Spans,
+                      timeout: float | None = None, ended: threading.Event | None = None) -> InsertResult:
         """`insert`, exactly once per span name (service/dedup.py): spans this buffer already stored are
-        acknowledged and counted in `duplicate_spans`, the others are stored all-or-nothing."""
+        acknowledged and counted in `duplicate_spans`, the others are stored all-or-nothing. Compressed fields
+        come as CompressedFrames (each frame checked here, before the lock is taken)."""
         rows = check_columns(self.fields, columns, "insert")
         check_spans(spans, rows, self.capacity)
+        # Arena sizes only: shared memory is read inside live() (a delete may unmap it before then).
+        check_frames_fit(self.arena_sizes, spans, self._frame_lengths(columns))
         offsets = span_offsets(spans)
         self._check_rewards(columns)
         completed = int(np.count_nonzero(spans.ends))
         with self.live():
             keep = self.dedup.screen(spans, offsets, self.writer_landed)
             if keep.any() and not self._insert_allowed():
-                self._plan(select(columns, spans, offsets, keep)[1], np.flatnonzero(keep))  # could it ever land?
+                self._plan(*select(columns, spans, offsets, keep)[:2], np.flatnonzero(keep))  # could it ever land?
                 self._await_insert(timeout, ended)
                 keep = self.dedup.screen(spans, offsets, self.writer_landed)  # the wait released the lock
             duplicates = len(keep) - int(np.count_nonzero(keep))
@@ -424,7 +498,7 @@ class EpisodicBuffer(LiveBuffer):
                 return InsertResult(completed, duplicates)
             kept = np.flatnonzero(keep)
             columns, spans, offsets = select(columns, spans, offsets, keep)
-            ops = self._plan(spans, kept)  # may refuse the request: nothing counted or written before this
+            ops = self._plan(columns, spans, kept)  # may refuse the request: nothing counted or written before this
             self._count_duplicates(duplicates, duplicate_rows)
             for op in ops:
                 self.writer.apply(op, columns, spans)
@@ -432,9 +506,22 @@ class EpisodicBuffer(LiveBuffer):
             self._count_insert(spans)
         return InsertResult(completed, duplicates)
 
-    def _plan(self, spans: Spans, request_index: np.ndarray) -> list[Op]:
-        snapshot = RingSnapshot(self.head, int(self.ring.state[NEXT_SEQ]), self.capacity)
-        return plan_insert(snapshot, self.writer.open, spans, request_index)
+    def _plan(self, columns: Mapping[str, np.ndarray | CompressedFrames], spans: Spans,
+              request_index: np.ndarray) -> list[Op]:
+        return plan_insert(self._snapshot(), self.writer.open, spans, request_index, self._frame_lengths(columns))
+
+    def _snapshot(self) -> RingSnapshot:
+        """The ring's metadata the planner reads (the arenas' heads, and their frame lengths for moves)."""
+        arenas = tuple(ArenaSnapshot(name, arena.size, int(arena.state[ARENA_HEAD]))
+                       for name, arena in self.ring.arenas.items())
+        return RingSnapshot(self.head, int(self.ring.state[NEXT_SEQ]), self.capacity, arenas, self._landed_lengths)
+
+    def _frame_lengths(self, columns: Mapping[str, np.ndarray | CompressedFrames]) -> FrameLengths:
+        return FrameLengths(tuple(columns[name].lengths for name in self.ring.arenas))
+
+    def _landed_lengths(self, start: int, count: int) -> tuple[np.ndarray, ...]:
+        rows = np.arange(start, start + count) % self.capacity
+        return tuple(arena.length[rows].astype(np.int64) for arena in self.ring.arenas.values())
 
     def _count_insert(self, spans: Spans) -> None:
         rows = int(spans.rows.sum())
@@ -478,8 +565,10 @@ class EpisodicBuffer(LiveBuffer):
 
     def sample(self, batch_size: int, mode: BatchMode, rng: np.random.Generator | None = None,
                include_keys: bool = False, wait_seconds: float | None = None,
-               importance_beta: float = 0.0, ended: threading.Event | None = None) -> dict[str, np.ndarray]:
-        """One batch: indices from the sampler, columns from the mode, gathered under the lock.
+               importance_beta: float = 0.0, ended: threading.Event | None = None,
+               shipped: list[Shipped] | None = None) -> dict[str, np.ndarray]:
+        """One batch: indices from the sampler, columns from the mode, gathered under the lock. `shipped`:
+        where compressed fields' frames go compressed (decompress="client": BatchMode.gather).
 
         With `wait_seconds`, an empty buffer (or a rate limiter that holds samples back, or steps with fewer
         draws left than the batch needs) is waited on (a condition, not a spin) for that long, or until
@@ -492,10 +581,11 @@ class EpisodicBuffer(LiveBuffer):
             while True:
                 self._await_sample(batch_size, deadline, wait_seconds, ended)
                 if not self.remover.retires:
-                    batch = self.reader.gather(batch_size, mode, rng, include_keys, importance_beta)[1]
+                    batch = self.reader.gather(batch_size, mode, rng, include_keys, importance_beta, shipped)[1]
                     break
                 try:
-                    batch = self._gather_within_draws_left(batch_size, mode, rng, include_keys, importance_beta)
+                    batch = self._gather_within_draws_left(batch_size, mode, rng, include_keys, importance_beta,
+                                                           shipped)
                     break
                 except ShortOfDraws:
                     if deadline is None:
@@ -529,7 +619,8 @@ class EpisodicBuffer(LiveBuffer):
             self.inserted.notify_all()
 
     def _gather_within_draws_left(self, batch_size: int, mode: BatchMode, rng: np.random.Generator,
-                                  include_keys: bool, importance_beta: float) -> dict[str, np.ndarray]:
+                                  include_keys: bool, importance_beta: float,
+                                  shipped: list[Shipped] | None) -> dict[str, np.ndarray]:
         """A batch of a buffer whose remover retires steps, drawn in rounds: each round's draws are counted
         as they are taken, and those past a step's draws left are drawn again, so that a step comes back
         at most as often as it has draws left, within the batch too. A batch its steps' draws left cannot
@@ -559,7 +650,7 @@ class EpisodicBuffer(LiveBuffer):
                 f"sample of buffer {self.name!r}: its steps have fewer draws left than batch_size={batch_size} "
                 f"({self.remover.to_config()}; {exc})"
             ) from None
-        return self.reader.batch_of(Draw.concatenate(parts), mode, rng, include_keys)
+        return self.reader.batch_of(Draw.concatenate(parts), mode, rng, include_keys, shipped)
 
     def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> tuple[int, int]:
         """(applied, ignored_stale): see PrioritizedSampler.update_priorities."""

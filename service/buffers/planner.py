@@ -8,15 +8,21 @@ Extents. Positions are handed out at the head in extents; each live episode owns
 (arriving in chunks) reserves room to grow in place; when it outgrows its extent it grows the room at the
 head, or moves to the head with twice the room (amortized O(1) copies per row), so every episode stays
 contiguous. When the head needs room, the oldest extents are evicted whole (writer.py).
+
+Frames. The frames of compressed fields are appended at their arenas' heads in position order (arena.py):
+each op's frames get their offsets here, and the bytes they take evict (FIFO, whole episodes) every extent
+whose first frame they would overwrite, as rows do. An episode or chunk larger than an arena, or an open
+episode that the request's bytes would overwrite, is refused here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from service.buffers.arena import fits, place
 from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 
@@ -48,6 +54,9 @@ class Extent:
     start: int
     last: int  # last landed row; start - 1 before the first row lands
     reserved_end: int  # exclusive
+    # Per compressed field (arena): the absolute offset of its first frame, and the bytes of its landed frames.
+    arena_first: tuple[int, ...] = ()
+    arena_bytes: tuple[int, ...] = ()
 
     @property
     def landed(self) -> int:
@@ -67,15 +76,57 @@ class Op:
     terminated: bool = False
     head_before: int = 0
     head_after: int = 0
+    # Per arena: the absolute offsets of the frames the op writes (a moved episode's landed frames first, then
+    # the request's), and the arena's head after them.
+    frame_offsets: tuple[np.ndarray, ...] = ()
+    arena_after: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ArenaSnapshot:
+    """A compressed field's arena as the planner reads it."""
+
+    name: str
+    size: int
+    head: int
 
 
 @dataclass(frozen=True)
 class RingSnapshot:
-    """What the planner reads of the ring: its head, its next extent number and its capacity."""
+    """What the planner reads of the ring: its head, its next extent number, its capacity, its arenas, and the
+    frame lengths of an open episode's landed rows (positions [start, start + count), per arena), which a move
+    appends again."""
 
     head: int
     next_seq: int
     capacity: int
+    arenas: tuple[ArenaSnapshot, ...] = ()
+    landed_lengths: Callable[[int, int], tuple[np.ndarray, ...]] | None = None
+
+
+@dataclass(frozen=True)
+class FrameLengths:
+    """A request's frame lengths: per arena, one per row of the request."""
+
+    lengths: tuple[np.ndarray, ...] = ()
+
+    def rows(self, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        return tuple(lengths[lo:hi] for lengths in self.lengths)
+
+
+def check_frames_fit(arenas: Sequence[ArenaSnapshot], spans: Spans, frames: FrameLengths) -> None:
+    """Refuses a span whose frames of some compressed field cannot fit its arena (with a frame's slack); reads
+    only the arenas' sizes."""
+    bounds = np.concatenate([[0], np.cumsum(spans.rows)])
+    for arena, lengths in zip(arenas, frames.lengths, strict=True):
+        for i in range(len(spans.rows)):
+            chunk = lengths[bounds[i]:bounds[i + 1]]
+            if not fits(chunk, arena.size):
+                what = "episode" if spans.begins[i] and spans.ends[i] else "chunk of episode"
+                raise InvalidArgument(
+                    f"insert: {what} {int(spans.episode_ids[i])}: its frames of field {arena.name!r} take "
+                    f"{int(chunk.sum())} bytes (and up to {int(chunk.max())} of slack), more than the field's arena "
+                    f"of {arena.size} bytes holds (capacity_bytes)")
 
 
 def check_spans(spans: Spans, rows: int, capacity: int) -> None:
@@ -136,42 +187,62 @@ class _Cursor:
     # less the capacity). Not the head's own bound: the head moves back when the head episode closes and
     # gives up unused room, and what an earlier op evicted stays evicted.
     evicted_below: int
+    arena_heads: list[int]
+    # Per arena: extents whose first frame lies below this are evicted once the ops so far apply.
+    arena_evicted_below: list[int]
     touched: dict[int, Extent] = field(default_factory=dict)  # episodes this request opened or went on with
     ended: dict[int, int] = field(default_factory=dict)  # episode id -> the span (as sent) that ended it
 
 
 def plan_insert(ring: RingSnapshot, open_episodes: Mapping[int, Extent], spans: Spans,
-                request_index: np.ndarray) -> list[Op]:
-    """The ops that store `spans` (checked by check_spans); raises before anything is written.
-    `request_index`: each span's index in the request as sent (duplicates were dropped), for the messages.
+                request_index: np.ndarray, frames: FrameLengths = FrameLengths()) -> list[Op]:
+    """The ops that store `spans` (checked by check_spans and check_frames_fit); raises before anything is
+    written. `request_index`: each span's index in the request as sent (duplicates were dropped), for the
+    messages. `frames`: the lengths of the request's compressed frames.
 
     Ops apply in order, each evicting what it needs first: a later op may evict an episode an earlier one
-    wrote, as two requests would. Only a single write may not outgrow the ring, so a run of whole episodes
-    is written in blocks of at most capacity rows.
+    wrote, as two requests would. Only a single write may not outgrow the ring (or an arena), so a run of whole
+    episodes is written in blocks of at most capacity rows (and arena bytes).
     """
-    cursor = _Cursor(ring.head, ring.next_seq, ring.head - ring.capacity)
+    cursor = _Cursor(ring.head, ring.next_seq, ring.head - ring.capacity, [a.head for a in ring.arenas],
+                     [a.head - a.size for a in ring.arenas])
     whole = spans.begins & spans.ends
     row_offsets = np.concatenate([[0], np.cumsum(spans.rows)])
     ops: list[Op] = []
     i, count = 0, len(spans.rows)
     while i < count:
         if whole[i]:
-            j = i + 1  # one episode fits (check_spans)
-            while j < count and whole[j] and row_offsets[j + 1] - row_offsets[i] <= ring.capacity:
+            j = i + 1  # one episode fits (check_spans, check_frames_fit)
+            while (j < count and whole[j] and row_offsets[j + 1] - row_offsets[i] <= ring.capacity
+                   and (not ring.arenas or all(fits(lengths, arena.size) for arena, lengths in zip(
+                       ring.arenas, frames.rows(int(row_offsets[i]), int(row_offsets[j + 1])), strict=True)))):
                 j += 1
-            ops.append(_block(cursor, ring, i, j, row_offsets))
+            ops.append(_block(cursor, ring, i, j, row_offsets, frames))
             i = j
         else:
-            ops.append(_chunk(cursor, ring, open_episodes, spans, i, int(request_index[i]), row_offsets))
+            ops.append(_chunk(cursor, ring, open_episodes, spans, i, int(request_index[i]), row_offsets, frames))
             i += 1
     return ops
 
 
-def _block(cursor: _Cursor, ring: RingSnapshot, i: int, j: int, row_offsets: np.ndarray) -> Op:
+def _place(cursor: _Cursor, ring: RingSnapshot, op: Op, lengths: tuple[np.ndarray, ...]) -> None:
+    """Gives the op's frames (per arena) their offsets at the arenas' heads, and moves the heads past them."""
+    offsets, after = [], []
+    for a, (arena, frame_lengths) in enumerate(zip(ring.arenas, lengths, strict=True)):
+        placed, head = place(cursor.arena_heads[a], frame_lengths, arena.size)
+        offsets.append(placed)
+        after.append(head)
+        cursor.arena_heads[a] = head
+        cursor.arena_evicted_below[a] = max(cursor.arena_evicted_below[a], head - arena.size)
+    op.frame_offsets, op.arena_after = tuple(offsets), tuple(after)
+
+
+def _block(cursor: _Cursor, ring: RingSnapshot, i: int, j: int, row_offsets: np.ndarray, frames: FrameLengths) -> Op:
     """Whole episodes i..j-1, written at the head in one op."""
     size = int(row_offsets[j] - row_offsets[i])
     op = Op("block", i, j, int(row_offsets[i]), int(row_offsets[j]), head_before=cursor.head,
             head_after=cursor.head + size)
+    _place(cursor, ring, op, frames.rows(op.row_lo, op.row_hi))
     cursor.head += size
     cursor.evicted_below = max(cursor.evicted_below, cursor.head - ring.capacity)
     cursor.next_seq += j - i
@@ -179,7 +250,7 @@ def _block(cursor: _Cursor, ring: RingSnapshot, i: int, j: int, row_offsets: np.
 
 
 def _chunk(cursor: _Cursor, ring: RingSnapshot, open_episodes: Mapping[int, Extent], spans: Spans, i: int,
-           sent: int, row_offsets: np.ndarray) -> Op:
+           sent: int, row_offsets: np.ndarray, frames: FrameLengths) -> Op:
     """The op of span i, a chunk of an open episode (its first, a later one, or its last)."""
     episode_id = int(spans.episode_ids[i])
     k = int(spans.rows[i])
@@ -196,6 +267,7 @@ def _chunk(cursor: _Cursor, ring: RingSnapshot, open_episodes: Mapping[int, Exte
     else:
         _check_continuation(cursor, ring, current, episode_id, sent, k)
         extent = _continue(cursor, ring, op, current, k)
+    extent = _with_frames(cursor, ring, op, extent, frames.rows(op.row_lo, op.row_hi), sent)
     if op.closes:
         if extent.landed < 2:
             raise InvalidArgument(
@@ -236,6 +308,39 @@ def _check_continuation(cursor: _Cursor, ring: RingSnapshot, current: Extent | N
             f"insert: episode {episode_id} would have {current.landed + k} rows, more than "
             f"capacity_steps={ring.capacity}"
         )
+    for a, arena in enumerate(ring.arenas):
+        if current.arena_first[a] < cursor.arena_evicted_below[a]:
+            raise ResourceExhausted(
+                f"insert: open episode {episode_id} would be overwritten before span {sent} lands: field "
+                f"{arena.name!r}'s arena of {arena.size} bytes (capacity_bytes) is too small for this many "
+                "concurrently open episodes")
+
+
+def _with_frames(cursor: _Cursor, ring: RingSnapshot, op: Op, extent: Extent, lengths: tuple[np.ndarray, ...],
+                 sent: int) -> Extent:
+    """The extent with the op's frames placed: a new extent's (opened, moved) from their first, an appended
+    chunk's after its landed ones. Refuses an episode whose frames outgrow an arena, or would overwrite their
+    own first ones."""
+    if not ring.arenas:
+        return extent
+    if op.kind == "move":  # the landed frames are appended again first
+        landed = ring.landed_lengths(op.moved_from.start, op.moved_from.landed)
+        lengths = tuple(np.concatenate([old, new]) for old, new in zip(landed, lengths, strict=True))
+    _place(cursor, ring, op, lengths)
+    firsts = tuple(int(o[0]) for o in op.frame_offsets)
+    appended = tuple(int(chunk.sum()) for chunk in lengths)
+    if op.kind == "append":
+        firsts, appended = extent.arena_first, tuple(map(sum, zip(extent.arena_bytes, appended, strict=True)))
+    for a, arena in enumerate(ring.arenas):
+        if appended[a] > arena.size:
+            raise InvalidArgument(f"insert: episode {extent.episode_id}'s frames of field {arena.name!r} would take "
+                                  f"{appended[a]} bytes, more than its arena of {arena.size} bytes (capacity_bytes)")
+        if firsts[a] < cursor.arena_evicted_below[a]:
+            raise ResourceExhausted(
+                f"insert: open episode {extent.episode_id} would overwrite its own frames of field {arena.name!r} "
+                f"with span {sent}: its arena of {arena.size} bytes (capacity_bytes) is too small for this many "
+                "concurrently open episodes")
+    return replace(extent, arena_first=firsts, arena_bytes=appended)
 
 
 def _continue(cursor: _Cursor, ring: RingSnapshot, op: Op, current: Extent, k: int) -> Extent:
@@ -243,12 +348,12 @@ def _continue(cursor: _Cursor, ring: RingSnapshot, op: Op, current: Extent, k: i
     landed = current.landed
     if current.last + k < current.reserved_end:
         op.kind = "append"
-        return Extent(current.episode_id, current.seq, current.start, current.last + k, current.reserved_end)
+        return replace(current, last=current.last + k)
     if current.reserved_end == cursor.head:
         # Nothing was placed after it: the room grows in place (doubling), no rows are copied.
         op.kind = "append"
         room = max(min(2 * (landed + k), ring.capacity), landed + k)
-        extent = Extent(current.episode_id, current.seq, current.start, current.last + k, current.start + room)
+        extent = replace(current, last=current.last + k, reserved_end=current.start + room)
         cursor.head = extent.reserved_end
         return extent
     op.kind = "move"

@@ -15,6 +15,7 @@ import numpy as np
 from service import components, kernels
 from service.buffers.lifetime import SharedReads
 from service.buffers.ring import EpisodicRing
+from service.buffers.stacking import Shipped
 from service.errors import FailedPrecondition, InvalidArgument, RingChanged
 from service.limiters import RateLimiter
 from service.modes.base import BatchMode
@@ -136,16 +137,18 @@ class RingReader:
         return Draw.concatenate(parts).head(batch_size)
 
     def gather(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
-               importance_beta: float = 0.0) -> tuple[Draw, dict[str, np.ndarray]]:
+               importance_beta: float = 0.0, shipped: list[Shipped] | None = None
+               ) -> tuple[Draw, dict[str, np.ndarray]]:
         """(draw, batch): indices from the sampler, columns from the mode. The callers (the writer's sample,
         sample_shared) ensure consistency and have the mode check the ring."""
         draw = self.draw(batch_size, rng, importance_beta, mode=mode)
-        return draw, self.batch_of(draw, mode, rng, include_keys)
+        return draw, self.batch_of(draw, mode, rng, include_keys, shipped)
 
-    def batch_of(self, draw: Draw, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False
-                 ) -> dict[str, np.ndarray]:
-        """The batch of a draw: columns from the mode, keys and episode ids if asked, the sampler's extras."""
-        batch = mode.build(self.ring, draw, rng)
+    def batch_of(self, draw: Draw, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
+                 shipped: list[Shipped] | None = None) -> dict[str, np.ndarray]:
+        """The batch of a draw: columns from the mode, keys and episode ids if asked, the sampler's extras.
+        `shipped`: where compressed frames go compressed (BatchMode.gather)."""
+        batch = mode.gather(self.ring, draw, rng, shipped=shipped)
         if include_keys:
             batch["key"] = draw.positions
             batch["episode_id"] = self.ring.episode_ids_of(draw.rows, draw.open_seq)
@@ -166,24 +169,26 @@ class RingReader:
             return self.ready()
 
     def sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool = False,
-                      importance_beta: float = 0.0) -> tuple[dict[str, np.ndarray], int]:
+                      importance_beta: float = 0.0, shipped: list[Shipped] | None = None
+                      ) -> tuple[dict[str, np.ndarray], int]:
         """A whole batch gathered without the writer's lock; returns (batch, torn draws redrawn). NotFound
-        once this reader is closed; a close waits for the samples running."""
+        once this reader is closed; a close waits for the samples running. `shipped`: see BatchMode.gather."""
         mode.check(self.ring)
         with self.reads:
             size = self.ring.sampleable_steps
             if size and not self.limiter.sample_allowed(size, batch_size):
                 raise FailedPrecondition(f"sample: rate limiter of buffer {self.name!r} blocks it: "
                                          f"{self.limiter.blocked_reason(size)}")
-            return self._sample_shared(batch_size, mode, rng, include_keys, importance_beta)
+            return self._sample_shared(batch_size, mode, rng, include_keys, importance_beta, shipped)
 
     def _sample_shared(self, batch_size: int, mode: BatchMode, rng: np.random.Generator, include_keys: bool,
-                       importance_beta: float) -> tuple[dict[str, np.ndarray], int]:
+                       importance_beta: float, shipped: list[Shipped] | None) -> tuple[dict[str, np.ndarray], int]:
         ring = self.ring
         for torn in range(MAX_TORN_DRAWS):
+            frames: list[Shipped] | None = None if shipped is None else []  # this draw's: a torn one is dropped
             try:
-                draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta)
-            except RingChanged:  # evictions emptied the range the draw read
+                draw, batch = self.gather(batch_size, mode, rng, include_keys, importance_beta, frames)
+            except RingChanged:  # evictions emptied the range the draw read, or tore a frame it read
                 continue
             # Every position drawn was a step, is still live and kept its bound: the batch was read whole.
             # (A prioritized draw can also race a priority write and land on a position that just stopped
@@ -191,6 +196,8 @@ class RingReader:
             # The tail is read after the bounds: a row evicted and reused since the draw shows there.
             if (kernels.bounds_kept(draw.rows, draw.bounds, draw.closed, ring.row_end)
                     and kernels.drawn_live(draw.positions, draw.bounds, ring.tail_position())):
+                if shipped is not None:
+                    shipped.extend(frames)
                 return batch, torn
         raise FailedPrecondition(
             f"buffer {self.name!r}: {MAX_TORN_DRAWS} draws in a row raced with the writer (evictions, episodes moving "

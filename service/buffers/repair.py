@@ -4,7 +4,8 @@ The committed state is what the head covers: every op writes rows, bounds and ex
 the head last (service/buffers/writer.py). Extents past the head belong to an interrupted op and are
 dropped; row bounds (of every row) and counters are rebuilt from the surviving extent table; an episode
 that an interrupted move left in two places keeps its newest; the sampler's and remover's per-row state is
-recomputed for the live rows.
+recomputed for the live rows; each arena's head and stored bytes are rebuilt from the live rows' frames (an
+interrupted op may have written frames past them, which nothing references).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.buffers.arena import ARENA_HEAD, ARENA_STORED, Arena
 from service.buffers.planner import Extent
 from service.buffers.ring import (
     ALIVE,
@@ -83,11 +85,35 @@ def repair(ring: EpisodicRing, sampler: Sampler, remover: Remover) -> Repaired:
     positions, lengths = _rebuild_rows(ring, extents, alive, is_open, lasts)
     ring.state[SAMPLEABLE] -= remover.recover(ring, positions)
     sampler.recover(ring, tail_pos, head)
-    open_extents = {int(ids[i]): Extent(int(ids[i]), int(extents.seqs[i]), int(extents.starts[i]), int(lasts[i]),
-                                        int(ends[i]))
+    for arena in ring.arenas.values():
+        _rebuild_arena(ring, arena, positions % ring.capacity)
+    open_extents = {int(ids[i]): _open_extent(ring, int(ids[i]), int(extents.seqs[i]), int(extents.starts[i]),
+                                              int(lasts[i]), int(ends[i]))
                     for i in np.flatnonzero(is_open)}
     closed = np.flatnonzero(alive & ~is_open)
     return Repaired(open_extents, ids[closed], lengths[closed])
+
+
+def _open_extent(ring: EpisodicRing, episode_id: int, seq: int, start: int, last: int, end: int) -> Extent:
+    """An open episode's extent, with its first frame and frame bytes in each arena."""
+    rows, arenas = np.arange(start, last + 1) % ring.capacity, ring.arenas.values()
+    return Extent(episode_id, seq, start, last, end, tuple(int(a.offset[start % ring.capacity]) for a in arenas),
+                  tuple(int(a.length[rows].sum()) for a in arenas))
+
+
+def _rebuild_arena(ring: EpisodicRing, arena: Arena, rows: np.ndarray) -> None:
+    """The arena's head (the end of the newest live frame: frames an interrupted op wrote past it are nobody's)
+    and stored bytes, from the live `rows`; FailedPrecondition when a live frame lies off the arena or further
+    than its size below the newest one's end."""
+    if rows.size == 0:  # nothing lives: the next frame may go anywhere
+        arena.state[ARENA_STORED] = 0
+        return
+    offsets, lengths = arena.offset[rows], arena.length[rows].astype(np.int64)
+    head = int((offsets + lengths).max())
+    if np.any(lengths < 1) or np.any(offsets % arena.size + lengths > arena.size) or offsets.min() < head - arena.size:
+        raise FailedPrecondition(f"recover {ring.name!r}: field {arena.field.name!r} has a live frame off its arena")
+    arena.state[ARENA_HEAD] = head
+    arena.state[ARENA_STORED] = int(lengths.sum())
 
 
 def _check_state(ring: EpisodicRing) -> tuple[int, int]:

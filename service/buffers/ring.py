@@ -17,6 +17,11 @@ are all >= the tail read after the gather was read from live rows only: it is wh
 with an eviction and is drawn again. Bounds publish rows, not the head, which moves back when the newest
 episode closes short of its room (see writer.py's commit order). (x86 keeps stores in program order,
 and loads too, which this relies on.)
+
+A compressed field has no column: its frames live in a byte arena, each row holding its frame's offset and
+length (arena.py). A frame's bytes never change while its row's position is live either: the writer evicts
+every episode whose frames a write would overwrite, publishing the tail first, so the same tail check covers
+them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from service import kernels
+from service.buffers.arena import Arena
 from service.kernels import Columns
 from service.schema import Field, check_instance_name
 from service.storage.shared_arrays import SharedArrays
@@ -76,22 +82,32 @@ class EpisodicRing:
         self.storage = storage
         self.name: str = meta["name"]
         self.capacity: int = int(meta["capacity"])
-        self.fields = tuple(Field(name, dtype, tuple(shape), observation)
-                            for name, dtype, shape, observation in meta["fields"])
+        self.fields = tuple(Field.from_config(field) for field in meta["fields"])
         self.observation_fields = tuple(f for f in self.fields if f.observation)
         self.step_fields = tuple(f for f in self.fields if not f.observation)
+        # Observation fields sampled as stacks of frames: the batch modes' kernels gather the other columns,
+        # a pass after them these (BatchMode.gather).
+        self.framed_fields = tuple(f for f in self.observation_fields if f.framed)
+        plain_observations = tuple(f for f in self.observation_fields if not f.framed)
         self.reward_field: str | None = meta["reward_field"]
         # (achieved, desired): the observation fields of goal-conditioned episodes, or None
         self.goal_fields: tuple[str, str] | None = tuple(meta["goal_fields"]) if meta["goal_fields"] else None
         self.extent_slots = self.capacity // 2 + 2  # every extent spans >= 2 positions
         arrays = storage.arrays
-        self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields}
-        # The columns the batch modes gather, looked up once: a sample pays per dict lookup.
-        self.observation_columns = Columns.of(self.columns, self.observation_fields)
-        self.observation_and_step_columns = Columns.of(self.columns, self.observation_fields + self.step_fields)
+        self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields if not f.compressed}
+        # The compressed fields' frames: byte arenas with a frame offset and length per row (arena.py).
+        self.arenas = {f.name: Arena(i, f, arrays[f"field.{f.name}.offset"], arrays[f"field.{f.name}.length"],
+                                     arrays[f"field.{f.name}.arena"], arrays["arena.state"][i])
+                       for i, f in enumerate(f for f in self.fields if f.compressed)}
+        # The columns the batch modes' kernels gather, looked up once: a sample pays per dict lookup.
+        self.observation_columns = Columns.of(self.columns, plain_observations)
+        self.observation_and_step_columns = Columns.of(self.columns, plain_observations + self.step_fields)
         self.reward_column = NO_REWARD if self.reward_field is None else self.columns[self.reward_field]
-        self.observation_row_bytes = sum(f.row_bytes for f in self.observation_fields)  # sizes a batch's items
-        self.row_bytes = sum(f.row_bytes for f in self.fields)
+        # Batch bytes of one state's observation fields and of one row of every field (frames stacked): they
+        # size a batch's items. `row_bytes` is what a row takes in the ring.
+        self.observation_row_bytes = sum(f.item_bytes for f in self.observation_fields)
+        self.item_row_bytes = sum(f.item_bytes for f in self.fields)
+        self.row_bytes = sum(f.row_bytes for f in self.fields if not f.compressed)  # the columns' (arenas apart)
         self.row_end, self.row_seq = arrays["row.end"], arrays["row.seq"]
         self.extent_episode_id, self.extent_start = arrays["extent.episode_id"], arrays["extent.start"]
         self.extent_last, self.extent_flags = arrays["extent.last"], arrays["extent.flags"]

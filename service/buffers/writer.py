@@ -11,15 +11,22 @@ head it read before the head moved back); an open episode's rows are marked OPEN
 row covers them; counters, then the head, last. Evictions publish the new tail before they touch anything
 of the extents they evict. The sampler and remover hear of rows before their bounds are published
 (`_rows_written`), so whenever the writer dies, a step recovery finds published has its sampler state.
+
+Frames of compressed fields are written with their rows: the bytes into the arena, then the rows' offsets and
+lengths, then the arena's head; an op first evicts every extent whose first frame its bytes would overwrite
+(arena.py), which publishes the tail before any byte of an evicted episode is overwritten, so a lock-free
+reader's tail check also proves the frames of its batch whole.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Mapping
 
 import numpy as np
 
+from service.buffers.arena import ARENA_HEAD, ARENA_STORED, Arena
 from service.buffers.planner import Extent, Op, Spans
 from service.buffers.ring import (
     ALIVE,
@@ -36,8 +43,12 @@ from service.buffers.ring import (
     TERMINATED,
     EpisodicRing,
 )
+from service.buffers.stacking import frames_of
 from service.removers import Remover
 from service.samplers.base import Sampler
+from service.wire.frame_fields import CompressedFrames
+
+Columns = Mapping[str, np.ndarray | CompressedFrames]
 
 
 class RingWriter:
@@ -50,17 +61,19 @@ class RingWriter:
         self.counters = counters  # the buffer's: evictions and moves are counted there
         self.open: dict[int, Extent] = {}  # open episodes by id
 
-    def apply(self, op: Op, columns: Mapping[str, np.ndarray], spans: Spans) -> None:
+    def apply(self, op: Op, columns: Columns, spans: Spans) -> None:
         ring = self.ring
         if op.kind == "block":
-            self.evict_before(op.head_after - ring.capacity)
+            self.evict_before(op.head_after - ring.capacity, self._below(op))
             self._write_block(op, columns, spans)
         elif op.kind == "open":
-            self.evict_before(op.head_after - ring.capacity)
+            self.evict_before(op.head_after - ring.capacity, self._below(op))
             self._write_extent_rows(op, columns, at=op.extent.start, mark_from=op.extent.start, prev_sampleable=0)
         elif op.kind == "append":
-            if op.head_after > op.head_before:  # the head extent grew its room: make space for it
-                self.evict_before(op.head_after - ring.capacity)
+            # In its room the rows need no eviction (what lies below the head less the capacity is evicted
+            # already), its frames may.
+            self.evict_before(op.head_after - ring.capacity, self._below(op))
+            if op.head_after > op.head_before:  # the head extent grew its room
                 # Cover the grown room now, while it holds only holes (as the unused part of a room does):
                 # the extent's last row then never lies past the head, whenever the writer dies.
                 ring.state[HEAD] = op.head_after
@@ -71,16 +84,21 @@ class RingWriter:
             self._move(op, columns)
         ring.state[HEAD] = op.head_after
 
-    def _move(self, op: Op, columns: Mapping[str, np.ndarray]) -> None:
-        """Copies an open episode's landed rows to the head before their old place can be evicted or reused."""
+    def _below(self, op: Op) -> tuple[int, ...]:
+        """Per arena, the absolute byte position below which the op's frames overwrite what is there."""
+        return tuple(after - arena.size for after, arena in zip(op.arena_after, self.ring.arenas.values(), strict=True))
+
+    def _move(self, op: Op, columns: Columns) -> None:
+        """Copies an open episode's landed rows (and frames) to the head before their old place can be evicted
+        or reused."""
         ring, old = self.ring, op.moved_from
         landed = self.gather_positions(np.arange(old.start, old.last + 1, dtype=np.int64))
         # Its steps (all landed rows but the last) keep their draw counts and priorities.
         old_rows = np.arange(old.start, old.last, dtype=np.int64) % ring.capacity
         carried = self.remover.state_of_rows(old_rows), self.sampler.state_of_rows(old_rows)
         self.open.pop(old.episode_id)  # moving, not lost: the eviction below must not count it
-        self.evict_before(op.head_after - ring.capacity)
-        self.write_rows(op.extent.start, landed, 0, old.landed)
+        self.evict_before(op.head_after - ring.capacity, self._below(op))
+        self.write_rows(op.extent.start, landed, 0, old.landed, tuple(o[:old.landed] for o in op.frame_offsets))
         self._write_extent_rows(op, columns, at=op.extent.start + old.landed, mark_from=op.extent.start,
                                 prev_sampleable=0)
         new_rows = (op.extent.start + np.arange(old_rows.size, dtype=np.int64)) % ring.capacity
@@ -93,9 +111,9 @@ class RingWriter:
             self._kill_extent(old)
         self.counters["moved_open_episodes"] += 1
 
-    def _write_block(self, op: Op, columns: Mapping[str, np.ndarray], spans: Spans) -> None:
+    def _write_block(self, op: Op, columns: Columns, spans: Spans) -> None:
         ring, head = self.ring, op.head_before
-        self.write_rows(head, columns, op.row_lo, op.row_hi)
+        self.write_rows(head, columns, op.row_lo, op.row_hi, op.frame_offsets)
         rows = spans.rows[op.span_lo:op.span_hi]
         starts = head + np.concatenate([[0], np.cumsum(rows[:-1])])
         lasts = starts + rows - 1
@@ -118,11 +136,11 @@ class RingWriter:
         ring.state[SAMPLEABLE] += int(rows.sum()) - len(rows)
         ring.state[STORED] += int(rows.sum())
 
-    def _write_extent_rows(self, op: Op, columns: Mapping[str, np.ndarray], at: int, mark_from: int,
-                           prev_sampleable: int) -> None:
+    def _write_extent_rows(self, op: Op, columns: Columns, at: int, mark_from: int, prev_sampleable: int) -> None:
         """Writes a chunk at position `at`, then the bounds of rows [mark_from, last], then the extent record."""
         ring, extent = self.ring, op.extent
-        self.write_rows(at, columns, op.row_lo, op.row_hi)
+        chunk = op.row_hi - op.row_lo  # the op's last frames (a move writes the landed ones first)
+        self.write_rows(at, columns, op.row_lo, op.row_hi, tuple(o[o.size - chunk:] for o in op.frame_offsets))
         slot = extent.seq % ring.extent_slots
         if op.kind != "append":  # a new extent record (opened, or moved to the head)
             ring.extent_episode_id[slot] = extent.episode_id
@@ -162,15 +180,20 @@ class RingWriter:
         ring.state[SAMPLEABLE] -= extent.landed - 1
         ring.state[STORED] -= extent.landed
         self._rows_cleared(extent.start, extent.last + 1)
+        for arena in ring.arenas.values():
+            arena.state[ARENA_STORED] -= self._frame_bytes(arena, extent.start, extent.last + 1, live_only=False)
 
-    def evict_before(self, boundary: int) -> None:
-        """Evicts, oldest first, every extent that starts before `boundary` (whole episodes only)."""
+    def evict_before(self, boundary: int, arena_boundaries: tuple[int, ...] = ()) -> None:
+        """Evicts, oldest first, every extent that starts before `boundary` (whole episodes only), or whose first
+        frame of a compressed field lies below that field's arena boundary (absolute byte positions)."""
         ring = self.ring
         tail_seq, next_seq = int(ring.state[TAIL_SEQ]), int(ring.state[NEXT_SEQ])
         if next_seq == tail_seq:  # empty ring: the next extent starts at the head
             ring.state[TAIL_POS] = ring.head
             return
         n = self._count_starts_before(tail_seq % ring.extent_slots, next_seq - tail_seq, boundary)
+        for arena, below in zip(ring.arenas.values(), arena_boundaries, strict=True):
+            n = max(n, self._count_frames_before(arena, tail_seq, next_seq, below))
         if n == 0:
             return
         starts, slots = ring.extent_start, ring.extent_slots
@@ -181,6 +204,8 @@ class RingWriter:
         # the changes below then also sees the tail past its positions, and draws again.
         ring.state[TAIL_POS] = new_tail_pos
         ring.state[TAIL_SEQ] = new_tail_seq
+        for arena in ring.arenas.values():  # the evicted episodes' frames (rows of killed extents hold none)
+            arena.state[ARENA_STORED] -= self._frame_bytes(arena, tail_pos, new_tail_pos, live_only=True)
         self._forget_extents((tail_seq + np.arange(n)) % ring.extent_slots)
         self.set_ring(ring.row_end, tail_pos, np.full(new_tail_pos - tail_pos, HOLE, dtype=np.int64))
         self.set_ring(ring.row_seq, tail_pos, np.full(new_tail_pos - tail_pos, -1, dtype=np.int64))
@@ -225,16 +250,58 @@ class RingWriter:
             return n
         return n + int(np.searchsorted(starts[: end - slots], boundary, side="left"))
 
+    def _count_frames_before(self, arena: Arena, tail_seq: int, next_seq: int, boundary: int) -> int:
+        """Live extents whose first frame lies below `boundary`: first frames increase with extent numbers."""
+        ring = self.ring
+        first_frame = lambda seq: int(arena.offset[ring.extent_start[seq % ring.extent_slots] % ring.capacity])  # noqa: E731
+        return bisect.bisect_left(range(tail_seq, next_seq), boundary, key=first_frame)
+
+    def _frame_bytes(self, arena: Arena, lo: int, hi: int, live_only: bool) -> int:
+        """Bytes of the frames of positions [lo, hi), or of those a live episode holds (row_seq set)."""
+        total = 0
+        for row, _, length in self.ring.pieces(lo, hi - lo) if hi > lo else ():
+            lengths = arena.length[row:row + length]
+            total += int(lengths[self.ring.row_seq[row:row + length] >= 0].sum() if live_only else lengths.sum())
+        return total
+
     # ------------------------------------------------------------------ ring helpers
     def set_ring(self, array: np.ndarray, pos: int, values: np.ndarray) -> None:
         for row, offset, length in self.ring.pieces(pos, len(values)):
             array[row:row + length] = values[offset:offset + length]
 
-    def write_rows(self, pos: int, columns: Mapping[str, np.ndarray], lo: int, hi: int) -> None:
+    def write_rows(self, pos: int, columns: Columns, lo: int, hi: int, frame_offsets: tuple[np.ndarray, ...] = ()
+                   ) -> None:
+        """Rows [lo, hi) of `columns` at positions from `pos`; the compressed fields' frames at `frame_offsets`
+        of their arenas (one array per arena: the planner's)."""
         for row, offset, length in self.ring.pieces(pos, hi - lo):
             for name, target in self.ring.columns.items():
                 target[row:row + length] = columns[name][lo + offset:lo + offset + length]
+        for arena, offsets in zip(self.ring.arenas.values(), frame_offsets, strict=True):
+            self._write_frames(arena, pos, columns[arena.field.name][lo:hi], offsets)
 
-    def gather_positions(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+    def _write_frames(self, arena: Arena, pos: int, frames: CompressedFrames, offsets: np.ndarray) -> None:
+        """The frames' bytes at their offsets (back to back but where a frame skips the arena's end), then the
+        rows' offsets and lengths, then the arena's head."""
+        if len(frames) == 0:
+            return
+        size, lengths = arena.size, frames.lengths
+        # Runs of frames that lie back to back in the arena, within one lap of it: one copy each.
+        apart = (offsets[1:] != offsets[:-1] + lengths[:-1]) | (offsets[1:] // size != offsets[:-1] // size)
+        breaks = np.flatnonzero(apart) + 1
+        for lo, hi in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(frames)]]), strict=True):
+            start, source = int(offsets[lo] % size), frames.data[frames.starts[lo]:frames.starts[hi]]
+            arena.data[start:start + source.size] = source
+        self.set_ring(arena.offset, pos, offsets)
+        self.set_ring(arena.length, pos, lengths.astype(np.int32))
+        arena.state[ARENA_STORED] += int(lengths.sum())
+        arena.state[ARENA_HEAD] = int(offsets[-1] + lengths[-1])
+
+    def gather_positions(self, positions: np.ndarray) -> dict[str, np.ndarray | CompressedFrames]:
+        """The rows (and compressed frames) of `positions`, copied out of the ring."""
         rows = positions % self.ring.capacity
-        return {name: column[rows] for name, column in self.ring.columns.items()}
+        gathered: dict[str, np.ndarray | CompressedFrames] = {
+            name: column[rows] for name, column in self.ring.columns.items()}
+        for name, arena in self.ring.arenas.items():
+            gathered[name] = frames_of(arena, rows)
+        return gathered
+

@@ -26,11 +26,18 @@ HOST = socket.gethostname()
 
 
 def fields_from_proto(specs) -> tuple[Field, ...]:
-    return tuple(Field(s.name, s.dtype, tuple(int(d) for d in s.shape), bool(s.observation)) for s in specs)
+    return tuple(Field(s.name, s.dtype, tuple(int(d) for d in s.shape), bool(s.observation),
+                       stack=s.stack if s.HasField("stack") else 1,
+                       stack_axis=s.stack_axis if s.HasField("stack_axis") else -1,
+                       compression=s.compression or None,
+                       compression_level=s.compression_level if s.HasField("compression_level") else None)
+                 for s in specs)
 
 
 def fields_to_proto(fields: tuple[Field, ...]) -> list[pb.FieldSpec]:
-    return [pb.FieldSpec(name=f.name, dtype=f.dtype, shape=list(f.shape), observation=f.observation) for f in fields]
+    return [pb.FieldSpec(name=f.name, dtype=f.dtype, shape=list(f.shape), observation=f.observation, stack=f.stack,
+                         stack_axis=f.stack_axis, compression=f.compression or "",
+                         compression_level=f.compression_level) for f in fields]
 
 
 def rollout_config_from_proto(config: pb.RolloutConfig) -> RolloutConfig:
@@ -99,13 +106,19 @@ def components_from_config(config: pb.EpisodicConfig) -> tuple[Sampler, Remover,
             components.build(options.from_proto("rate_limiter", config.rate_limiter, options.MinSize())))
 
 
+def frame_counters(stats: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The compressed fields' figures as counters: frames.<field>.stored_bytes, .arena_bytes, .compression_ratio."""
+    return {f"frames.{field}.{key}": value for field, figures in stats.items() for key, value in figures.items()}
+
+
 def episodic_info(buffer: EpisodicBuffer) -> pb.BufferInfo:
     with buffer.live():  # components read shared memory too (max priority): not while a delete unmaps it
         info = buffer.info()
-        counters = buffer.component_counters()
+        counters = buffer.component_counters() | frame_counters(buffer.frame_stats())
     config = pb.EpisodicConfig(
         fields=fields_to_proto(buffer.fields),
         capacity_steps=buffer.capacity,
+        capacity_bytes=buffer.config()["capacity_bytes"],
         reward_field=buffer.reward_field or "",
         achieved_goal_field=buffer.goal_fields[0] if buffer.goal_fields else "",
         desired_goal_field=buffer.goal_fields[1] if buffer.goal_fields else "",

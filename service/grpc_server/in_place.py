@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from service import kernels
+from service.buffers.stacking import Shipped
 from service.modes.base import BatchMode
 from service.samplers.draw import Draw
 from service.wire import codec
@@ -26,7 +27,7 @@ _TRIES = 3
 
 
 class _IntoViews:
-    """`mode`, building every batch into the given views (BatchMode.build's `batch`); `built` names the
+    """`mode`, gathering every batch into the given views (BatchMode.gather's `batch`); `built` names the
     columns its last batch came back with."""
 
     def __init__(self, mode: BatchMode, views: dict[str, np.ndarray]) -> None:
@@ -45,9 +46,9 @@ class _IntoViews:
     def item_bytes(self, ring) -> int:
         return self.mode.item_bytes(ring)
 
-    def build(self, ring, draw: Draw, rng: np.random.Generator,
-              batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        built = self.mode.build(ring, draw, rng, dict(self.views))
+    def gather(self, ring, draw: Draw, rng: np.random.Generator, batch: dict[str, np.ndarray] | None = None,
+               shipped: list[Shipped] | None = None) -> dict[str, np.ndarray]:
+        built = self.mode.gather(ring, draw, rng, dict(self.views), shipped)
         self.built = tuple(built)
         return built
 

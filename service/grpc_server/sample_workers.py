@@ -28,6 +28,7 @@ import numpy as np
 from service import errors
 from service.buffers.reader import RingReader
 from service.buffers.ring import shm_name
+from service.buffers.stacking import Shipped
 from service.grpc_server.auth import TokenAuthInterceptor
 from service.grpc_server.in_place import InPlaceMessages
 from service.grpc_server.servicer import (
@@ -36,6 +37,7 @@ from service.grpc_server.servicer import (
     rpc,
     sample_message,
     sample_mode,
+    ships_frames,
     stream_rpc,
     wait_seconds,
 )
@@ -147,9 +149,13 @@ class SampleWorkerServicer:
                             f"(sampleable_steps={ring.ring.sampleable_steps})")
                     time.sleep(delay)
                     delay = min(delay * 2, _WAIT_POLL_SECONDS[1])
-        def sample(mode: BatchMode) -> dict[str, np.ndarray]:
-            return ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta)[0]
+        def sample(mode: BatchMode, shipped: list[Shipped] | None = None) -> dict[str, np.ndarray]:
+            return ring.sample_shared(request.batch_size, mode, rng, request.include_keys, request.importance_beta,
+                                      shipped)[0]
 
+        if ships_frames(request):  # small batches of indices, and frames of varying size: never in place
+            shipped: list[Shipped] = []
+            return sample_message(sample(mode, shipped), self.max_message_bytes, shipped)
         return sample_message(sample(mode), self.max_message_bytes) if stream is None else stream.next(sample)
 
     @staticmethod

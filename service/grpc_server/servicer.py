@@ -23,6 +23,7 @@ from service import checkpoint, errors
 from service.buffers.episodic import EpisodicBuffer
 from service.buffers.reader import RingReader, check_importance_beta
 from service.buffers.rollout import RolloutBuffer
+from service.buffers.stacking import Shipped
 from service.grpc_server import convert
 from service.grpc_server.in_place import InPlaceMessages
 from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
@@ -32,7 +33,8 @@ from service.weights import WeightStore
 from service.wire import codec
 from service.wire import replay_pb2 as pb
 from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.frames import InsertFrame, sample_response_batch, sample_response_bytes
+from service.wire.frame_fields import CompressedFrames
+from service.wire.frames import InsertFrame, sample_response, sample_response_bytes
 from service.worker_seats import WorkerSeats
 
 log = logging.getLogger("replayd")
@@ -89,9 +91,9 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
 
 
 def _sent_bytes(response: object) -> int:
-    """Payload bytes of a response; batches go out as serialized SampleResponse messages."""
+    """Payload bytes of a response; batches go out as serialized SampleResponse messages (their frames count)."""
     if isinstance(response, bytes):
-        return len(sample_response_batch(response))
+        return sample_response(response).nbytes
     return response_bytes(response)
 
 
@@ -338,12 +340,22 @@ def wait_seconds(request: pb.SampleRequest, context: grpc.ServicerContext) -> fl
     return remaining - min(_REPLY_MARGIN_SECONDS, remaining / 4)
 
 
+DECOMPRESS = ("server", "client")  # where a sample's compressed frames are decompressed ("": the server)
+
+
+def ships_frames(request: pb.SampleRequest) -> bool:
+    """Whether the request asks for compressed frames shipped to the client (checked by sample_mode)."""
+    return request.decompress == "client"
+
+
 def sample_mode(request: pb.SampleRequest, reader: RingReader, max_message_bytes: int) -> BatchMode:
     """The request's batch mode, once the request is checked: a batch that could not be sent is refused
     before it is drawn (a draw counts: removers, rate limiters, the buffer's counters). Modes hold no
     state: one serves a whole stream."""
     if not 1 <= request.batch_size <= MAX_BATCH_SIZE:
         raise errors.InvalidArgument(f"sample: batch_size expected 1..{MAX_BATCH_SIZE}, got {request.batch_size}")
+    if request.decompress not in ("", *DECOMPRESS):
+        raise errors.InvalidArgument(f"sample.decompress: expected 'server' or 'client', got {request.decompress!r}")
     check_importance_beta(request.importance_beta)
     mode = convert.mode_from_request(request)
     ring = reader.ring
@@ -369,17 +381,32 @@ def _decode(payload: bytes | memoryview, field: str) -> dict[str, np.ndarray]:
         raise codec.CodecError(f"{field}: {exc}") from exc
 
 
-def sample_message(batch: dict[str, np.ndarray], max_message_bytes: int) -> bytes:
+def _insert_columns(frame: InsertFrame) -> dict[str, np.ndarray | CompressedFrames]:
+    """An insert's Arrow columns and compressed frames by field (the buffer checks them against its schema)."""
+    columns: dict[str, np.ndarray | CompressedFrames] = dict(_decode(frame.steps, "insert.steps"))
+    for name, frames in frame.compressed().items():
+        if name in columns:
+            raise errors.InvalidArgument(f"insert: field {name!r} is sent twice: as a column of insert.steps and as "
+                                         "compressed frames")
+        columns[name] = frames
+    return columns
+
+
+def sample_message(batch: dict[str, np.ndarray], max_message_bytes: int, shipped: list[Shipped] | None = None
+                   ) -> bytes:
     """A batch as a serialized SampleResponse, what the sampling RPCs send (their response serializer is
-    the identity): the columns are copied once, from the sampler's arrays into the message."""
+    the identity): the columns are copied once, from the sampler's arrays into the message, and so are the
+    compressed frames it ships (decompress="client")."""
     parts = codec.encode_parts(batch)
-    size = codec.encoded_size(parts)
+    frames = tuple((pb.CompressedFrames(field=s.field.name, spec=convert.fields_to_proto((s.field,))[0],
+                                        columns=s.columns), s.frames) for s in shipped or ())
+    size = codec.encoded_size(parts) + sum(s.frames.nbytes for s in shipped or ())
     if size > max_message_bytes:
         raise errors.ResourceExhausted(
             f"sample: the batch encodes to {size} bytes, over the server's max_message_bytes="
             f"{max_message_bytes}; lower batch_size or raise --max-message-mb"
         )
-    return sample_response_bytes(parts)
+    return sample_response_bytes(parts, frames)
 
 
 # One plain directory name (no "/", not "." or ".."): a client names a place under --checkpoint-dir, no other.
@@ -460,12 +487,11 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             limiter=limiter,
             max_bytes=self.max_buffer_bytes,
             goal_fields=convert.goal_fields_from_proto(config),
+            capacity_bytes=config.capacity_bytes,
         )
         self.registry.add(buffer.name, buffer)
-        log.info(
-            "created buffer %r: %d steps x %d bytes/step = %.1f MiB of shared memory (%s)",
-            buffer.name, buffer.capacity, buffer.row_bytes, buffer.storage.nbytes / 2**20, buffer.storage.header_name,
-        )
+        log.info("created buffer %r: %d steps, %.1f MiB of shared memory (%s)", buffer.name, buffer.capacity,
+                 buffer.storage.nbytes / 2**20, buffer.storage.header_name)
         return self._info(buffer.name, buffer)
 
     @rpc
@@ -501,7 +527,7 @@ class ReplayServicer(pb_grpc.ReplayServicer):
             request = frame.request
             try:
                 buffer = self.registry.episodic(request.buffer)
-                columns = _decode(frame.steps, "insert.steps")
+                columns = _insert_columns(frame)
                 spans_of_request = convert.spans_from_request(request)
                 result = buffer.insert_result(columns, spans_of_request, timeout=time_remaining(context),
                                               ended=call_end.on(buffer))
@@ -521,9 +547,10 @@ class ReplayServicer(pb_grpc.ReplayServicer):
     def _sample_message(self, buffer: EpisodicBuffer, request: pb.SampleRequest, mode: BatchMode,
                         rng: np.random.Generator | None, wait_seconds: float | None,
                         ended: threading.Event | None) -> bytes:
+        shipped: list[Shipped] | None = [] if ships_frames(request) else None
         batch = buffer.sample(request.batch_size, mode, rng, request.include_keys, wait_seconds,
-                              importance_beta=request.importance_beta, ended=ended)
-        return sample_message(batch, self.max_message_bytes)
+                              importance_beta=request.importance_beta, ended=ended, shipped=shipped)
+        return sample_message(batch, self.max_message_bytes, shipped)
 
     @rpc
     def Sample(self, request: pb.SampleRequest, context) -> bytes:
@@ -567,9 +594,12 @@ class ReplayServicer(pb_grpc.ReplayServicer):
         # hands the previous batch to the transport (it would serialize sampling ahead with sending).
         messages = InPlaceMessages(mode, lambda batch: sample_message(batch, self.max_message_bytes))
         while request.num_batches == 0 or sent < request.num_batches:
-            yield messages.next(lambda mode: buffer.sample(
-                inner.batch_size, mode, rng, inner.include_keys, wait_seconds(inner, context),
-                importance_beta=inner.importance_beta, ended=ended))
+            if ships_frames(inner):  # small batches of indices, and frames of varying size: no layout to learn
+                yield self._sample_message(buffer, inner, mode, rng, wait_seconds(inner, context), ended)
+            else:
+                yield messages.next(lambda mode: buffer.sample(
+                    inner.batch_size, mode, rng, inner.include_keys, wait_seconds(inner, context),
+                    importance_beta=inner.importance_beta, ended=ended))
             sent += 1
 
     # ---------------------------------------------------------------- rollout

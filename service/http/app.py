@@ -58,6 +58,9 @@ class BufferCollector:
                                "side")
         waiting = gauge("rate_limiter_waiting", "Calls the rate limiter holds back right now", "side")
         raw = gauge("buffer_counter", "Buffer counters (inserts, samples, evictions, ...)", "counter")
+        frame_bytes = gauge("buffer_frames_stored_bytes", "Bytes of a compressed field's stored frames", "field")
+        frame_ratio = gauge("buffer_frames_compression_ratio",
+                            "Raw over stored bytes of a compressed field's stored frames (0: none stored)", "field")
         for stat in buffer_stats(self.registry):
             name, counts = stat["name"], stat["counters"]
             stored.add_metric([name], stat["stored_steps"])
@@ -67,6 +70,9 @@ class BufferCollector:
             for counter_name, value in counts.items():
                 raw.add_metric([name, counter_name], value)
             sampled.add_metric([name], stat["sampled_items"])
+            for field, figures in stat["frames"].items():
+                frame_bytes.add_metric([name, field], figures["stored_bytes"])
+                frame_ratio.add_metric([name, field], figures["compression_ratio"])
             if stat["kind"] == "rollout":
                 policy_version.add_metric([name], stat["policy_version"])
                 continue
@@ -82,7 +88,7 @@ class BufferCollector:
         for rpc, count in dict(self.rejected).items():
             rejected.add_metric([rpc], count)
         yield from (stored, stored_bytes, policy_version, capacity, sampleable, episodes, inserted, inserted_episodes,
-                    sampled, sampled_batches, waits, wait_seconds, waiting, raw, rejected)
+                    sampled, sampled_batches, waits, wait_seconds, waiting, raw, frame_bytes, frame_ratio, rejected)
 
 
 def loopback_hosts(host: str) -> list[str] | None:

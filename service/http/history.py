@@ -160,7 +160,7 @@ class History:
             return series  # the first sample is the baseline of the next one's rates
         seconds = clock - previous.clock
         previous.counts.append((inserted, sampled))
-        row = (round(wall, 3), (inserted - previous.inserted) / seconds, (sampled - previous.sampled) / seconds,
+        row = (round(wall, 6), (inserted - previous.inserted) / seconds, (sampled - previous.sampled) / seconds,
                previous.replay_ratio(), *latency_quantiles(previous.latency, groups), stat["stored_bytes"])
         with self._lock:
             previous.rows.append(row)

@@ -24,13 +24,14 @@ def buffer_stat(name: str, buffer: Buffer) -> dict[str, Any] | None:
                 capacity, stored, row_bytes = buffer.capacity, buffer.stored_steps, buffer.row_bytes
                 counters, episodes = {**buffer.counters, **buffer.component_counters()}, buffer.episodes
                 sampleable, rate_limiter = buffer.sampleable_steps, buffer.limiter.to_config()
+                frames = buffer.frame_stats()
             policy_version = None
         else:
             info = buffer.info()
             capacity = info["num_steps"] * info["num_envs"]
             stored, counters, episodes = capacity - info["missing_steps"], info["counters"], 0
             sampleable, rate_limiter, row_bytes = None, None, buffer.cell_bytes
-            policy_version = info["policy_version"]
+            policy_version, frames = info["policy_version"], {}
     except NotFound:
         return None
     return {
@@ -38,7 +39,8 @@ def buffer_stat(name: str, buffer: Buffer) -> dict[str, Any] | None:
         "kind": buffer.kind if isinstance(buffer, EpisodicBuffer) else "rollout",
         "capacity_steps": capacity,
         "stored_steps": stored,
-        "stored_bytes": stored * row_bytes,
+        # the rows' columns, and the compressed fields' frames as stored
+        "stored_bytes": stored * row_bytes + int(sum(figures["stored_bytes"] for figures in frames.values())),
         "fill": stored / capacity,
         "sampleable_steps": sampleable,
         "episodes": episodes,
@@ -47,6 +49,7 @@ def buffer_stat(name: str, buffer: Buffer) -> dict[str, Any] | None:
         "inserted_steps": int(counters.get("inserted_rows", counters.get("pushed_steps", 0))),
         "sampled_items": int(counters.get("sampled_items", counters.get("served_samples", 0))),
         "counters": {k: float(v) for k, v in counters.items()},
+        "frames": frames,  # per compressed field: stored_bytes, arena_bytes, compression_ratio
     }
 
 
@@ -64,8 +67,6 @@ def buffer_detail(name: str, buffer: Buffer) -> dict[str, Any]:
         config, counters = buffer.config(), buffer.component_counters()
         sampler = buffer.sampler
         leaves = sampler.tree.get(np.arange(buffer.capacity)) if isinstance(sampler, PrioritizedSampler) else None
-    fields = [{"name": field, "dtype": dtype, "shape": shape, "observation": observation}
-              for field, dtype, shape, observation in config["fields"]]
     limiter = {side: {"waiting": counters.get(f"rate_limiter.{side}_waiting", 0.0),
                       "waits": counters.get(f"rate_limiter.{side}_waits", 0.0),
                       "wait_seconds": counters.get(f"rate_limiter.{side}_wait_seconds", 0.0)}
@@ -73,7 +74,7 @@ def buffer_detail(name: str, buffer: Buffer) -> dict[str, Any]:
     return {
         "name": name,
         "kind": buffer.kind,
-        "config": {**config, "fields": fields},
+        "config": config,  # its fields: one dict of all attributes each (Field.to_config)
         "rate_limiter": limiter,
         "priorities": None if leaves is None else priority_histogram(leaves, config["sampler"]["alpha"]),
         "rollout": None,

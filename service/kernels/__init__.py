@@ -1,6 +1,6 @@
 """The per-sample loops of the sampling hot path, compiled (_kernels.c): bound lookup, rejection draw, a
 batch mode's targets and gathers (transitions, geometric pairs, states, sequences, hindsight goals), the
-lock-free reader's checks.
+stacking of frames, the lock-free reader's checks.
 
 A batch of 256 needs a few dozen elementwise steps per sample; as numpy calls that is about twenty
 calls of ~1 µs of overhead each, as one compiled loop per stage it is a few µs. A stage is one C call:
@@ -28,6 +28,7 @@ from service.kernels._kernels import (
     hindsight_goals,
     new_bytes,
     sequence_batch,
+    stack_frames,
     take_rows,
     transition_batch,
 )
@@ -41,7 +42,7 @@ REWARD_DTYPES = ("float32", "float64")  # the reward columns transition_batch re
 
 __all__ = ["HOLE", "OPEN", "REWARD_DTYPES", "TERMINATED", "Columns", "bounds_kept", "draw_uniform", "drawn_live",
            "episode_bounds", "gather_columns", "geometric_batch", "hindsight_goals", "new_bytes", "prefixed",
-           "sequence_batch", "take_rows", "transition_batch"]
+           "sequence_batch", "stack_frames", "take_rows", "transition_batch"]
 
 
 def episode_bounds(positions: np.ndarray, capacity: int, row_end: np.ndarray, row_seq: np.ndarray,

@@ -6,6 +6,7 @@ import numpy as np
 
 from service import kernels
 from service.buffers.ring import EpisodicRing
+from service.buffers.stacking import FrameRead
 from service.modes.base import BatchMode
 from service.samplers.draw import Draw
 from service.wire.components import Geometric
@@ -32,3 +33,6 @@ class GeometricMode(BatchMode):
                                     draw.bounds, ring.capacity, columns.names,
                                     kernels.prefixed("future_", columns.names), columns.arrays)
         return batch
+
+    def frame_reads(self, ring: EpisodicRing, draw: Draw, batch: dict[str, np.ndarray]) -> tuple[FrameRead, ...]:
+        return FrameRead("", draw.positions), FrameRead("future_", draw.positions + batch["offset"])

@@ -28,10 +28,10 @@ import numpy as np
 
 from service import kernels
 from service.buffers.ring import NO_REWARD, EpisodicRing
+from service.buffers.stacking import FrameRead
 from service.errors import InvalidArgument
 from service.modes.base import BatchMode
 from service.samplers.draw import Draw
-from service.schema import Field
 from service.wire.components import STRATEGIES, Hindsight
 
 ONE_STEP = np.ones(2)  # the powers of a 1-step window: transition_batch's `powers`
@@ -58,7 +58,8 @@ class HindsightMode(BatchMode):
               batch: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         batch = {} if batch is None else batch
         achieved, desired = ring.goal_fields
-        names, observed = _transition_columns(ring.observation_fields, ring.step_fields, desired)
+        names, observed = _transition_columns(ring.observation_columns.names,
+                                              tuple(f.name for f in ring.step_fields), desired)
         kernels.transition_batch(batch, draw.positions, draw.rows, draw.bounds, draw.closed, 1, ONE_STEP,
                                  ring.capacity, NO_REWARD, ring.row_seq, ring.extent_flags, ring.extent_slots,
                                  names, tuple(ring.columns[name] for name in names),
@@ -71,11 +72,16 @@ class HindsightMode(BatchMode):
                 draw.open_seq, ring.capacity, ring.row_seq, ring.extent_start, ring.extent_flags, ring.extent_slots)
         return batch
 
+    def frame_reads(self, ring: EpisodicRing, draw: Draw, batch: dict[str, np.ndarray]) -> tuple[FrameRead, ...]:
+        # Stacked fields are never goals (check_goal_fields): each gets a next_ column.
+        return FrameRead("", draw.positions), FrameRead("next_", draw.positions + 1)
+
 
 @functools.cache
-def _transition_columns(observation_fields: tuple[Field, ...], step_fields: tuple[Field, ...],
+def _transition_columns(observations: tuple[str, ...], steps: tuple[str, ...],
                         desired: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the columns a transition gathers, the observation fields that get a next_ column): the desired goal
-    last among the observation fields, as it alone gets none (the transition's goal is one column)."""
-    observed = tuple(f.name for f in observation_fields if f.name != desired)
-    return (*observed, desired, *(f.name for f in step_fields)), observed
+    """(the columns a transition's kernel gathers, the observation fields that get a next_ column there), from
+    the plain (unstacked) observation fields and the step fields: the desired goal last among the observation
+    fields, as it alone gets none (the transition's goal is one column)."""
+    observed = tuple(name for name in observations if name != desired)
+    return (*observed, desired, *steps), observed

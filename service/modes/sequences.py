@@ -24,6 +24,7 @@ import numpy as np
 
 from service import kernels
 from service.buffers.ring import EpisodicRing
+from service.buffers.stacking import FrameRead
 from service.errors import InvalidArgument
 from service.modes.base import BatchMode
 from service.samplers.draw import Draw
@@ -49,7 +50,7 @@ class SequencesMode(BatchMode):
 
     def item_bytes(self, ring: EpisodicRing) -> int:
         targets = 4 + 4 + 4 if self.options.n_step else 0  # n_step_return, bootstrap_discount, bootstrap_step
-        return self.steps * (ring.row_bytes + len(FLAGS) + targets)
+        return self.steps * (ring.item_row_bytes + len(FLAGS) + targets)
 
     def admit(self, ring: EpisodicRing, draw: Draw) -> np.ndarray | None:
         period, fit = self.options.period, self.options.boundary == "fit"
@@ -77,3 +78,8 @@ class SequencesMode(BatchMode):
                                ring.capacity, ring.row_seq, ring.extent_start, ring.extent_flags, ring.extent_slots,
                                columns.names, columns.arrays, self.options.n_step, self.powers, ring.reward_column)
         return batch
+
+    def frame_reads(self, ring: EpisodicRing, draw: Draw, batch: dict[str, np.ndarray]) -> tuple[FrameRead, ...]:
+        # Rows up to the episode's final observation hold states (the kernel's `held`); the rest are zeros.
+        held = np.clip(draw.bounds - draw.positions + 1, 0, self.steps)  # (B,)
+        return (FrameRead("", draw.positions[:, None] + self.offsets, self.offsets < held[:, None]),)  # (B, T)

@@ -7,6 +7,7 @@ import numpy as np
 
 from service import kernels
 from service.buffers.ring import EpisodicRing
+from service.buffers.stacking import FrameRead
 from service.modes.base import BatchMode
 from service.samplers.draw import Draw
 from service.wire.components import States
@@ -24,3 +25,6 @@ class StatesMode(BatchMode):
         batch = {} if batch is None else batch
         kernels.gather_columns(batch, draw.rows, ring.observation_columns)
         return batch
+
+    def frame_reads(self, ring: EpisodicRing, draw: Draw, batch: dict[str, np.ndarray]) -> tuple[FrameRead, ...]:
+        return (FrameRead("", draw.positions),)

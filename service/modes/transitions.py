@@ -6,6 +6,7 @@ import numpy as np
 
 from service import kernels
 from service.buffers.ring import EpisodicRing
+from service.buffers.stacking import FrameRead
 from service.errors import InvalidArgument
 from service.modes.base import BatchMode
 from service.samplers.draw import Draw
@@ -48,3 +49,13 @@ class TransitionsMode(BatchMode):
                                  columns.names, columns.arrays, kernels.prefixed("next_", observations),
                                  kernels.prefixed("bootstrap_", observations))
         return batch
+
+    def frame_reads(self, ring: EpisodicRing, draw: Draw, batch: dict[str, np.ndarray]) -> tuple[FrameRead, ...]:
+        following = draw.positions + 1
+        if ring.reward_field is None:
+            return FrameRead("", draw.positions), FrameRead("next_", following)
+        # t + n_eff (as the kernel computes it; a torn bound's negative horizon reads t): the next state itself
+        # for 1-step transitions, whose bootstrap column is the next one's
+        bootstrap = following if self.n_step == 1 else draw.positions + np.clip(draw.bounds - draw.positions, 0,
+                                                                                self.n_step)
+        return FrameRead("", draw.positions), FrameRead("next_", following), FrameRead("bootstrap_", bootstrap)

@@ -23,7 +23,7 @@ from service.errors import FailedPrecondition, ResourceExhausted
 
 LAYOUT_VERSION = 1
 MAGIC = "replayd-shm"
-_ALIGN = 64
+ALIGN = 64  # every array starts at a multiple of it
 _NAME_OK = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
@@ -186,7 +186,7 @@ class SharedArrays:
             raise ValueError(f"shared-memory name {header_name!r} must match {_NAME_OK.pattern}")
         entries, offset = [], 0
         for spec in specs:
-            offset = (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+            offset = (offset + ALIGN - 1) // ALIGN * ALIGN
             entries.append({"name": spec.name, "dtype": spec.dtype, "shape": list(spec.shape), "offset": offset})
             offset += spec.nbytes
         data_name = header_name + ".data"

@@ -7,16 +7,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FieldSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "observation")
+    __slots__ = ("name", "dtype", "shape", "observation", "stack", "stack_axis", "compression", "compression_level")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    STACK_AXIS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_LEVEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     observation: bool
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., observation: _Optional[bool] = ...) -> None: ...
+    stack: int
+    stack_axis: int
+    compression: str
+    compression_level: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., observation: _Optional[bool] = ..., stack: _Optional[int] = ..., stack_axis: _Optional[int] = ..., compression: _Optional[str] = ..., compression_level: _Optional[int] = ...) -> None: ...
+
+class CompressedFrames(_message.Message):
+    __slots__ = ("field", "frames", "lengths", "spec", "columns")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    frames: bytes
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    spec: FieldSpec
+    columns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, field: _Optional[str] = ..., frames: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[FieldSpec, _Mapping]] = ..., columns: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UniformSampler(_message.Message):
     __slots__ = ()
@@ -79,7 +101,7 @@ class RateLimiterConfig(_message.Message):
     def __init__(self, min_size: _Optional[_Union[MinSizeLimiter, _Mapping]] = ..., sample_to_insert_ratio: _Optional[_Union[SampleToInsertRatioLimiter, _Mapping]] = ...) -> None: ...
 
 class EpisodicConfig(_message.Message):
-    __slots__ = ("fields", "capacity_steps", "reward_field", "sampler", "remover", "rate_limiter", "achieved_goal_field", "desired_goal_field")
+    __slots__ = ("fields", "capacity_steps", "reward_field", "sampler", "remover", "rate_limiter", "achieved_goal_field", "desired_goal_field", "capacity_bytes")
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_STEPS_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +110,7 @@ class EpisodicConfig(_message.Message):
     RATE_LIMITER_FIELD_NUMBER: _ClassVar[int]
     ACHIEVED_GOAL_FIELD_FIELD_NUMBER: _ClassVar[int]
     DESIRED_GOAL_FIELD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
     capacity_steps: int
     reward_field: str
@@ -96,7 +119,8 @@ class EpisodicConfig(_message.Message):
     rate_limiter: RateLimiterConfig
     achieved_goal_field: str
     desired_goal_field: str
-    def __init__(self, fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., capacity_steps: _Optional[int] = ..., reward_field: _Optional[str] = ..., sampler: _Optional[_Union[SamplerConfig, _Mapping]] = ..., remover: _Optional[_Union[RemoverConfig, _Mapping]] = ..., rate_limiter: _Optional[_Union[RateLimiterConfig, _Mapping]] = ..., achieved_goal_field: _Optional[str] = ..., desired_goal_field: _Optional[str] = ...) -> None: ...
+    capacity_bytes: int
+    def __init__(self, fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., capacity_steps: _Optional[int] = ..., reward_field: _Optional[str] = ..., sampler: _Optional[_Union[SamplerConfig, _Mapping]] = ..., remover: _Optional[_Union[RemoverConfig, _Mapping]] = ..., rate_limiter: _Optional[_Union[RateLimiterConfig, _Mapping]] = ..., achieved_goal_field: _Optional[str] = ..., desired_goal_field: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutConfig(_message.Message):
     __slots__ = ("fields", "num_steps", "num_envs", "gamma", "gae_lambda")
@@ -190,7 +214,7 @@ class BufferInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., episodic: _Optional[_Union[EpisodicConfig, _Mapping]] = ..., rollout: _Optional[_Union[RolloutConfig, _Mapping]] = ..., bytes: _Optional[int] = ..., shm_name: _Optional[str] = ..., host: _Optional[str] = ..., stored_steps: _Optional[int] = ..., sampleable_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., policy_version: _Optional[int] = ..., missing_steps: _Optional[int] = ..., rollout_complete: _Optional[bool] = ..., sample_endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
-    __slots__ = ("buffer", "steps", "episode_ids", "span_rows", "begins", "ends", "terminated", "span_offsets")
+    __slots__ = ("buffer", "steps", "episode_ids", "span_rows", "begins", "ends", "terminated", "span_offsets", "frames")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +223,7 @@ class InsertRequest(_message.Message):
     ENDS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     SPAN_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     steps: bytes
     episode_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -207,7 +232,8 @@ class InsertRequest(_message.Message):
     ends: _containers.RepeatedScalarFieldContainer[bool]
     terminated: _containers.RepeatedScalarFieldContainer[bool]
     span_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, buffer: _Optional[str] = ..., steps: _Optional[bytes] = ..., episode_ids: _Optional[_Iterable[int]] = ..., span_rows: _Optional[_Iterable[int]] = ..., begins: _Optional[_Iterable[bool]] = ..., ends: _Optional[_Iterable[bool]] = ..., terminated: _Optional[_Iterable[bool]] = ..., span_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    frames: _containers.RepeatedCompositeFieldContainer[CompressedFrames]
+    def __init__(self, buffer: _Optional[str] = ..., steps: _Optional[bytes] = ..., episode_ids: _Optional[_Iterable[int]] = ..., span_rows: _Optional[_Iterable[int]] = ..., begins: _Optional[_Iterable[bool]] = ..., ends: _Optional[_Iterable[bool]] = ..., terminated: _Optional[_Iterable[bool]] = ..., span_offsets: _Optional[_Iterable[int]] = ..., frames: _Optional[_Iterable[_Union[CompressedFrames, _Mapping]]] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("requests", "spans", "rows", "episodes_completed", "duplicate_spans")
@@ -282,7 +308,7 @@ class BatchMode(_message.Message):
     def __init__(self, transitions: _Optional[_Union[TransitionsMode, _Mapping]] = ..., geometric: _Optional[_Union[GeometricMode, _Mapping]] = ..., states: _Optional[_Union[StatesMode, _Mapping]] = ..., sequences: _Optional[_Union[SequencesMode, _Mapping]] = ..., hindsight: _Optional[_Union[HindsightMode, _Mapping]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("buffer", "batch_size", "mode", "seed", "include_keys", "importance_beta", "wait")
+    __slots__ = ("buffer", "batch_size", "mode", "seed", "include_keys", "importance_beta", "wait", "decompress")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +316,7 @@ class SampleRequest(_message.Message):
     INCLUDE_KEYS_FIELD_NUMBER: _ClassVar[int]
     IMPORTANCE_BETA_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
+    DECOMPRESS_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     batch_size: int
     mode: BatchMode
@@ -297,15 +324,18 @@ class SampleRequest(_message.Message):
     include_keys: bool
     importance_beta: float
     wait: bool
-    def __init__(self, buffer: _Optional[str] = ..., batch_size: _Optional[int] = ..., mode: _Optional[_Union[BatchMode, _Mapping]] = ..., seed: _Optional[int] = ..., include_keys: _Optional[bool] = ..., importance_beta: _Optional[float] = ..., wait: _Optional[bool] = ...) -> None: ...
+    decompress: str
+    def __init__(self, buffer: _Optional[str] = ..., batch_size: _Optional[int] = ..., mode: _Optional[_Union[BatchMode, _Mapping]] = ..., seed: _Optional[int] = ..., include_keys: _Optional[bool] = ..., importance_beta: _Optional[float] = ..., wait: _Optional[bool] = ..., decompress: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch", "alignment")
+    __slots__ = ("batch", "alignment", "frames")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
     alignment: bytes
-    def __init__(self, batch: _Optional[bytes] = ..., alignment: _Optional[bytes] = ...) -> None: ...
+    frames: _containers.RepeatedCompositeFieldContainer[CompressedFrames]
+    def __init__(self, batch: _Optional[bytes] = ..., alignment: _Optional[bytes] = ..., frames: _Optional[_Iterable[_Union[CompressedFrames, _Mapping]]] = ...) -> None: ...
 
 class SampleStreamRequest(_message.Message):
     __slots__ = ("request", "num_batches")

@@ -185,13 +185,20 @@ function showPriorities(p) {
   prioritiesChart.setData([centers, p.counts]);
 }
 
+// "observation", with its frames' stacking and compression when it has them
+function fieldRole(f) {
+  if (!f.observation) return "";
+  const frames = [f.stack > 1 ? "stack " + f.stack : "", f.compression ? f.compression : ""].filter(Boolean);
+  return frames.length ? "observation (" + frames.join(", ") + ")" : "observation";
+}
+
 function showDetail(d) {
   document.getElementById("detail-name").textContent = d.name;
   document.getElementById("detail-kind").textContent = d.kind;
   document.getElementById("detail-close").href = pageLink(null);
   keyValues(document.getElementById("config"), configPairs(d));
   tableRows(document.querySelector("#fields tbody"), d.config.fields.map(
-    f => [f.name, f.dtype, "(" + f.shape.join(", ") + ")", f.observation ? "observation" : ""]));
+    f => [f.name, f.dtype, "(" + f.shape.join(", ") + ")", fieldRole(f)]));
   document.getElementById("limiter-box").hidden = !d.rate_limiter;
   if (d.rate_limiter) {
     tableRows(document.querySelector("#limiter tbody"), ["insert", "sample"].map(side => {
