@@ -1,15 +1,16 @@
 # Two commands matter: `make demo` (the main job) and `make test`. Both build .venv on first use.
+# `make docs` builds the documentation site into site/ (`--strict`: a broken link or reference fails it).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PROTOC := $(PY) -m grpc_tools.protoc
 
-.PHONY: demo test lint bench proto clean
+.PHONY: demo test lint bench docs proto clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt service/kernels/_kernels.c
 	python3 -m venv $(VENV)
 	# PIP_CONSTRAINT also pins what pip's isolated build of the C kernels compiles against (numpy).
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,7 +20,7 @@ demo: $(STAMP)
 TEST_STAMP := $(VENV)/.test-stamp
 
 $(TEST_STAMP): $(STAMP)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev,ray]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev,docs,ray]'
 	touch $(TEST_STAMP)
 
 test: $(TEST_STAMP)
@@ -29,15 +30,18 @@ test: $(TEST_STAMP)
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 $(BENCH_STAMP): $(STAMP)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev,bench]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev,docs,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench.run $(ARGS)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Regenerates the committed gRPC code from proto/replay.proto (tests/test_proto.py checks they match).
 proto: $(STAMP)
 	$(PROTOC) -Iservice/wire=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/replay.proto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build service/kernels/_kernels.*.so
+	rm -rf $(VENV) .pytest_cache .ruff_cache build site service/kernels/_kernels.*.so

@@ -1,12 +1,13 @@
-"""GAE speed and rollout-buffer memory, ours against seeds 004 (GAE) and 002 (list-and-concatenate).
+"""GAE speed and rollout-buffer memory, ours against esper-lite's GAE and ElegantRL's `ReplayBufferList`.
 
     .venv/bin/python -m bench.bench_gae [--quick]      # JSON lines on stdout
 
 GAE cases time `compute_gae` with its preallocated workspace and outputs (how the buffer runs it)
-next to seed 004's torch versions, in the same process, medians. Two candidates for the time axis are
-timed too, so the design choice stays checked: a plain loop of numpy vector ops over time (a block
-of T steps) and a log-depth Hillis-Steele affine scan. The memory case runs each store in its own
-process (RSS is per process): 8 actors x 128 steps x 64 envs, obs float32[64], 100 rollouts.
+next to esper-lite's torch versions (bench/baselines/esper_lite_gae.py), in the same process, medians.
+Two candidates for the time axis are timed too, so the design choice stays checked: a plain loop of
+numpy vector ops over time (a block of T steps) and a log-depth Hillis-Steele affine scan. The memory
+case runs each store in its own process (RSS is per process): 8 actors x 128 steps x 64 envs, obs
+float32[64], 100 rollouts.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import numpy as np
 import psutil
 import torch
 
-from bench.baselines.seed002_rollout_list import ListRolloutStore
-from bench.baselines.seed004_gae import compute_advantages_loop, compute_advantages_vectorized
+from bench.baselines.elegantrl_replay_buffer_list import ListRolloutStore
+from bench.baselines.esper_lite_gae import compute_advantages_loop, compute_advantages_vectorized
 from bench.subprocesses import peak_rss_bytes
 from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
 from service.gae import GaeWorkspace, compute_gae
@@ -33,6 +34,12 @@ GAE_SHAPES = [(25, 4), (128, 1024), (2048, 64)]
 GAMMA, LAMBDA = 0.99, 0.95
 ACTORS, STEPS, ENVS_PER_ACTOR, OBS_DIM = 8, 128, 64, 64
 MiB = 2**20
+# Baselines, named for what they are (bench/baselines/).
+ESPER_VECTORIZED = "esper-lite GAE: vectorized over envs"
+ESPER_LOOP = "esper-lite GAE: per-env, per-step loop"
+ELEGANTRL_LIST = "ElegantRL ReplayBufferList: list transpose + torch.cat"
+OURS_BLOCKED = "ours: blocked scan (the default)"
+OURS_FLOAT64 = "ours: float64 accumulation (the default)"
 
 
 def record(case: str, metric: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0,
@@ -98,17 +105,17 @@ def bench_gae_shape(T: int, N: int, quick: bool) -> list[dict]:
     f32_error = max_relative_error(advantage, reference)
     scan_ms = median_ms(lambda: hillis_steele_gae(r, GAMMA, LAMBDA), repeats)
 
-    # Seed 004 layout: (num_envs, steps), one `dones` flag.
+    # esper-lite's layout: (num_envs, steps), one `dones` flag.
     values, rewards = torch.from_numpy(r["value"].T.copy()), torch.from_numpy(r["reward"].T.copy())
     dones = torch.from_numpy((r["terminated"] | r["truncated"]).T.astype(np.float32))
-    seed_vec_ms = median_ms(lambda: compute_advantages_vectorized(values, rewards, dones, GAMMA, LAMBDA), repeats)
+    esper_vec_ms = median_ms(lambda: compute_advantages_vectorized(values, rewards, dones, GAMMA, LAMBDA), repeats)
     out = [
-        record(case, "gae_ms", ours_ms, "ms", "seed004_vectorized", seed_vec_ms, seed_vec_ms / ours_ms),
-        record(case, "gae_ms_time_loop_candidate", time_loop_ms, "ms", "ours_blocked_scan", ours_ms,
+        record(case, "gae_ms", ours_ms, "ms", ESPER_VECTORIZED, esper_vec_ms, esper_vec_ms / ours_ms),
+        record(case, "gae_ms_time_loop_candidate", time_loop_ms, "ms", OURS_BLOCKED, ours_ms,
                ours_ms / time_loop_ms),
-        record(case, "gae_ms_hillis_steele_candidate", scan_ms, "ms", "ours_blocked_scan", ours_ms,
+        record(case, "gae_ms_hillis_steele_candidate", scan_ms, "ms", OURS_BLOCKED, ours_ms,
                ours_ms / scan_ms),
-        record(case, "gae_ms_float32_accumulation", f32_ms, "ms", "ours_float64_accumulation", ours_ms,
+        record(case, "gae_ms_float32_accumulation", f32_ms, "ms", OURS_FLOAT64, ours_ms,
                ours_ms / f32_ms),
         record(case, "gae_max_rel_error_float32_accumulation", f32_error, "ratio"),
     ]
@@ -116,7 +123,7 @@ def bench_gae_shape(T: int, N: int, quick: bool) -> list[dict]:
     if not quick or T * N <= 1000:
         loop_ms = median_ms(lambda: compute_advantages_loop(values, rewards, dones, GAMMA, LAMBDA),
                             repeats if T * N <= 1000 else 1)
-        out.append(record(case, "gae_ms", ours_ms, "ms", "seed004_per_env_loop", loop_ms, loop_ms / ours_ms))
+        out.append(record(case, "gae_ms", ours_ms, "ms", ESPER_LOOP, loop_ms, loop_ms / ours_ms))
     return out
 
 
@@ -168,7 +175,7 @@ def memory_child(store: str, rollouts: int) -> dict:
         buffer = RolloutBuffer.create("rollout", f"bench{uuid.uuid4().hex[:8]}", config)
         shm_bytes = buffer.info()["bytes"]
     else:
-        seed_store = ListRolloutStore()
+        list_store = ListRolloutStore()
     try:
         for version in range(rollouts):
             # Parts arrive as fresh memory every rollout (as decoded from the wire).
@@ -179,8 +186,8 @@ def memory_child(store: str, rollouts: int) -> dict:
                 buffer.finish_rollout(version + 1)
             else:
                 for part in parts:
-                    seed_store.add(tuple(torch.from_numpy(array) for array in part.values()))
-                seed_store.update()
+                    list_store.add(tuple(torch.from_numpy(array) for array in part.values()))
+                list_store.update()
             update_times.append(time.perf_counter() - start)
             del parts
             rss.append(process.memory_info().rss)
@@ -199,29 +206,29 @@ def bench_memory(quick: bool) -> list[dict]:
     rollouts = 10 if quick else 100
     case = f"{ACTORS}x{STEPS}x{ENVS_PER_ACTOR} obs[{OBS_DIM}], {rollouts} rollouts"
     results = {}
-    for store in ("seed002", "ours"):
+    for store in ("elegantrl", "ours"):
         command = [sys.executable, "-m", "bench.bench_gae", "--memory-child", store, str(rollouts)]
         done = subprocess.run(command, capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent.parent)
         results[store] = json.loads(done.stdout)
-    ours, seed = results["ours"], results["seed002"]
+    ours, lists = results["ours"], results["elegantrl"]
     return [
-        record(case, "rss_after_rollout_1", ours["rss_after_1"] / MiB, "MiB", "seed002_list_cat",
-               seed["rss_after_1"] / MiB),
-        record(case, f"rss_after_rollout_{rollouts}", ours["rss_after_last"] / MiB, "MiB", "seed002_list_cat",
-               seed["rss_after_last"] / MiB),
+        record(case, "rss_after_rollout_1", ours["rss_after_1"] / MiB, "MiB", ELEGANTRL_LIST,
+               lists["rss_after_1"] / MiB),
+        record(case, f"rss_after_rollout_{rollouts}", ours["rss_after_last"] / MiB, "MiB", ELEGANTRL_LIST,
+               lists["rss_after_last"] / MiB),
         record(case, "rss_growth_after_rollout_1", (ours["rss_after_last"] - ours["rss_after_1"]) / MiB, "MiB",
-               "seed002_list_cat", (seed["rss_after_last"] - seed["rss_after_1"]) / MiB),
-        record(case, "peak_rss", ours["peak_rss"] / MiB, "MiB", "seed002_list_cat", seed["peak_rss"] / MiB,
-               seed["peak_rss"] / ours["peak_rss"]),
-        record(case, "shared_memory", ours["shm_bytes"] / MiB, "MiB", "seed002_list_cat", 0.0),
-        record(case, "update_ms", ours["update_ms"], "ms", "seed002_list_cat", seed["update_ms"],
-               seed["update_ms"] / ours["update_ms"]),
+               ELEGANTRL_LIST, (lists["rss_after_last"] - lists["rss_after_1"]) / MiB),
+        record(case, "peak_rss", ours["peak_rss"] / MiB, "MiB", ELEGANTRL_LIST, lists["peak_rss"] / MiB,
+               lists["peak_rss"] / ours["peak_rss"]),
+        record(case, "shared_memory", ours["shm_bytes"] / MiB, "MiB", ELEGANTRL_LIST, 0.0),
+        record(case, "update_ms", ours["update_ms"], "ms", ELEGANTRL_LIST, lists["update_ms"],
+               lists["update_ms"] / ours["update_ms"]),
     ]
 
 
 def run(quick: bool = False) -> list[dict]:
-    # One thread: numpy runs single-threaded too, and torch's pool makes the seed's timings erratic.
+    # One thread: numpy runs single-threaded too, and torch's pool makes the baselines' timings erratic.
     torch.set_num_threads(1)
     records = []
     for T, N in GAE_SHAPES:

@@ -22,6 +22,7 @@ from service.samplers.prioritized import PrioritizedSampler
 from service.samplers.sum_tree import SumTree, tree_size
 from service.schema import Field
 
+PYTHON_SUM_TREE = "per-item sum tree in plain Python (the usual PER reference)"
 STEPS, BATCH = 1_000_000, 256
 
 
@@ -64,10 +65,10 @@ def run(quick: bool = False) -> list[dict]:
     base = time_calls({"sample": lambda: reference.sample(BATCH), "update": base_update, "both": base_both},
                       base_calls, warmup=2, rounds=min(10, base_calls))
     records = [
-        record("sum_tree_1M", "sample_256", ours["sample"][0], "us", "python_sum_tree", base["sample"][0]),
-        record("sum_tree_1M", "update_256", ours["update"][0], "us", "python_sum_tree", base["update"][0]),
+        record("sum_tree_1M", "sample_256", ours["sample"][0], "us", PYTHON_SUM_TREE, base["sample"][0]),
+        record("sum_tree_1M", "update_256", ours["update"][0], "us", PYTHON_SUM_TREE, base["update"][0]),
         record("sum_tree_1M (target < 200 us)", "sample_then_update_the_drawn_256", ours["both"][0], "us",
-               "python_sum_tree", base["both"][0]),
+               PYTHON_SUM_TREE, base["both"][0]),
     ]
 
     fields = [Field("obs", "float32", (4,), observation=True), Field("reward", "float32")]
@@ -80,11 +81,11 @@ def run(quick: bool = False) -> list[dict]:
 
         def step() -> None:
             with buffer.lock:
-                keys = sampler.draw(buffer, BATCH, rng, 0.4).positions
-                sampler.update_priorities(buffer, keys, rng.random(BATCH))
+                keys = sampler.draw(buffer.ring, BATCH, rng, 0.4).positions
+                sampler.update_priorities(buffer.ring, keys, rng.random(BATCH))
 
         step_us = time_calls({"step": step}, calls)["step"][0]
-        records.append(record("buffer_1M", "draw_then_update_the_drawn_256", step_us, "us", "python_sum_tree",
+        records.append(record("buffer_1M", "draw_then_update_the_drawn_256", step_us, "us", PYTHON_SUM_TREE,
                               base["both"][0]))
     finally:
         buffer.close()

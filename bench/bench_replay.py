@@ -1,4 +1,4 @@
-"""Replay sampling and insert speed: in-process against bare numpy and seed 000, and over gRPC.
+"""Replay sampling and insert speed: in-process against bare numpy and the ALLO episodic buffer, and over gRPC.
 
     .venv/bin/python -m bench.bench_replay [--quick]      # JSON lines on stdout
     .venv/bin/python -m bench.bench_replay --quick --grpc [--profile atari,cartpole]   # section 2 and 3 only
@@ -6,15 +6,16 @@
 1. In-process `EpisodicBuffer.sample` (transitions n=1, n=3, geometric) per profile, median and p90 µs
    per call, beside (a) the bare numpy gather of the same rows: the columns a batch holds, gathered at
    rows our sampler drew beforehand (a fresh set each call; fancy indexing and np.take both timed, the
-   faster one is the baseline), (b) seed 000's per-sample loop and (c) its vectorized sampler, on the
-   seed's own (episodes, max_len + 1) layout. Ours, the gathers and (c) are timed round-robin.
+   faster one is the baseline), (b) the ALLO episodic buffer's per-sample loop and (c) its vectorized
+   terminal-index sampler, on that buffer's own (episodes, max_len + 1) layout. Ours, the gathers and (c)
+   are timed round-robin.
    The rings are filled past wrap-around; `wrong_bound_fraction` counts samples whose episode bound is
-   wrong there (seed 000's vectorized terminal table is never cleared when a slot is reused).
+   wrong there (the ALLO buffer's vectorized terminal table is never cleared when a slot is reused).
 2. gRPC sampling over loopback from a server subprocess (separate GIL): one client, `sample_stream` and
    unary `sample`; cartpole transitions/s, mujoco and atari MB/s (decoded batch nbytes, aliased arrays
    once, median of 5 passes) against plain loopback TCP measured in the same run. The machine is shared,
    so the stream figures also come against a short TCP transfer run right after each pass
-   (`loopback_tcp_interleaved`, median): both sides then see the same load.
+   (the interleaved TCP baseline, median): both sides then see the same load.
 3. gRPC insert as a writer does it: batches of whole episodes (numpy), encoded and split into requests of up
    to `max_request_bytes` by the client (`spans_requests`), one stream per batch; median of the passes after
    the first (which faults in fresh shared memory).
@@ -22,8 +23,8 @@ Sections 2 and 3 also time bare gRPC streams of the same bytes (baselines/grpc_s
 that drops the request bytes of each insert pass, or sends a prepared message the size of a batch as often
 as a pass has batches), right after each pass: the ceiling grpcio itself puts on the transfer here.
 
-Targets (in the case text): in-process within 2x of the bare gather and >= 4x faster than seed 000's
-vectorized sampler (cartpole); stream >= 500k transitions/s (cartpole), >= 700 MB/s (mujoco), >= 40% of
+Targets (in the case text): in-process within 2x of the bare gather and >= 4x faster than the ALLO
+buffer's vectorized sampler (cartpole); stream >= 500k transitions/s (cartpole), >= 700 MB/s (mujoco), >= 40% of
 TCP (atari, scored against the interleaved TCP figure); insert >= 1.2 GB/s (atari), >= 1.5M steps/s
 (cartpole).
 """
@@ -47,9 +48,9 @@ from pathlib import Path
 import numpy as np
 
 from bench import subprocesses
+from bench.baselines.allo_episodic_buffer import AlloEpisodicReplayBuffer
 from bench.baselines.grpc_sink import GrpcSink
 from bench.baselines.loopback_tcp import loopback_tcp_gbps
-from bench.baselines.seed000_sampler import SeedEpisodicReplayBuffer
 from bench.timing import time_calls
 from client.replay_client import ReplayClient, Span, spans_requests
 from service.buffers.episodic import EpisodicBuffer, Spans
@@ -60,6 +61,13 @@ from service.wire.components import Transitions
 
 MB = 1e6
 DISCOUNT = 0.99
+# Baselines, named for what they are (bench/baselines/).
+ALLO_VECTORIZED = "ALLO episodic buffer: vectorized terminal-index sampler"
+ALLO_LOOP = "ALLO episodic buffer: per-sample loop"
+TCP = "loopback TCP, measured before the passes"
+TCP_INTERLEAVED = "loopback TCP, interleaved with the passes"
+BARE_GRPC_BYTES = "bare gRPC client stream of the same request bytes"
+BARE_GRPC_SIZES = "bare gRPC stream of messages of the batch's size"
 
 
 @dataclass(frozen=True)
@@ -148,18 +156,18 @@ def fill_ours(profile: Profile, capacity: int, rng: np.random.Generator) -> tupl
     return buffer, starts
 
 
-def fill_seed(profile: Profile, capacity: int, rng: np.random.Generator) -> SeedEpisodicReplayBuffer:
-    """The seed's buffer holding about as many steps, filled with 1.6x its episode slots."""
+def fill_allo(profile: Profile, capacity: int, rng: np.random.Generator) -> AlloEpisodicReplayBuffer:
+    """The ALLO episodic buffer holding about as many steps, filled with 1.6x its episode slots."""
     max_episodes = max(2, int(capacity // profile.mean_length))
-    seed = SeedEpisodicReplayBuffer(max_episodes, profile.max_len, profile.schema)
+    allo = AlloEpisodicReplayBuffer(max_episodes, profile.max_len, profile.schema)
     pool = row_pool(profile, rng)
     lengths, terminated = episode_plan(profile, int(max_episodes * 1.6 * profile.mean_length), rng)
     for length, term in zip(lengths, terminated, strict=True):
         terminals = np.zeros(length + 1, dtype=np.float32)
         if term:
             terminals[length - 1] = 1.0  # the step that ended the episode
-        seed.add_episode({**{name: pool[name][:length + 1] for name in pool}, "terminals": terminals})
-    return seed
+        allo.add_episode({**{name: pool[name][:length + 1] for name in pool}, "terminals": terminals})
+    return allo
 
 
 def ours_wrong_bounds(buffer: EpisodicBuffer, starts: np.ndarray, batch: int, batches: int) -> tuple[int, int]:
@@ -217,7 +225,8 @@ def bare_gathers(columns: dict[str, np.ndarray], pairs: bool, index_sets: list[t
         steps = () if pairs else (action.take(rows), reward.take(rows))
         return obs.take(rows, axis=0), *steps, *(obs.take(r, axis=0) for r in later_rows)
 
-    return {"bare_gather_fancy_index": fancy, "bare_gather_np.take": take}
+    return {"bare numpy gather of the same rows: fancy indexing": fancy,
+            "bare numpy gather of the same rows: np.take": take}
 
 
 def bench_in_process(profile: Profile, quick: bool) -> list[dict]:
@@ -230,25 +239,25 @@ def bench_in_process(profile: Profile, quick: bool) -> list[dict]:
     out = []
     buffer, starts = fill_ours(profile, capacity, rng)
     try:
-        seed = fill_seed(profile, capacity, rng)
+        allo = fill_allo(profile, capacity, rng)
         sample_rng = np.random.default_rng(2)
         cases = [
             ("transitions n_step=1", TransitionsMode(1, DISCOUNT),
-             lambda: seed.sample_transitions_loop(batch), lambda: seed.sample_transitions_vectorized(batch)),
+             lambda: allo.sample_transitions_loop(batch), lambda: allo.sample_transitions_vectorized(batch)),
             ("transitions n_step=3", TransitionsMode(3, DISCOUNT),
-             lambda: seed.sample_transitions_loop(batch), lambda: seed.sample_transitions_vectorized(batch)),
+             lambda: allo.sample_transitions_loop(batch), lambda: allo.sample_transitions_vectorized(batch)),
             (f"geometric discount={DISCOUNT}", GeometricMode(DISCOUNT),
-             lambda: seed.sample_loop(batch, DISCOUNT), lambda: seed.sample_vectorized(batch, DISCOUNT)),
+             lambda: allo.sample_loop(batch, DISCOUNT), lambda: allo.sample_vectorized(batch, DISCOUNT)),
         ]
-        for label, mode, seed_loop, seed_vec in cases:
+        for label, mode, allo_loop, allo_vec in cases:
             case = f"{profile.name} {label} batch={batch} cap={capacity}"
             bare = bare_gathers(buffer.ring.columns, isinstance(mode, GeometricMode),
                                 drawn_rows(buffer, batch, mode, 2 * (calls + warmup), np.random.default_rng(7)))
             timed = time_calls({"ours": lambda m=mode: buffer.sample(batch, m, sample_rng), **bare,
-                                "seed000_vectorized": seed_vec}, calls, warmup)
-            (ours_med, ours_p90), (vec_med, vec_p90) = timed["ours"], timed["seed000_vectorized"]
+                                ALLO_VECTORIZED: allo_vec}, calls, warmup)
+            (ours_med, ours_p90), (vec_med, vec_p90) = timed["ours"], timed[ALLO_VECTORIZED]
             bare_med = {name: timed[name][0] for name in bare}
-            loop_med, _ = time_calls({"loop": seed_loop}, loop_calls, warmup=2, rounds=1)["loop"]
+            loop_med, _ = time_calls({"loop": allo_loop}, loop_calls, warmup=2, rounds=1)["loop"]
             target = " (target: speedup >= 0.5)" if profile.name == "cartpole" else ""
             for name in sorted(bare_med, key=bare_med.get):  # the faster gather first: it is the target's
                 out.append(record(case + target, "sample_us", ours_med, "us", name, bare_med[name],
@@ -256,15 +265,15 @@ def bench_in_process(profile: Profile, quick: bool) -> list[dict]:
                 target = ""
             out += [
                 record(case + (" (target: speedup >= 4)" if profile.name == "cartpole" else ""), "sample_us",
-                       ours_med, "us", "seed000_vectorized", vec_med, vec_med / ours_med),
-                record(case, "sample_us_p90", ours_p90, "us", "seed000_vectorized", vec_p90, vec_p90 / ours_p90),
-                record(case, "sample_us", ours_med, "us", "seed000_per_sample_loop", loop_med, loop_med / ours_med),
+                       ours_med, "us", ALLO_VECTORIZED, vec_med, vec_med / ours_med),
+                record(case, "sample_us_p90", ours_p90, "us", ALLO_VECTORIZED, vec_p90, vec_p90 / ours_p90),
+                record(case, "sample_us", ours_med, "us", ALLO_LOOP, loop_med, loop_med / ours_med),
             ]
         ours_wrong, ours_total = ours_wrong_bounds(buffer, starts, batch, 20 if quick else 200)
-        seed_wrong, seed_total = seed.bound_errors(batch, 5 if quick else 40)
+        allo_wrong, allo_total = allo.bound_errors(batch, 5 if quick else 40)
         out.append(record(f"{profile.name} after wrap-around ({len(starts)} episodes into {capacity} steps)",
-                          "wrong_bound_fraction", ours_wrong / ours_total, "ratio", "seed000_vectorized",
-                          seed_wrong / seed_total))
+                          "wrong_bound_fraction", ours_wrong / ours_total, "ratio", ALLO_VECTORIZED,
+                          allo_wrong / allo_total))
     finally:
         buffer.close()
     return out
@@ -384,11 +393,11 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                 out.append(record(case + " (target >= 1.5M steps/s)", "insert_steps_per_s", steps_per_s,
                                   "steps/s"))
             out.append(record(case + (" (target >= 1.2 GB/s)" if profile.name == "atari" else ""),
-                              "insert_MB_per_s", bytes_per_s / MB, "MB/s", "loopback_tcp", tcp_mbps,
+                              "insert_MB_per_s", bytes_per_s / MB, "MB/s", TCP, tcp_mbps,
                               bytes_per_s / MB / tcp_mbps))
-            out.append(record(case, "insert_MB_per_s", bytes_per_s / MB, "MB/s", "bare_grpc_stream_same_bytes",
+            out.append(record(case, "insert_MB_per_s", bytes_per_s / MB, "MB/s", BARE_GRPC_BYTES,
                               sink_mbps, bytes_per_s / MB / sink_mbps))
-            out += cpu_records(case, cores, sink_cores, "bare_grpc_stream_same_bytes")
+            out += cpu_records(case, cores, sink_cores, BARE_GRPC_BYTES)
 
             batches = {"cartpole": 2000, "mujoco": 600, "atari": 400}[profile.name] // (4 if quick else 1)
             for how in ("sample_stream", "sample"):
@@ -427,17 +436,17 @@ def bench_grpc(quick: bool, tcp_mbps: float, profiles: Collection[str] | None = 
                                       "transitions_per_s", batches * profile.batch / elapsed, "transitions/s"))
                 stream = how == "sample_stream"
                 out.append(record(case + (" (target >= 700 MB/s)" if stream and profile.name == "mujoco" else ""),
-                                  "MB_per_s", mbps, "MB/s", "loopback_tcp", tcp_mbps, mbps / tcp_mbps))
+                                  "MB_per_s", mbps, "MB/s", TCP, tcp_mbps, mbps / tcp_mbps))
                 if sink_runs:
                     sink_mbps = total / float(np.median(sink_runs)) / MB
-                    out.append(record(case, "MB_per_s", mbps, "MB/s", "bare_grpc_stream_same_sizes", sink_mbps,
+                    out.append(record(case, "MB_per_s", mbps, "MB/s", BARE_GRPC_SIZES, sink_mbps,
                                       mbps / sink_mbps))
-                    out += cpu_records(case, [run[2] for run in runs], sink_cores, "bare_grpc_stream_same_sizes")
+                    out += cpu_records(case, [run[2] for run in runs], sink_cores, BARE_GRPC_SIZES)
                 if beside:
                     tcp_beside = float(np.median(beside))
                     # The atari target is scored against this one: TCP under the load the passes saw.
                     scored = " (target: speedup >= 0.4)" if stream and profile.name == "atari" else ""
-                    out.append(record(case + scored, "MB_per_s", mbps, "MB/s", "loopback_tcp_interleaved",
+                    out.append(record(case + scored, "MB_per_s", mbps, "MB/s", TCP_INTERLEAVED,
                                       tcp_beside, mbps / tcp_beside))
             client.delete_buffer(name)
     finally:

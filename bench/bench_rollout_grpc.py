@@ -2,8 +2,9 @@
 
 Each rollout: 8 actor threads (one client each) push their (128, 64) slot range concurrently, the
 learner then streams one epoch of minibatches and calls finish_rollout. Reported: push MB/s (bytes of
-the pushed columns) and rollouts/s, beside seed 002's in-process list-transpose-and-concatenate update
-of the same parts (MB/s), and the server's RSS after the first and the last rollout.
+the pushed columns) and rollouts/s, beside ElegantRL's `ReplayBufferList` update (list transpose and
+concatenate, in-process) of the same parts (MB/s), and the server's RSS after the first and the last
+rollout.
 
     .venv/bin/python -m bench.bench_rollout_grpc [--quick]
 """
@@ -20,7 +21,7 @@ import numpy as np
 import psutil
 import torch
 
-from bench.baselines.seed002_rollout_list import ListRolloutStore
+from bench.baselines.elegantrl_replay_buffer_list import ListRolloutStore
 from bench.bench_gae import ACTORS, ENVS_PER_ACTOR, OBS_DIM, STEPS, actor_parts
 from bench.bench_replay import ServerProcess
 from client.replay_client import ReplayClient
@@ -38,7 +39,7 @@ def part_bytes(parts: list[dict[str, np.ndarray]]) -> int:
     return sum(a.nbytes for part in parts for name, a in part.items() if name != "bootstrap")
 
 
-def seed_update_mbps(parts: list[dict[str, np.ndarray]], repeats: int) -> float:
+def list_update_mbps(parts: list[dict[str, np.ndarray]], repeats: int) -> float:
     names = [n for n in parts[0] if n != "bootstrap"]
     trajectories = [tuple(torch.from_numpy(p[n]) for n in names) for p in parts]
     store, times = ListRolloutStore(), []
@@ -86,12 +87,13 @@ def run(quick: bool = False) -> list[dict]:
         server.stop()
     case = f"{ACTORS} actors x {STEPS} steps x {ENVS_PER_ACTOR} envs, obs float32[{OBS_DIM}], {rollouts} rollouts"
     ours = part_bytes(parts) / statistics.median(push_seconds) / 1e6
-    seed = seed_update_mbps(parts, repeats=5 if quick else 20)
+    lists = list_update_mbps(parts, repeats=5 if quick else 20)
     # RSS includes the touched shared-memory pages and the allocator's retained arenas: it must level off.
     checkpoints = sorted({1, 10, rollouts // 2, rollouts})
     return [
-        record(case, "push_MB_per_s", ours, "MB/s", "seed002_list_cat_update (in-process)", seed, ours / seed),
-        *[record(case, f"server_rss_after_rollout_{n}", rss[n - 1], "MiB", "server_rss_after_rollout_1", rss[0])
+        record(case, "push_MB_per_s", ours, "MB/s", "ElegantRL ReplayBufferList update (in-process)", lists,
+               ours / lists),
+        *[record(case, f"server_rss_after_rollout_{n}", rss[n - 1], "MiB", "server RSS after rollout 1", rss[0])
           for n in checkpoints],
     ]
 

@@ -94,7 +94,7 @@ def sequence_records(size: int, calls: int, rng: np.random.Generator) -> tuple[l
     finally:
         buffer.close()
     ours = timed["ours"][0]
-    case = f"B={BATCH} sequences of {BURN_IN}+{LENGTH} cartpole rows, {size // 1_000_000}M-step ring"
+    case = f"B={BATCH} sequences of {BURN_IN}+{LENGTH} cartpole rows, {size:,}-step ring"
     records = [record(case, "time per batch", ours, "us", baseline, timed[key][0], timed[key][0] / ours)
                for key, baseline in (("searchsorted", "np.searchsorted over episode starts"),
                                      ("torchrl", "TorchRL SliceSampler (cache_values=False)"),

@@ -5,8 +5,9 @@
    10 % (speedup >= 0.9).
 2. The client's own work per merged batch for K = 1..8 shards, without network (median µs).
 3. K = 1, 2, 3 shards on this machine, K sampling processes (bench/shards_scaling.py): aggregate transitions/s
-   and the cores each server and client process used. On this 2-core machine the processes share the cores, so
-   the aggregate cannot grow with K; the cores per shard say what K shards need where cores are free.
+   and the cores each server and client process used. Where the machine has fewer cores than processes, they
+   share the cores and the aggregate cannot grow with K; the cores per shard say what K shards need where
+   cores are free.
 
     .venv/bin/python -m bench.bench_shards [--quick]      # JSON lines
 """
@@ -75,8 +76,8 @@ def one_shard_overhead(quick: bool) -> list[dict]:
     finally:
         server.stop()
     return [record(f"one shard: ShardedReplayClient.{how} vs ReplayClient.{how}, cartpole transitions batch {BATCH} "
-                   "(target: speedup >= 0.9)", "transitions_per_s", ours, "transitions/s", f"ReplayClient.{how}", base,
-                   ours / base)
+                   "(target: speedup >= 0.9)", "transitions_per_s", ours, "transitions/s",
+                   f"ReplayClient.{how} on the same server", base, ours / base)
             for how, (base, ours) in (("sample_stream", stream_rates), ("sample", unary_rates))]
 
 

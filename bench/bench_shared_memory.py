@@ -72,7 +72,8 @@ def local_versus_grpc(quick: bool) -> list[dict]:
             local_rate, remote_rate = statistics.median(local), statistics.median(remote)
             target = " (target >= 10x)" if profile.name == "cartpole" else ""
             out.append(record(f"{profile.name} transitions batch={profile.batch}{target}", "items_per_s", local_rate,
-                              "items/s", "grpc_sample_stream", remote_rate, local_rate / remote_rate))
+                              "items/s", "gRPC sample stream from the same server", remote_rate,
+                              local_rate / remote_rate))
             client.delete_buffer(profile.name)
         client.close()
     finally:

@@ -1,5 +1,5 @@
-"""Trainer micro-benchmarks (CPU): Q-loss forward+backward, ours vs the seed's two forms; ALLO step
-with one encoder call vs separate calls.
+"""Trainer micro-benchmarks (CPU): Q-loss forward+backward, ours vs SLM Lab's `calc_q_loss` in two forms;
+ALLO step with one encoder call vs separate calls.
 
     .venv/bin/python -m bench.bench_trainers [--quick] [--threads N]
 
@@ -7,20 +7,20 @@ Each record: bench, case, metric, value, unit, baseline, baseline_value, speedup
 for times).  Timing: warm-up, then the median over many repeats of a timed block of calls, the
 variants timed round-robin so background load hits them alike.
 
-Threads: ``--threads 1`` (default) because that is how the DQN learner runs torch
-(client/learner.py sets 1 thread; the actors and the server use the other core), and because on this
-shared 2-core machine 2 threads made every variant slower when tried (seed and ours alike).
+Threads: ``--threads 1`` (default) because that is how the DQN learner runs torch (client/learner.py
+sets 1 thread; the actors and the server use the other cores), and because at these sizes more threads
+make every variant slower on a machine whose cores are busy (SLM Lab's and ours alike).
 
 Q-loss cases: the same MLP 4-64-64-2, the same batch tensors reused by every variant, MSE, no
 importance weights.  Ours ("manual grad") is ``q_loss_manual_grad``, the path ``DQNTrainer`` uses by
 default (``loss_strategy="manual"``): target network + n-step targets (DQN) or online-argmax targets
 (Double DQN), gradient written by hand.  What bounds it at batch 256 (timed op by op, 1 thread): the
 four 256x64x64 GEMMs any form of this loss needs (online and target forward of the hidden layer, dW
-and dX of its backward; Double DQN adds a fifth for the online pass over s_boot) run at ~85-90% of
-the core's fp32 peak (~25 us each), and the seven thin GEMMs (4-wide input, 2-wide output) cost 5-9
-us each in MKL: ~155 us of GEMMs in a ~250 us DQN call.  The seed's two-forward form runs the same
-four big GEMMs (~175 us of GEMMs in ~450 us), so 2x at batch 256 would leave ours ~70 us for its ~25
-other ops, which cost ~3 us each in place on this machine.  "compiled manual grad"
+and dX of its backward; Double DQN adds a fifth for the online pass over s_boot) run near the core's
+fp32 peak, and the seven thin GEMMs (4-wide input, 2-wide output) cost a few microseconds each in MKL:
+GEMMs are most of a DQN call.  SLM Lab's two-forward form runs the same four big GEMMs, so twice its
+speed at batch 256 leaves ours little time for its ~25 other ops, each a few microseconds of
+dispatch.  "compiled manual grad"
 (``DQNTrainer(loss_strategy="compiled")``) runs the same math compiled ahead by inductor
 (client/trainers/compiled.py): the GEMMs stay MKL calls, the other ops fuse into a few C++ loops, and
 the graph is called from C++ with a dict lookup for a guard.
@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.baselines.seed003_qloss import SeedMLP, single_forward_qloss, two_forward_qloss
+from bench.baselines.slm_lab_qloss import SlmLabMLP, single_forward_qloss, two_forward_qloss
 from client.trainers.allo import AlloEncoder, allo_loss
 from client.trainers.compiled import CompiledFunction
 from client.trainers.dqn import q_loss
@@ -45,6 +45,9 @@ from client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_gra
 from client.trainers.q_network import QNetwork
 
 OBS_DIM, N_ACTIONS = 4, 2  # CartPole
+# Baselines, named for what they are (bench/baselines/slm_lab_qloss.py).
+SLM_TWO_FORWARD = "SLM Lab calc_q_loss: two forwards"
+SLM_ONE_FORWARD = "SLM Lab calc_q_loss: one forward of cat(s, s') (grad on)"
 
 
 def _interleaved_median_us(fns: dict[str, Callable[[], object]], rounds: int, inner: int, warmup: int) -> dict:
@@ -109,13 +112,13 @@ def _manual_step(online: QNetwork, target: QNetwork, batch: dict, double: bool,
 def _qloss_fns(B: int) -> dict[str, Callable[[], None]]:
     batch = _cartpole_batch(B)
     torch.manual_seed(0)
-    seed_net = SeedMLP(OBS_DIM, N_ACTIONS)
+    slm_net = SlmLabMLP(OBS_DIM, N_ACTIONS)
     online = QNetwork(OBS_DIM, N_ACTIONS)
     target = copy.deepcopy(online).requires_grad_(False)
     return {
-        "seed two-forward": _autograd_step(seed_net, lambda: two_forward_qloss(seed_net, batch)),
-        # The seed ran this form under no_grad (it could not train); timed here with grad enabled.
-        "seed single-forward (grad on)": _autograd_step(seed_net, lambda: single_forward_qloss(seed_net, batch)),
+        SLM_TWO_FORWARD: _autograd_step(slm_net, lambda: two_forward_qloss(slm_net, batch)),
+        # Under no_grad this form cannot train; timed here with grad enabled.
+        SLM_ONE_FORWARD: _autograd_step(slm_net, lambda: single_forward_qloss(slm_net, batch)),
         "ours dqn, autograd (q_loss)": _autograd_step(online, lambda: q_loss(online, target, batch)[0]),
         "ours double dqn, autograd (q_loss)": _autograd_step(
             online, lambda: q_loss(online, target, batch, double=True)[0]
@@ -133,16 +136,16 @@ def _qloss_fns(B: int) -> dict[str, Callable[[], None]]:
 
 
 def bench_qloss(quick: bool, threads: int) -> list[dict]:
-    """MSE, no importance weights; ours use a target net and n-step fields, the seed forms don't."""
+    """MSE, no importance weights; ours use a target net and n-step fields, SLM Lab's forms don't."""
     rounds, inner, warmup = (15, 20, 50) if quick else (61, 30, 200)
     records = []
     for B in (32, 256):
         times = _interleaved_median_us(_qloss_fns(B), rounds, inner, warmup)
         case = f"cartpole mlp 4-64-64-2, batch {B}, loss fwd+bwd, threads {threads}"
         for name, value in times.items():
-            if name.startswith("seed"):
+            if name in (SLM_TWO_FORWARD, SLM_ONE_FORWARD):
                 continue
-            for base_name in ("seed two-forward", "seed single-forward (grad on)"):
+            for base_name in (SLM_TWO_FORWARD, SLM_ONE_FORWARD):
                 records.append(
                     {
                         "bench": "qloss_fwd_bwd",

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         args["seed"] = secrets.randbits(31)
         print(f"actor: seed {args['seed']} (--seed fixes it)", flush=True)
     # SIGTERM (docker stop, compose down) ends the actor as its time budget does: the step in progress
-    # finishes and the episodes written are flushed to the server. By default the process died with them
-    # (and, as a container's PID 1, was not stopped at all until Docker killed it).
+    # finishes and the episodes written are flushed to the server. Python's default would let the process
+    # die with them (and, as a container's PID 1, not stop at all until Docker killed it).
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     report = algo.actor(build(algo.actor_config, **args), stop)

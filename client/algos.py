@@ -104,7 +104,7 @@ def seconds(text: str) -> float:
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
-    """argparse type: an integer >= `minimum` (a count or period below it was used as given, to no good)."""
+    """argparse type: an integer >= `minimum` (a count or period below it would be used as given, to no good)."""
     def parse(text: str) -> int:
         value = int(text)
         if value < minimum:

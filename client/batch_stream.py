@@ -134,6 +134,7 @@ class BatchStream:
             return True
 
     def close(self) -> None:
+        """Cancels the call (from any thread); iterating after it ends the iteration."""
         with self._lock:
             self._closed.set()
             self._call.cancel()

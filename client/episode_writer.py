@@ -150,6 +150,9 @@ class EpisodeWriter:
         return np.array(array[-1] if frames.stack_axis == 0 else array[..., -1])  # a copy of the frame alone
 
     def append(self, **step: Any) -> None:
+        """Adds one step of the open episode: its observation fields and step fields, one value each (checked
+        against the schema: a ValueError naming the field, and nothing changes). Every `chunk_rows` steps of
+        a long episode go to the server as a chunk."""
         self._check_open()
         self._steps.append(self._row(step, set(self.dtypes), "append"))
         if len(self._steps) >= self.chunk_rows:
@@ -208,6 +211,7 @@ class EpisodeWriter:
 
     @property
     def pending_rows(self) -> int:
+        """Rows of completed episodes held for the next flush."""
         return self._pending_rows
 
     def flush(self) -> None:

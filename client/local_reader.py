@@ -121,6 +121,8 @@ class LocalReader:
                            "attached; attach a new LocalReader")
 
     def close(self) -> None:
+        """Unmaps the buffer once the samples running on this reader finish (from any thread); a sample after
+        it raises NotFound."""
         self.ring.close()
 
     def __enter__(self) -> LocalReader:

@@ -509,6 +509,7 @@ class ReplayClient:
         return stateful
 
     def close(self) -> None:
+        """Closes the channels to the server and its sample workers; open streams end with them."""
         for channel in self._worker_channels.values():
             channel.close()
         self._channel.close()
@@ -628,19 +629,26 @@ class ReplayClient:
         return info
 
     def delete_buffer(self, name: str) -> None:
+        """Deletes a buffer and unlinks its shared memory; calls racing the delete get NOT_FOUND."""
         self._forget_sampling(name)
         self._described.pop(name, None)
         self._stub.DeleteBuffer(pb.DeleteBufferRequest(name=name), timeout=self.timeout)
 
     def list_buffers(self) -> list[dict[str, Any]]:
+        """Every buffer of the server, each described as `describe` does."""
         response = self._idempotent(self._stub.ListBuffers, pb.ListBuffersRequest(), None)
         return [_info_to_dict(info) for info in response.buffers]
 
     def describe(self, name: str, timeout: float | None = None) -> dict[str, Any]:
+        """A buffer's configuration and state: kind, bytes, fields (name -> (dtype, shape, is observation)),
+        capacity, stored and sampleable steps, episodes, counters, its sampler, remover and rate limiter as
+        options (rollout buffers: num_steps, num_envs, gamma, gae_lambda, policy_version, missing_steps), the
+        sample workers' endpoints, and whether sampling it changes it."""
         return _info_to_dict(self._idempotent(self._stub.DescribeBuffer, pb.DescribeBufferRequest(name=name),
                                               timeout))
 
     def observation_fields(self, buffer: str) -> tuple[str, ...]:
+        """The buffer's observation fields (L + 1 rows per episode), from its description asked once."""
         return tuple(n for n, (_, _, obs) in self._description(buffer)["fields"].items() if obs)
 
     def _description(self, buffer: str) -> dict[str, Any]:

@@ -49,6 +49,7 @@ def server() -> Iterator[ReplayServer]:
 @pytest.fixture
 def client(server: ReplayServer) -> Iterator[ReplayClient]:
     with ReplayClient(server.address, timeout=20) as replay_client:
+        replay_client.wait_ready(timeout=60)  # connected before the test's first call, which may not be retried
         yield replay_client
 
 

@@ -77,7 +77,8 @@ def test_ppo_actor_stops_on_the_learners_final_weights(client: ReplayClient) -> 
 
 def test_actors_started_alike_write_different_episodes(client: ReplayClient) -> None:
     """Two `replayd actor --algo allo` with the same command line (as one per actor, or compose's --scale,
-    start them) wrote the same random walks: both used seed 0. Each now draws its own seed."""
+    start them) write different random walks: each draws its own seed, where a fixed default would give both
+    the same walks."""
     from client.actor import main as actor_main
     from client.learners.allo import GRID_SCHEMA
 
@@ -94,9 +95,9 @@ def test_actors_started_alike_write_different_episodes(client: ReplayClient) -> 
 
 
 def test_a_learner_publishes_above_an_earlier_runs_final_weights(client: ReplayClient, tmp_path) -> None:
-    """A learner started on a server where an earlier run left its final weights (version 50): it
-    published from version 1 (refused, unnoticed), and a new actor took the old final weights and stopped
-    at once."""
+    """A learner started on a server where an earlier run left its final weights (version 50) publishes above
+    them: publishing from version 1 would be refused unnoticed, and a new actor would take the old final
+    weights and stop at once."""
     from client.learners.dqn import DQNLearnerConfig, learn_dqn
 
     client.publish_weights("q", 50, module_to_bytes(QNetwork(4, 2, (16,))), final=True)
@@ -118,8 +119,9 @@ def test_a_learner_publishes_above_an_earlier_runs_final_weights(client: ReplayC
 def test_an_actor_started_before_a_learner_restarted_on_an_earlier_runs_buffer_waits_for_it(
         client: ReplayClient, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An earlier run left its buffer (which a learner started again reuses) and its final weights: an actor
-    started before the new learner took those for its own learner's final weights and stopped at once, with
-    no env step, and the new learner trained on the old data alone."""
+    started before the new learner waits for the new learner's weights instead of taking the old final ones
+    for its own learner's (which would stop it at once, with no env step, and leave the new learner training
+    on the old data alone)."""
     from client.learners.dqn import DQNLearnerConfig, learn_dqn
 
     learner_config = DQNLearnerConfig(address=client.address, run_dir=str(tmp_path), seconds=2, hidden=(16,),
@@ -279,8 +281,8 @@ def test_the_allo_actor_walks_in_all_four_directions(client: ReplayClient) -> No
 @pytest.mark.parametrize("seed", [0, 7, 2**31 - 1])
 def test_an_actors_actions_do_not_repeat_its_envs_draws(seed: int) -> None:
     """gymnasium seeds an env's generator with SeedSequence(seed), as default_rng(seed) does: actions drawn
-    from default_rng(seed) were the env's own draws (found by a review: in the ALLO actor every random
-    action equalled a start state the gridworld drew)."""
+    from default_rng(seed) would be the env's own draws (in the ALLO actor, every random action would equal a
+    start state the gridworld drew), so actors draw their actions from a generator of their own."""
     from gymnasium.utils.seeding import np_random
 
     env_draws = np_random(seed)[0].integers(4, size=256)
@@ -290,8 +292,8 @@ def test_an_actors_actions_do_not_repeat_its_envs_draws(seed: int) -> None:
 
 
 def test_sigterm_ends_an_actor_process_as_its_budget_does(client: ReplayClient) -> None:
-    """`replayd actor` died at SIGTERM (docker stop) with the episodes it had written but not yet sent: it now
-    finishes its step, flushes them and reports, as when its time is up."""
+    """At SIGTERM (docker stop) `replayd actor` finishes its step, flushes the episodes it has written but not
+    yet sent, and reports, as when its time is up, instead of dying with them."""
     client.create_buffer("cartpole", 50_000, CARTPOLE_SCHEMA)
     client.publish_weights("q", 1, module_to_bytes(QNetwork(4, 2, DQNActorConfig(address="").hidden)))
     actor = subprocess.Popen([sys.executable, "-m", "client.actor", "--algo", "dqn", "--address", client.address,

@@ -146,8 +146,8 @@ def test_tls_round_trip_with_token(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a certificate")
 def test_with_tls_the_http_side_speaks_https_only(tmp_path: Path) -> None:
-    """The HTTP side stayed plain under --tls-cert: a client's bearer token for /metrics crossed the network in
-    the clear. It now serves the gRPC port's certificate."""
+    """Under --tls-cert the HTTP side serves the gRPC port's certificate: over plain HTTP a client's bearer
+    token for /metrics would cross the network in the clear."""
     cert, key = _self_signed(tmp_path)
     server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}https", token=TOKEN, tls_cert=cert, tls_key=key,
                           http_address="127.0.0.1:0").start()

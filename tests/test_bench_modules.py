@@ -15,7 +15,7 @@ def test_bench_module_imports(module: str) -> None:
 
 def test_peak_rss_of_a_child_is_its_own() -> None:
     """bench_gae's memory children report their own peak RSS, not that of the process that started them
-    (getrusage's ru_maxrss survives execve on Linux: both children reported bench.run's 2157 MiB)."""
+    (getrusage's ru_maxrss survives execve on Linux, so it would report bench.run's peak)."""
     import subprocess
     import sys
 

@@ -162,7 +162,7 @@ def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:
         assert latest_checkpoint(tmp_path) == good
         (tmp_path / LATEST).write_text("ckpt-000003\n")  # a pointer to an incomplete one falls back
         assert latest_checkpoint(tmp_path) == good
-        (tmp_path / LATEST).write_bytes(b"\xff\xfe")  # so does one damaged past decoding (was a traceback)
+        (tmp_path / LATEST).write_bytes(b"\xff\xfe")  # so does one damaged past decoding
         assert latest_checkpoint(tmp_path) == good
         (tmp_path / LATEST).unlink()
         assert latest_checkpoint(tmp_path) == good
@@ -234,7 +234,7 @@ def test_incompatible_checkpoints_are_refused(tmp_path: Path) -> None:
         path.write_text(json.dumps(bad))
         with pytest.raises(FailedPrecondition, match=r"points to file '\.\./\.\./outside\.arrow', expected"):
             restore_checkpoint(tmp_path, other)
-        # A manifest that does not list its buffers by name (was a bare KeyError: a traceback at startup).
+        # A manifest that does not list its buffers by name is refused by name, not with a KeyError at startup.
         for broken in ({k: v for k, v in manifest.items() if k != "buffers"},
                        {**manifest, "buffers": [{k: v for k, v in manifest["buffers"][0].items() if k != "name"}]}):
             path.write_text(json.dumps(broken))
@@ -449,8 +449,9 @@ def test_checkpoint_rpc_needs_a_checkpoint_dir(client: ReplayClient, tmp_path: P
 @pytest.mark.parametrize("directory", ["/tmp/elsewhere", "../up", "..", ".", "a/b", "-x", "a\0b", "x" * 65])
 def test_checkpoint_rpc_writes_only_under_the_checkpoint_dir(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                            monkeypatch: pytest.MonkeyPatch, directory: str) -> None:
-    """A path of the client's choosing was written with the server's rights (a LATEST file there replaced)."""
-    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # should it regress, relative paths land in a temp dir
+    """The Checkpoint RPC writes only under the server's --checkpoint-dir: a path of the client's choosing would
+    be written with the server's rights (a LATEST file there replaced)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # should the check fail, relative paths land in a temp dir
     root = tmp_path / "checkpoints"
     with ReplayServer("127.0.0.1:0", instance=new_instance(), checkpoint_dir=str(root)) as server, \
             ReplayClient(server.address, timeout=20) as client:
@@ -543,8 +544,8 @@ def test_a_server_that_cannot_start_its_http_side_unlinks_what_it_restored(tmp_p
 
 
 def test_a_buffer_deleted_after_its_last_chunk_is_saved_whole(tmp_path: Path) -> None:
-    """A delete landing after a buffer's last chunk was copied: the snapshot is complete, so it is saved
-    (its manifest entry used to list no arrays, which made the whole checkpoint unrestorable)."""
+    """A delete landing after a buffer's last chunk is copied: the snapshot is complete, so it is saved with
+    every array in its manifest entry (an entry without arrays would make the whole checkpoint unrestorable)."""
     registry = BufferRegistry(new_instance())
     try:
         registry.add("b", EpisodicBuffer("b", registry.instance, FIELDS, 64))

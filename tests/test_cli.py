@@ -15,23 +15,23 @@ from tests.conftest import TEST_INSTANCE
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--port", "-5"], "expected a port in 0..65535, got -5"),  # was served on port 65531
+    (["--port", "-5"], "expected a port in 0..65535, got -5"),  # gRPC would serve it as port 65531
     (["--port", "99999"], "expected a port in 0..65535, got 99999"),
     (["--http-port", "70000"], "expected a port in 0..65535, got 70000"),
-    (["--max-buffer-gb", "0"], "expected a number > 0, got 0"),  # every create_buffer failed
-    (["--max-message-mb", "-1"], "expected a number > 0, got -1"),  # was no limit at all
-    (["--max-message-mb", "4096"], "gRPC messages are smaller than 2048 MB"),  # an OverflowError traceback
-    (["--max-buffer-gb", "1e-12"], "--max-buffer-gb: 1e-12 is less than one byte"),  # a limit of 0 bytes
+    (["--max-buffer-gb", "0"], "expected a number > 0, got 0"),  # every create_buffer would fail
+    (["--max-message-mb", "-1"], "expected a number > 0, got -1"),  # gRPC takes -1 as no limit at all
+    (["--max-message-mb", "4096"], "gRPC messages are smaller than 2048 MB"),  # not an OverflowError traceback
+    (["--max-buffer-gb", "1e-12"], "--max-buffer-gb: 1e-12 is less than one byte"),  # not a limit of 0 bytes
     (["--max-message-mb", "1e-9"], "--max-message-mb: 1e-09 is less than one byte"),
-    (["--sample-workers", "-1"], "expected an integer >= 0, got -1"),  # tracebacks, from here on
-    (["--sample-workers", "100000"], "--sample-workers: expected at most"),  # started spawning 100,000 servers
+    (["--sample-workers", "-1"], "expected an integer >= 0, got -1"),  # usage errors, not tracebacks
+    (["--sample-workers", "100000"], "--sample-workers: expected at most"),  # not 100,000 processes spawned
     (["--checkpoint-keep", "-2"], "expected an integer >= 0, got -2"),
     (["--log-level", "BOGUS"], "invalid choice: 'BOGUS'"),
-    (["--token", "päss"], "token: expected printable ASCII"),  # accepted, then no client could authenticate
+    (["--token", "päss"], "token: expected printable ASCII"),  # no client could send it in metadata
     (["--token", "secret "], "token: expected printable ASCII"),
     (["--sample-workers", "1", "--tls-cert", "c.pem", "--tls-key", "k.pem"], "--sample-workers serve plain gRPC"),
-    (["--max-workers", "2"], "expected at least 3 worker threads, got 2"),  # was a ValueError traceback
-    (["--checkpoint-every", "60"], "--checkpoint-every needs --checkpoint-dir"),  # never checkpointed
+    (["--max-workers", "2"], "expected at least 3 worker threads, got 2"),  # a usage error, not a ValueError
+    (["--checkpoint-every", "60"], "--checkpoint-every needs --checkpoint-dir"),  # would never checkpoint
     (["--checkpoint-every", "0", "--checkpoint-dir", "ckpt"], "argument --checkpoint-every: expected a number > 0, "
                                                                "got 0"),
     (["--checkpoint-every", "-1", "--checkpoint-dir", "ckpt"], "expected a number > 0, got -1"),
@@ -115,8 +115,8 @@ def _serve(*flags: str) -> subprocess.CompletedProcess:
 
 
 def test_a_port_in_use_is_refused() -> None:
-    """gRPC sets SO_REUSEPORT on Linux: a second server on a port in use started, and took part of the first
-    one's calls. Now it is refused, and the serve command says so (it was a RuntimeError traceback)."""
+    """gRPC sets SO_REUSEPORT on Linux: a second server on a port in use would start and take part of the
+    first one's calls. It is refused, and the serve command says so in one line."""
     first = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}cli1").start()
     try:
         try:
@@ -145,7 +145,8 @@ def test_unreadable_tls_files_are_reported(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags", [["--rmove"], ["--instance", f"{TEST_INSTANCE}cli", "--remove-stale"], ["extra"]])
 def test_segments_refuses_unknown_arguments(flags: list[str], capsys: pytest.CaptureFixture,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """`replayd segments --rmove` listed the segments and exited 0: the operator took them for removed."""
+    """`replayd segments --rmove` is a usage error: listing the segments and exiting 0 would let the operator
+    take them for removed."""
     monkeypatch.setattr(cli, "list_segments", lambda args: pytest.fail(f"{flags} were accepted"))
     with pytest.raises(SystemExit) as info:
         cli_main(["segments", *flags])

@@ -222,8 +222,8 @@ def test_rows_too_large_to_describe_are_refused_when_encoding() -> None:
 
 
 def test_big_endian_dtype_metadata_decodes_in_native_order_every_time() -> None:
-    """A payload whose dtype metadata says '>f4' (bodies are little-endian whatever it says): the first decode
-    (through Arrow) was right, the ones after it (from the learned layout) byte-swapped."""
+    """A payload whose dtype metadata says '>f4' (bodies are little-endian whatever it says) decodes the same
+    the first time (through Arrow) and every time after (from the learned layout), never byte-swapped."""
     values = pa.array(np.array([1.0, 2.0, 3.0], np.float32))
     schema = pa.schema([pa.field("x", pa.float32(), metadata={b"dtype": b">f4", b"shape": b"[]"})])
     sink = pa.BufferOutputStream()

@@ -89,10 +89,10 @@ def check_batch(batch: dict[str, np.ndarray], stack: int = 1) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- codecs
-@pytest.mark.parametrize("compression", ["zstd", "lz4"])
-def test_codecs_round_trip_and_refuse_frames_not_whole(compression: str) -> None:
+@pytest.mark.parametrize(("compression", "level"), [("zstd", 3), ("lz4", None), ("lz4", 9)])
+def test_codecs_round_trip_and_refuse_frames_not_whole(compression: str, level: int | None) -> None:
     frames = np.stack([frame_of(3, t) for t in range(5)])
-    packed = compress(compression, 3 if compression == "zstd" else None, frames)
+    packed = compress(compression, level, frames)  # lz4 with a level: LZ4 HC, the same block format
     assert len(packed) == 5 and packed.nbytes < frames.nbytes
     for i in range(5):
         assert decompress(compression, packed.frame(i), frames[0].nbytes) == frames[i].tobytes()
@@ -228,8 +228,10 @@ def test_sizing_by_bytes(compression: str) -> None:
     (Field("obs", "uint8", FRAME, observation=True, compression="gzip"),
      "field 'obs': compression must be one of 'zstd', 'lz4' or none, got 'gzip'"),
     (Field("act", "uint8", FRAME, compression="zstd"), "field 'act': compression='zstd', expected none"),
-    (Field("obs", "uint8", FRAME, observation=True, compression="lz4", compression_level=3),
-     "field 'obs': compression_level=3 applies to zstd only"),
+    (Field("obs", "uint8", FRAME, observation=True, compression_level=3),
+     "field 'obs': compression_level=3 applies to a compressed field"),
+    (Field("obs", "uint8", FRAME, observation=True, compression="lz4", compression_level=13),
+     "field 'obs': compression_level must be an integer in 1..12 for lz4, got 13"),
     (Field("obs", "uint8", FRAME, observation=True, compression="zstd", compression_level=0),
      "field 'obs': compression_level must be an integer in 1..22 for zstd, got 0"),
 ])

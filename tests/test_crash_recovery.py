@@ -286,8 +286,8 @@ def span_at(episode_id: int, rows: int, begins: bool, ends: bool, offset: int) -
 def test_writer_killed_while_closing_an_episode_in_place(bounds_written: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A close sets how the episode ended, then its rows' bounds, then its last row. Killed before the last
-    row moved, recovery kept the episode closed at its old last row (an episode that never ended, cut short)
-    and refused the client's retry; now the episode is open again and the retry closes it."""
+    row moves, recovery opens the episode again and the client's retry closes it (keeping it closed at its
+    old last row would store an episode that never ended, cut short, and refuse the retry)."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_close"):
         buffer = EpisodicBuffer("close", TEST_INSTANCE, FIELDS, 200)
         header = buffer.storage.header_name
@@ -318,8 +318,9 @@ def test_writer_killed_while_closing_an_episode_in_place(bounds_written: bool,
 
 
 def test_writer_killed_after_a_closing_move_keeps_the_episode_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A closing chunk that moves the episode to the head, killed after the new place was committed and
-    before the old one was retired: recovery kept both (the old one open), and the retry stored a third copy."""
+    """A closing chunk that moves the episode to the head, killed after the new place is committed and before
+    the old one is retired: recovery keeps the new copy only (keeping both, the old one open, would let the
+    retry store a third copy), and the retry is acknowledged as a duplicate."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_move"):
         buffer = EpisodicBuffer("move", TEST_INSTANCE, FIELDS, 200)
         header = buffer.storage.header_name
@@ -342,8 +343,8 @@ def test_writer_killed_after_a_closing_move_keeps_the_episode_once(monkeypatch: 
 
 def test_writer_killed_between_the_two_tail_stores_of_an_eviction() -> None:
     """An eviction publishes the tail position, then the first live extent: killed in between, the oldest
-    extents start below the tail. Recovery refused the segments (and the buffer was lost); now it finishes
-    the eviction."""
+    extents start below the tail. Recovery finishes the eviction rather than refusing the segments (and
+    losing the buffer)."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_evict"):
         buffer = EpisodicBuffer("evict", TEST_INSTANCE, FIELDS, 60)
         header = buffer.storage.header_name
@@ -364,8 +365,9 @@ def test_writer_killed_between_the_two_tail_stores_of_an_eviction() -> None:
 
 
 def test_a_retried_closing_chunk_is_acknowledged_after_recovery() -> None:
-    """The server stored a closing chunk and died before acknowledging it: the client's retry was refused
-    ("not open") after recovery, which remembers closed episodes whole, not by chunk."""
+    """The server stores a closing chunk and dies before acknowledging it: after recovery, which remembers
+    closed episodes whole, not by chunk, the client's retry is acknowledged as stored, not refused as "not
+    open"."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_dedup"):
         buffer = EpisodicBuffer("dedup", TEST_INSTANCE, FIELDS, 200)
         header = buffer.storage.header_name
@@ -379,9 +381,9 @@ def test_a_retried_closing_chunk_is_acknowledged_after_recovery() -> None:
 
 
 def test_a_retried_request_of_a_whole_episode_in_chunks_is_acknowledged_after_recovery() -> None:
-    """A request holding an episode's first chunk and its closing chunk (a large episode the client split),
-    stored, then the server died before acknowledging it: the retry's first chunk (offset 0, fewer rows than
-    the episode) was refused as overlapping the episode that recovery remembers whole."""
+    """A request holding an episode's first chunk and its closing chunk (a large episode the client split) is
+    stored, then the server dies before acknowledging it: the retry's first chunk (offset 0, fewer rows than
+    the episode) is acknowledged, not refused as overlapping the episode that recovery remembers whole."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_first"):
         buffer = EpisodicBuffer("first", TEST_INSTANCE, FIELDS, 200)
         header = buffer.storage.header_name
@@ -402,9 +404,9 @@ def test_a_retried_request_of_a_whole_episode_in_chunks_is_acknowledged_after_re
 
 
 def test_recovery_clears_the_draw_counts_of_rows_that_hold_no_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """max_times_sampled: a writer killed after an open episode's move committed, before its old rows were
-    retired, left their draw counts; evicting those rows later gave their retired steps back to
-    sampleable_steps, which stayed too high for good."""
+    """max_times_sampled: a writer killed after an open episode's move commits, before its old rows are
+    retired, leaves their draw counts, and recovery clears them: evicting those rows later would give their
+    retired steps back to sampleable_steps, which would stay too high for good."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_counts"):
         buffer = EpisodicBuffer("counts", TEST_INSTANCE, FIELDS, 40, remover=MaxTimesSampledRemover(1))
         header = buffer.storage.header_name
@@ -456,7 +458,7 @@ def test_recovery_remembers_no_more_closed_episodes_than_the_dedup_window() -> N
 
 def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -> None:
     """--recover --restore DIR where DIR holds no checkpoint (a mistyped path, or a kill before the first
-    one): the start fails, and it used to unlink the buffers it had just reattached, their only copy."""
+    one): the start fails and keeps the buffers it has just reattached, their only copy."""
     from service.server import ReplayServer
     from service.storage.shared_arrays import SharedArrays
 
@@ -544,9 +546,9 @@ def test_recover_on_an_emptied_dev_shm_restores_the_whole_checkpoint(tmp_path, c
 
 
 def test_bounds_of_an_uncommitted_block_are_not_drawn_after_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Killed after _write_block stored the rows' bounds, before the head moved: recovery drops the block, and
-    must drop its bounds past the head too. A new open episode's reserved (unwritten) room read them, and the
-    uniform sampler drew the dead block's rows as steps of the new episode (found by a review)."""
+    """Killed after _write_block stores the rows' bounds, before the head moves: recovery drops the block, and
+    its bounds past the head too. A new open episode's reserved (unwritten) room would read them, and the
+    uniform sampler would draw the dead block's rows as steps of the new episode."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_phantom"):
         buffer = EpisodicBuffer("phantom", TEST_INSTANCE, FIELDS, 200)
         header = buffer.storage.header_name
@@ -560,7 +562,7 @@ def test_bounds_of_an_uncommitted_block_are_not_drawn_after_recovery(monkeypatch
             recovered.insert(*chunk(3, 5, True, False))  # open: rows 21..25 landed, room to 30
             positions = np.arange(recovered.tail_position(), recovered.head)
             _, bounds, _ = recovered.ring.episode_bounds(positions)
-            assert int(np.count_nonzero(positions < bounds)) == recovered.sampleable_steps  # was 29, not 24
+            assert int(np.count_nonzero(positions < bounds)) == recovered.sampleable_steps  # 24, not 29
             batch = recovered.sample(2000, TransitionsMode(1, 0.9), np.random.default_rng(0), include_keys=True)
             np.testing.assert_array_equal(batch["obs"][:, 0], batch["episode_id"].astype(np.float64))
 
@@ -570,8 +572,8 @@ def test_bounds_of_an_uncommitted_block_are_not_drawn_after_recovery(monkeypatch
 def test_steps_an_interrupted_append_commits_have_a_priority(grows: bool, after: bool,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """An append to an open episode commits when its last row is published (the head is already past its
-    room, or grown to cover it). The steps it adds got their first priority only after that: killed in
-    between, they came back live with leaf 0, counted sampleable but never drawn (found by a review)."""
+    room, or grown to cover it), so the steps it adds get their first priority before that: killed in
+    between, they would come back live with leaf 0, counted sampleable but never drawn."""
     with segments_removed(f"rpd_{TEST_INSTANCE}_prio"):
         buffer = EpisodicBuffer("prio", TEST_INSTANCE, FIELDS, 200, sampler=PrioritizedSampler(0.5))
         header = buffer.storage.header_name

@@ -70,8 +70,8 @@ def test_demo_processes_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_sigterm_stops_everything_the_demo_started(tmp_path: Path) -> None:
-    """SIGTERM (kill, docker stop) to the demo alone: it ended the demo process and left its server (with
-    the shared memory) and actors running. Now it stops them on the way out, as Ctrl-C does."""
+    """SIGTERM (kill, docker stop) to the demo alone stops its server (with the shared memory) and its actors
+    on the way out, as Ctrl-C does, rather than leave them running."""
     import signal
 
     instance = f"test{os.getpid()}term"
@@ -286,8 +286,8 @@ def _crashing_actor(config: object, stop: object) -> None:
 def test_actor_processes_return_soon_when_actors_die_without_reporting() -> None:
     before = set(multiprocessing.active_children())
     with actor_processes(_crashing_actor, [None, None]) as actors:
-        # Each child imports this module (torch included) before it crashes, which took the whole 20 s on a
-        # loaded machine: the clock starts once both died, so it times the wait for their reports alone.
+        # Each child imports this module (torch included) before it crashes, which can take the whole 20 s on
+        # a loaded machine: the clock starts once both died, so it times the wait for their reports alone.
         wait_until(lambda: not set(multiprocessing.active_children()) - before, time.monotonic() + 120,
                    "the actors crashing")
         started = time.monotonic()
@@ -303,7 +303,8 @@ def _second_actor_crashing(config: object, stop: object) -> object:
 
 
 def test_a_demo_whose_actor_fails_says_so_and_exits_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """It went on with the other actor and exited 0, the failed actor's report None in its summary."""
+    """The demo ends naming the failed actor and exits non-zero, rather than go on with the other actor and
+    exit 0 with the failed actor's report None in its summary."""
     monkeypatch.setitem(ALGOS, "dqn", dataclasses.replace(ALGOS["dqn"], actor=_second_actor_crashing))
     with pytest.raises(SystemExit, match=r"demo: actor 1 \(exit code 1\) failed \(see above\)"):
         _demo(tmp_path, "dqn", "--seconds", "60", "--eval-every", "50")

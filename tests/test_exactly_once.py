@@ -376,8 +376,9 @@ def test_sample_is_retried_only_when_drawing_changes_nothing(client: ReplayClien
 
 
 def test_a_sample_is_not_sent_again_once_its_buffer_was_created_again_with_a_remover(client: ReplayClient) -> None:
-    """The client had learned that sampling "s" changes nothing; another client then created "s" again with a
-    max_times_sampled remover. A lost response was retried from the stale answer: one batch retired twice."""
+    """The client has learned that sampling "s" changes nothing; another client then creates "s" again with a
+    max_times_sampled remover. A lost response is not retried from the stale answer, which would retire one
+    batch twice."""
     rng = np.random.default_rng(9)
     client.create_buffer("s", 1000, SCHEMA)
     client.insert_episodes("s", [episode(rng, 100)], [True])

@@ -90,8 +90,8 @@ def test_unknown_fixed_width_fields_are_skipped_whole() -> None:
 
 
 def test_a_message_with_a_group_is_read_as_protobuf_reads_it() -> None:
-    """Groups (wire types 3 and 4) are valid protobuf, kept as unknown fields; the scan refused them
-    (CodecError) and leaves them to protobuf's parser now, a group left open included."""
+    """Groups (wire types 3 and 4) are valid protobuf, kept as unknown fields: the scan leaves them to
+    protobuf's parser, a group left open included, rather than refuse them (CodecError)."""
     group = _field(5, 3, _field(1, 0, b"\x01")) + _field(5, 4, b"")  # unknown field 5: a group {1: 1}
     raw = pb.InsertRequest(buffer="b", steps=b"arrow", span_rows=[3]).SerializeToString() + group
     assert bytes(InsertFrame.parse(raw).steps) == pb.InsertRequest.FromString(raw).steps == b"arrow"

@@ -115,7 +115,7 @@ def test_truncation_bootstraps_from_final_value_termination_does_not():
     expected = np.array([[2.0, -0.5], [2.0, -3.0], [-4.0, -4.0]], np.float32)
     np.testing.assert_array_equal(advantage, expected)
     np.testing.assert_array_equal(returns, expected + r["value"])
-    # Treating truncation as termination (seed 004's defect) would give A_1 = −3 for env 0.
+    # Treating truncation as termination (esper-lite's GAE does) would give A_1 = −3 for env 0.
     assert advantage[1, 0] != advantage[1, 1]
 
 

@@ -183,8 +183,8 @@ def test_episode_writer_refuses_a_wrong_value_where_it_is_given_and_goes_on(clie
 
 
 def test_episode_writer_takes_ints_that_fit_an_unsigned_field(client: ReplayClient) -> None:
-    """numpy's same_kind casting refuses int64 -> uint8 whatever the values: a Python int action for a uint8
-    field was refused as a dtype."""
+    """numpy's same_kind casting refuses int64 -> uint8 whatever the values, so the writer checks the values
+    themselves: a Python int action that fits a uint8 field is taken, not refused as a dtype."""
     client.create_buffer("u", 100, {"obs": ("uint8", (2,)), "action": ("uint8", ()), "reward": ("float32", ())})
     writer = EpisodeWriter(client, "u")
     for action in (3, np.int64(4), np.int32(255), True):
@@ -579,7 +579,7 @@ def test_closing_ahead_closes_the_generator_on_its_thread() -> None:
 
 
 def test_a_long_episode_goes_out_in_requests_under_the_message_limit(server: ReplayServer) -> None:
-    """The first chunk of a long episode is at most twice max_request_bytes (it was half the episode)."""
+    """The first chunk of a long episode is at most twice max_request_bytes, not half the episode."""
     with ReplayClient(server.address, max_message_bytes=256 * 1024, max_request_bytes=64 * 1024) as client:
         client.create_buffer("long", 20_000, {"obs": ("float32", (64,)), "action": ("int64", ())})
         rng = np.random.default_rng(0)
@@ -601,8 +601,8 @@ def test_requests_fit_the_clients_message_limit_whatever_max_request_bytes_says(
 
 
 def test_a_timeout_bounds_a_retried_call_in_all() -> None:
-    """Retries of an idempotent call stay within its timeout (each retry used to get a timeout of its own:
-    0.3 s took about 2 s against a port nothing listens on)."""
+    """Retries of an idempotent call stay within its timeout, pauses included (a timeout of its own for each
+    retry would stretch 0.3 s to seconds against a port nothing listens on)."""
     port = free_port()
     with ReplayClient(f"127.0.0.1:{port}", retries=5, timeout=0.3) as client:
         started = time.monotonic()
@@ -632,8 +632,9 @@ def test_an_explicit_zero_timeout_is_passed_on_not_replaced_by_the_default(clien
 
 
 def test_a_first_sample_asks_about_its_buffer_within_the_samples_timeout() -> None:
-    """The describe a buffer's first sample makes (sample workers, side effects) had the client's default
-    timeout: sample(timeout=0.3) against a server that is down took the describe's retries (seconds)."""
+    """The describe a buffer's first sample makes (sample workers, side effects) runs within the sample's
+    timeout: with the client's default, sample(timeout=0.3) against a server that is down would take the
+    describe's retries (seconds)."""
     port = free_port()
     with ReplayClient(f"127.0.0.1:{port}", retries=5, timeout=60) as client:
         for first_call in (lambda: client.sample("any", 4, timeout=0.3),
@@ -718,9 +719,9 @@ def test_the_size_check_counts_every_column_a_batch_holds(sampler: str) -> None:
 
 
 def test_the_size_check_bounds_the_framing_of_wide_schemas() -> None:
-    """Many columns with long names and rank-8 rows: the framing outgrows the flat 64 KiB the size check
-    allowed, so a batch it admitted could be drawn (and counted) and then refused. It now allows 1 KiB
-    per column the batch may hold."""
+    """Many columns with long names and rank-8 rows: the framing outgrows a flat 64 KiB, so the size check
+    allows 1 KiB per column the batch may hold; a batch it admits is never drawn (and counted) and then
+    refused."""
     shape = (1,) * 8
     observations = [Field(f"o{i:02d}".ljust(64, "x"), "uint8", shape, observation=True) for i in range(64)]
     steps = [Field(f"s{i:02d}".ljust(64, "x"), "uint8", shape) for i in range(64)]

@@ -187,8 +187,7 @@ def test_an_ipv6_http_address_reaches_uvicorn_without_brackets() -> None:
 
 
 def test_metrics_count_rollout_minibatch_rows(http_server: ReplayServer) -> None:
-    """A rollout buffer's served minibatch rows are its sampled items on /metrics, as on /api/buffers (the
-    series was missing for rollout buffers)."""
+    """A rollout buffer's served minibatch rows are its sampled items on /metrics, as on /api/buffers."""
     base = f"http://127.0.0.1:{http_server.http.port}"
     steps, envs = 4, 2
     with ReplayClient(http_server.address) as client:
@@ -279,8 +278,8 @@ def test_a_loopback_server_answers_only_loopback_host_headers(http_server: Repla
 
 
 def test_forgetting_a_deleted_buffer_while_other_calls_add_series() -> None:
-    """DeleteBuffer's forget() walked the series cache while calls on other threads added to it: the walk
-    raised 'dictionary changed size during iteration' (the delete failed INTERNAL, its series stayed)."""
+    """DeleteBuffer's forget() walks the series cache while calls on other threads add to it, without 'dictionary
+    changed size during iteration' (which would fail the delete with INTERNAL and keep its series)."""
     metrics = RpcMetrics(CollectorRegistry(), lambda name: True)
     for index in range(200):
         metrics.observe_latency("Sample", f"old{index}", 0.001)
@@ -307,8 +306,8 @@ def test_forgetting_a_deleted_buffer_while_other_calls_add_series() -> None:
 
 
 def test_readyz_says_not_ready_once_grpc_stops_serving() -> None:
-    """/readyz answered 200 "ready" after stop() had stopped gRPC, for as long as the rest of stop() ran
-    (the grace period, a checkpoint in progress, the sample workers): only the HTTP side was still up."""
+    """/readyz answers 503 once stop() has stopped gRPC, for as long as the rest of stop() runs (the grace
+    period, a checkpoint in progress, the sample workers): only the HTTP side is still up then."""
     server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}ready", http_address="127.0.0.1:0").start()
     base = f"http://127.0.0.1:{server.http.port}"
     stopping, release = threading.Event(), threading.Event()

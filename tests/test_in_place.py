@@ -91,8 +91,9 @@ def test_messages_written_in_place_are_the_usual_encoding_byte_for_byte(buffer: 
 @pytest.mark.parametrize("change", ["gains", "loses"])
 def test_a_stream_whose_layout_changes_learns_the_new_one(buffer: EpisodicBuffer, change: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A column a batch gains, or one it no longer has (which went out as the new message's uninitialized
-    memory: a message is allocated before its batch is drawn, here filled with 0xAB to show it)."""
+    """A column a batch gains, or one it loses, makes the stream learn the new layout (a column gone must not
+    go out as the new message's uninitialized memory: a message is allocated before its batch is drawn, here
+    filled with 0xAB to show it)."""
     new_bytes = kernels.new_bytes
 
     def dirty_bytes(size: int) -> tuple[bytes, np.ndarray]:

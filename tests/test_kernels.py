@@ -401,8 +401,8 @@ def test_tree_find_keeps_a_node_past_its_level_bounded_over_many_short_levels() 
 
 def test_transition_batch_releases_its_arrays_when_a_later_gather_runs_out_of_memory() -> None:
     """Memory running out at the next observations' gather (the first gather took what was left) raises
-    MemoryError, and the terminated and truncated columns the kernel made for the batch are released (they
-    leaked: 2 bytes a sample per failed call). In a child process: it caps its own address space."""
+    MemoryError, and the terminated and truncated columns the kernel made for the batch are released (not
+    leaked, 2 bytes a sample per failed call). In a child process: it caps its own address space."""
     code = textwrap.dedent("""
         import gc, resource, tracemalloc
         import numpy as np

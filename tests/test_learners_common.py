@@ -71,7 +71,7 @@ def test_a_learner_refused_its_buffer_exits_with_one_line_and_stops_its_actors(
     """It publishes its first weights before the buffer (actors wait for the buffer, then fetch them): a
     learner that cannot go on publishes them final, or its actors would collect for nobody until their
     --seconds ran out."""
-    client.create_buffer("cartpole", 500, CARTPOLE_SCHEMA)  # e.g. the README's learner example, another size
+    client.create_buffer("cartpole", 500, CARTPOLE_SCHEMA)  # e.g. the client guide's learner example, another size
     with pytest.raises(SystemExit) as info:
         learner_main(["--algo", "dqn", "--address", client.address, "--seconds", "5"], prog="replayd learn")
     assert info.value.code == 1

@@ -140,8 +140,8 @@ def test_close_cancels_a_server_stream_the_thread_waits_on(client: ReplayClient)
 
 
 def test_close_ends_a_local_reader_stream_the_thread_waits_on(client: ReplayClient) -> None:
-    """The same with a LocalReader's stream: close() took 5 s (the join's timeout) and left the thread
-    polling the empty buffer until it was deleted."""
+    """The same with a LocalReader's stream: close() returns at once and ends the thread, rather than wait out
+    the join's timeout and leave the thread polling the empty buffer until it is deleted."""
     from client.local_reader import LocalReader
 
     client.create_buffer("empty", 100, {"obs": ("float32", (2,)), "action": ("int64", ())})

@@ -90,8 +90,8 @@ def test_a_local_reader_counts_the_torn_draws_it_redraws(client: ReplayClient,
 
 
 def test_local_sampling_refuses_counts_the_grpc_path_refuses(client: ReplayClient) -> None:
-    """Protobuf refuses a float n_step and the server a negative num_batches; in-process they were cut to
-    int(2.9) = 2 and to nothing."""
+    """Protobuf refuses a float n_step and the server a negative num_batches; in-process they are refused too,
+    not cut to int(2.9) = 2 and to nothing."""
     _insert_some_episodes(client, "local")
     with LocalReader(client, "local") as reader:
         with pytest.raises(InvalidArgument, match=r"transitions.n_step must be an integer in 1..1000, got 2.9"):
@@ -376,8 +376,8 @@ finally:
 
 
 def test_closing_a_reader_while_it_samples_is_an_error_not_a_crash() -> None:
-    """close() unmapped the ring under a sample running in another thread (and under any later sample): the
-    process died with SIGSEGV. Now close waits for the running samples, and later ones raise NotFound."""
+    """close() waits for the samples running in other threads before it unmaps the ring, and later samples
+    raise NotFound: unmapping under them would kill the process with SIGSEGV."""
     result = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_SAMPLING, f"{TEST_INSTANCE}close"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

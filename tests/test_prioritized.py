@@ -268,9 +268,9 @@ def test_draws_of_leaves_a_writer_zeroed_are_redrawn_then_marked_torn(monkeypatc
 
 
 def test_a_batch_drawn_in_rounds_weighs_equal_priorities_alike() -> None:
-    """max_times_sampled=1 draws a batch in rounds, each retiring what it drew. A later round normalized its
-    weights against the smallest priority left, so once the 0.5 step was retired, priority-1 steps drawn
-    after it got weight 1 while those drawn before got 0.5."""
+    """max_times_sampled=1 draws a batch in rounds, each retiring what it drew. Every round normalizes its
+    weights against the first round's smallest priority: against the smallest priority left, once the 0.5
+    step is retired, priority-1 steps drawn after it would get weight 1 while those drawn before got 0.5."""
     rounds_seen = 0
     for seed in range(40):
         rng = np.random.default_rng(seed)

@@ -88,8 +88,8 @@ def test_inserts_evicting_below_min_size_never_block() -> None:
 
 def test_a_sample_short_of_draws_left_lets_the_inserts_it_needs_past_the_ratio() -> None:
     """max_times_sampled=1: 6 steps with draws left, diff at max_diff. A sample of 8 passes the ratio but finds
-    too few draws and waits for inserts; the insert it needs was held back by the ratio, waiting for a sample:
-    both waited to their deadlines."""
+    too few draws and waits for inserts; the insert it needs goes past the ratio, which would otherwise hold
+    it back waiting for a sample, and both would wait to their deadlines."""
     limiter = SampleToInsertRatioLimiter(min_size_to_sample=1, samples_per_insert=1.0, error_buffer=5.0)
     buffer = EpisodicBuffer("rl", f"test{os.getpid()}", FIELDS, 1000, limiter=limiter,
                             remover=MaxTimesSampledRemover(1))
@@ -184,7 +184,8 @@ def test_config_is_validated() -> None:
     with pytest.raises(InvalidArgument, match="error_buffer must be finite and >= 0"):
         SampleToInsertRatioLimiter(1, samples_per_insert=0.0, error_buffer=-1.0)
     SampleToInsertRatioLimiter(1, samples_per_insert=1.0, error_buffer=1.0)  # the documented boundary: 2 * 1 == 1 + 1
-    # 0 was taken as 1, which also moved the band by samples_per_insert (it is centred on min size * spi)
+    # 0 is refused, not taken as 1, which would also move the band by samples_per_insert (it is centred on
+    # min size * spi)
     with pytest.raises(InvalidArgument, match=r"min_size_to_sample must be an integer >= 1 .*got 0"):
         SampleToInsertRatioLimiter(0, samples_per_insert=2.0, error_buffer=10.0)
     with pytest.raises(InvalidArgument, match="samples_per_insert"):
@@ -226,8 +227,8 @@ def test_blocked_calls_never_take_every_server_worker() -> None:
     """More inserts held back by a rate limiter than the server lets wait: one more is refused at once with
     a retry-after hint, while a learner's stream still opens (streams have seats of their own) and unary
     samples are still served; they release the held inserts, and the refused insert, retried by the client
-    until its deadline, lands once a seat frees up. Without the cap, the held inserts took every worker and
-    the samples could only queue behind them until their deadlines."""
+    until its deadline, lands once a seat frees up. Without the cap, the held inserts would take every worker
+    and the samples could only queue behind them until their deadlines."""
     server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}seats", max_workers=8).start()
     threads: list[threading.Thread] = []
     failures: list[BaseException] = []

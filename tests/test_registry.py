@@ -59,7 +59,8 @@ def test_a_buffer_past_the_servers_most_is_refused_and_freed() -> None:
 
 def test_a_buffer_added_after_the_registry_closed_is_refused_and_freed() -> None:
     """A CreateBuffer still running when the server stops (gRPC does not wait for its handler) hands its
-    buffer over after close(): it was kept in the closed registry, its segments left in /dev/shm."""
+    buffer over after close(): it is refused and freed, not kept in the closed registry with its segments
+    left in /dev/shm."""
     instance = f"{TEST_INSTANCE}late"
     registry = BufferRegistry(instance)
     late = EpisodicBuffer("late", instance, FIELDS, 8)  # allocated before the stop, handed over after it

@@ -106,8 +106,8 @@ def test_priorities_move_with_their_open_episode() -> None:
 @pytest.mark.parametrize("sampler", [None, PrioritizedSampler(0.5)], ids=["uniform", "prioritized"])
 def test_a_batch_holds_a_step_at_most_its_draws_left(sampler) -> None:
     """Draws are counted as a batch is drawn (as Reverb retires an item within a batch): with k = 1 a batch
-    never repeats a step (it held one step 3 times in 8 draws from 10 steps), and a batch larger than the
-    draws left is refused with every count and priority as it was."""
+    never repeats a step, and a batch larger than the draws left is refused with every count and priority
+    as it was."""
     buffer = EpisodicBuffer("quota", f"test{os.getpid()}", FIELDS, 100, sampler=sampler,
                             remover=MaxTimesSampledRemover(1))
     rng = np.random.default_rng(0)

@@ -317,8 +317,8 @@ def test_a_stream_whose_reopen_asks_the_server_past_its_deadline_fails_with_the_
 
 
 def test_closing_a_stream_while_it_reopens_does_not_wait_for_the_reopen() -> None:
-    """close() waited on the stream's lock while the reopen asked the server where to sample (a describe
-    of up to the client's timeout); now it returns at once, and the call opened meanwhile is cancelled."""
+    """close() returns at once while the reopen asks the server where to sample (a describe of up to the
+    client's timeout), instead of waiting on the stream's lock, and the call opened meanwhile is cancelled."""
     describing, answer = threading.Event(), threading.Event()
     cancelled: list[bool] = []
     opened: list[float | None] = []
@@ -403,7 +403,7 @@ def test_max_request_bytes_below_1_is_refused(max_request_bytes: int) -> None:
 
 
 @pytest.mark.parametrize(("keys", "message"), [
-    (np.array([3.7, 10.2]), r"expected integers, got dtype float64 \(first key 3.7\)"),  # was steps 3 and 10
+    (np.array([3.7, 10.2]), r"expected integers, got dtype float64 \(first key 3.7\)"),  # not steps 3 and 10
     ([3, 10.0], r"expected integers, got 10.0 at index 1"),
     ([1, True], r"expected integers, got True at index 1"),
     (np.array([True]), r"expected integers, got dtype bool"),

@@ -68,7 +68,7 @@ def test_actors_push_learner_streams_minibatches(client: ReplayClient) -> None:
         np.testing.assert_array_equal(batch["obs"], full["obs"].reshape(-1, 3)[index])
     np.testing.assert_array_equal(seen, 2)  # every sample exactly once per epoch
     assert client.describe("ppo")["counters"]["served_samples"] == 2 * T * N  # the status page's samples/s
-    assert client.describe("ppo")["capacity_steps"] == T * N  # was 0: a rollout buffer has cells, not a ring
+    assert client.describe("ppo")["capacity_steps"] == T * N  # a rollout buffer has cells, not a ring
 
 
 def test_stale_and_incomplete_rollouts_are_rejected(client: ReplayClient) -> None:
@@ -96,7 +96,7 @@ def test_stale_and_incomplete_rollouts_are_rejected(client: ReplayClient) -> Non
 def test_actor_push_refused_as_too_new_is_pushed_again_once_the_learner_catches_up(
         client: ReplayClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """The learner's finish_rollout lands between the refusal of a too-new push and the actor's check of
-    the version: the part must still be stored (it was reported pushed and lost)."""
+    the version: the part is still stored (not reported pushed and lost)."""
     rollout = Rollout(T, ENVS, (3,))
     client.create_rollout_buffer("race", T, ENVS, {"obs": ("float32", (3,)), "action": ("int64", ()),
                                                    "log_prob": ("float32", ())})

@@ -252,7 +252,8 @@ def _state(pid: int) -> str:
 
 def test_a_worker_stream_of_a_recreated_buffer_ends_with_not_found(worker_server: ReplayServer) -> None:
     """A buffer deleted and created again (larger) while a worker streams it: the stream ends with NOT_FOUND
-    (the worker used to unmap the old ring under it and die of SIGSEGV), and the new buffer is served."""
+    (the worker keeps the old ring mapped under it rather than die of SIGSEGV), and the new buffer is
+    served."""
     with ReplayClient(worker_server.address, retries=0) as client:
         fill(client, "b")
         stream = client.sample_stream("b", 8, timeout=60)
@@ -413,7 +414,7 @@ def test_a_cancelled_wait_on_a_worker_ends_at_once(client: ReplayClient,
 def test_a_buffer_deleted_between_the_workers_look_and_its_attach_is_not_found(
         client: ReplayClient, in_process_worker: SampleWorkerServicer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker finds the segment, then the delete unlinks it before the attach: NOT_FOUND, as for a
-    buffer gone before the look (it was INTERNAL, a FileNotFoundError)."""
+    buffer gone before the look (not INTERNAL from a FileNotFoundError)."""
     client.create_buffer("racing", 1000, SCHEMA)
 
     def unlinked_meanwhile(header: str) -> None:
@@ -444,7 +445,8 @@ def test_a_buffer_whose_header_is_not_written_yet_is_not_found() -> None:
 @pytest.mark.parametrize("name", ["racing.data", "a/b", ""])
 def test_a_worker_checks_buffer_names_as_the_server_does(
         client: ReplayClient, in_process_worker: SampleWorkerServicer, name: str) -> None:
-    """"b.data" opened the data segment as a header (copying it whole before failing), "a/b" was INTERNAL."""
+    """Names the server refuses are refused by the worker too: "b.data" would open the data segment as a
+    header (copying it whole before failing), "a/b" would be INTERNAL."""
     client.create_buffer("racing", 1000, SCHEMA)
     with pytest.raises(InvalidArgument, match=r"buffer name .* must match"):
         in_process_worker.ring(name)
@@ -456,10 +458,10 @@ def test_a_worker_keeps_a_quarter_of_its_threads_free_for_short_calls() -> None:
 
 
 def test_a_worker_whose_port_was_taken_is_started_again_once_it_is_free(caplog: pytest.LogCaptureFixture) -> None:
-    """A dead worker is restarted on its port. When another socket took that port meanwhile, the restart waited
-    60 s for a port the new worker never reported, then its queue.Empty ended the monitor thread: no worker was
-    ever restarted again. Now a worker that exits before serving is an OSError at once, and the monitor tries
-    again until the port is free."""
+    """A dead worker is restarted on its port. When another socket took that port meanwhile, a worker that
+    exits before serving is an OSError at once, and the monitor tries again until the port is free (rather
+    than wait for a port the new worker never reports, and end the monitor thread, so that no worker is ever
+    restarted again)."""
     workers = SampleWorkers(1, f"{TEST_INSTANCE}taken", "127.0.0.1", 2**20, None)
     workers.start()
     taken = socket.socket()
@@ -498,8 +500,8 @@ def test_a_worker_whose_port_was_taken_is_started_again_once_it_is_free(caplog: 
 
 
 def test_ctrl_c_stops_the_server_and_its_workers_quietly() -> None:
-    """A terminal's Ctrl-C sends SIGINT to the whole process group: each worker died with a KeyboardInterrupt
-    traceback, and the monitor started one again while the server was stopping."""
+    """A terminal's Ctrl-C sends SIGINT to the whole process group: the workers stop quietly (no
+    KeyboardInterrupt traceback each), and the monitor starts none again while the server stops."""
     port = free_port()
     instance = f"{TEST_INSTANCE}ctrlc"
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,

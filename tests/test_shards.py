@@ -72,7 +72,8 @@ def test_two_servers_in_one_process_keep_their_own_buffers_weights_and_memory() 
 
 
 def test_a_stopped_server_leaves_no_worker_thread_behind() -> None:
-    """gRPC does not shut down the executor it was given: its idle workers lived as long as the server object."""
+    """gRPC does not shut down the executor it is given, so the server does: its idle workers would live as
+    long as the server object."""
     server = ReplayServer("127.0.0.1:0", instance=f"{TEST_INSTANCE}stop").start()
     try:
         with ReplayClient(server.address, timeout=20) as client:

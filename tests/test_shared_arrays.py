@@ -111,8 +111,8 @@ def test_a_buffer_the_space_left_after_the_others_fill_cannot_hold_is_refused(mo
 
 
 def test_concurrent_creates_cannot_together_overcommit_the_free_space(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two creates of 6 MB with 10 MB free, each reading the free space before the other made its segment:
-    both passed the check, and the server was killed by SIGBUS once both were filled."""
+    """Two creates of 6 MB with 10 MB free, each reading the free space before the other makes its segment:
+    one is refused (both passing the check would get the server killed by SIGBUS once both were filled)."""
     both_checking = threading.Barrier(2)
     monkeypatch.setattr(shared_arrays, "shm_free_bytes", lambda: 10 * 2**20)
     monkeypatch.setattr(shared_arrays, "segments", lambda prefix="rpd_": [n for n in os.listdir(SHM_DIR)

@@ -101,8 +101,8 @@ def test_status_page_shows_buffers_and_updates(page_server: ReplayServer, tmp_pa
 
 def test_status_page_shows_no_negative_rate_when_counters_restart(page_server: ReplayServer, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """A buffer deleted and created again under its name starts its counters at 0: the page showed the
-    drop as a negative inserts/s and samples/s (e.g. "-990") until its next refresh."""
+    """A buffer deleted and created again under its name starts its counters at 0: the page shows no rate for
+    the drop rather than a negative inserts/s and samples/s (e.g. "-990") until its next refresh."""
     with ReplayClient(page_server.address, timeout=10, token=TOKEN) as client:
         client.create_rollout_buffer("ppo", 4, 2, {"obs": ("float32", (3,))})
     buffer = page_server.registry.rollout("ppo")

@@ -191,7 +191,7 @@ def test_barrier_starts_at_barrier_init_grows_by_its_rule_and_stops_at_barrier_m
 
 @pytest.mark.parametrize(("settings", "message"), [
     ({"barrier_init": 50.0, "barrier_max": 10.0}, r"barrier_init must be in \[0, barrier_max=10.0\], got 50.0"),
-    ({"barrier_init": -3.0}, r"barrier_init must be in \[0, barrier_max=10000.0\], got -3.0"),  # became 0
+    ({"barrier_init": -3.0}, r"barrier_init must be in \[0, barrier_max=10000.0\], got -3.0"),  # not clipped to 0
     ({"barrier_init": float("nan")}, r"barrier_init must be in \[0, barrier_max=10000.0\], got nan"),
     ({"barrier_init": 0.0, "barrier_max": -5.0}, r"barrier_max must be >= 0, got -5.0"),  # a barrier of -5
     ({"barrier_max": float("nan")}, r"barrier_max must be >= 0, got nan"),
@@ -200,8 +200,8 @@ def test_barrier_starts_at_barrier_init_grows_by_its_rule_and_stops_at_barrier_m
     ({"lr_barrier": float("nan")}, r"lr_barrier must be finite and >= 0, got nan"),
 ])
 def test_bad_trainer_settings_raise(settings, message):
-    """Such a barrier_init was replaced by the clip after the first step; a negative barrier_max became the
-    barrier."""
+    """Settings the trainer cannot honour are refused: such a barrier_init would be replaced by the clip after
+    the first step, and a negative barrier_max would become the barrier."""
     with pytest.raises(ValueError, match=message):
         AlloTrainer(2, D, hidden=(8,), **settings)
     tr = AlloTrainer(2, D, hidden=(8,), barrier_init=0.0, barrier_max=0.0)  # no barrier at all: allowed

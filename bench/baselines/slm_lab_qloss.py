@@ -1,16 +1,15 @@
-"""The seed design's two Q-loss forms, kept only as benchmark baselines (do not use for training).
+"""SLM Lab's DQN `calc_q_loss` in two forms, kept only as benchmark baselines (do not use for training).
 
-Reconstructed from the seed design's description (its source is not in this tree):
+(a) ``two_forward_qloss``, as ``calc_q_loss`` computes it: ``q_preds = net(states);
+    next_q_preds = net(next_states)``, gather the taken action, 1-step max target
+    ``r + γ (1 - done) max_a next_q``.  Defect kept on purpose: the *online* net produces the targets
+    (no target network).  The target is detached before the MSE, so backward runs through the
+    ``q_preds`` branch only (but both forwards record autograd graphs).
+(b) ``single_forward_qloss``: ``torch.cat([states, next_states])``, one forward, split, same math:
+    the "vectorized" form of the same loss. Run under ``torch.no_grad()`` it could not train at all;
+    for a fair forward+backward timing the benchmark runs it with grad enabled.
 
-(a) ``two_forward_qloss``: ``q_preds = net(states); next_q_preds = net(next_states)``, gather the
-    taken action, 1-step max target ``r + γ (1 - done) max_a next_q``.  Defect kept on purpose: the
-    *online* net produces the targets (no target network).  The target is detached before the MSE,
-    so backward runs through the ``q_preds`` branch only (but both forwards record autograd graphs).
-(b) ``single_forward_qloss``: ``torch.cat([states, next_states])``, one forward, split, same math.
-    The seed ran this "vectorized" form under ``torch.no_grad()`` (so it could not train at all); for
-    a fair forward+backward timing the benchmark runs it with grad enabled.
-
-``SeedMLP`` is the seed's network style: an ``nn.Sequential`` of Linear/ReLU modules.
+``SlmLabMLP`` is SLM Lab's network style: an ``nn.Sequential`` of Linear/ReLU modules.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-class SeedMLP(nn.Sequential):
+class SlmLabMLP(nn.Sequential):
     def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64) -> None:
         super().__init__(
             nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_actions)
@@ -32,7 +31,7 @@ def two_forward_qloss(net: nn.Module, batch: dict[str, Tensor], gamma: float = 0
     actions, rewards = batch["action"], batch["reward"]
     dones = batch["terminated"].float()
     q_preds = net(states)
-    next_q_preds = net(next_states)  # seed defect: online net for targets, graph recorded
+    next_q_preds = net(next_states)  # kept defect: online net for targets, graph recorded
     q = q_preds.gather(1, actions.unsqueeze(1)).squeeze(1)
     max_next_q = next_q_preds.max(1)[0]
     target = rewards + gamma * (1 - dones) * max_next_q

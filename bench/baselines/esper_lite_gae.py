@@ -1,4 +1,4 @@
-"""Seed 004's GAE, re-implemented as written for timing (torch, (num_envs, steps) layout).
+"""esper-lite's GAE, re-implemented as written for timing (torch, (num_envs, steps) layout).
 
 Known defects kept on purpose so the timings compare like with like: truncation is treated as
 termination (one `dones` flag), and `next_values` repeats V(s_{T-1}) at the last step instead of

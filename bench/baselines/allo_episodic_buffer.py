@@ -1,22 +1,22 @@
-"""Seed 000's episodic replay buffer and its two `sample()` versions, re-implemented for timing.
+"""The ALLO episodic replay buffer and its two `sample()` versions, re-implemented for timing.
 
-Layout as in the seed: every component lives in a (max_episodes, max_len + 1, ...) array, one slot per
+Layout as in that buffer: every component lives in a (max_episodes, max_len + 1, ...) array, one slot per
 episode (slots reused round-robin once the buffer is full), with per-episode lengths and a `terminals`
 component (1 at the step where the episode terminated; truncated episodes have none).
 
 `sample(batch_size, discount)` draws an episode per sample, a start index in it, a horizon bound
 `max_durations` from the terminals, a geometric offset clipped to that bound, and returns the
-observation at the start and at start + offset (the seed's geometric future-state pairs).
+observation at the start and at start + offset (its geometric future-state pairs).
 
   * `sample_loop`: the per-sample Python loop that calls np.where on each sample's terminals slice.
-  * `sample_vectorized`: the precomputed `terminal_indices` table (capped at 100 per episode, -1
-    padding), mask + sort, selection with nested np.where.
+  * `sample_vectorized`: the vectorized terminal-index sampler: the precomputed `terminal_indices`
+    table (capped at 100 per episode, -1 padding), mask + sort, selection with nested np.where.
 
 Defect kept on purpose: `add_episode` writes only the first `num_terms` entries of a reused slot's
 `terminal_indices` row and never clears the rest, and the vectorized sampler masks with `>= 0` rather
 than with `num_terminals`. Once slots are reused, a truncated episode (no terminal) inherits the previous
 occupant's terminal positions, so its samples get the old episode's bound (see `bound_errors`).
-Also kept: the seed's "second terminal if there are two" quirk (irrelevant with one terminal per episode).
+Also kept: its "second terminal if there are two" quirk (irrelevant with one terminal per episode).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 MAX_TERMINALS = 100
 
 
-class SeedEpisodicReplayBuffer:
+class AlloEpisodicReplayBuffer:
     def __init__(self, max_episodes: int, max_len: int, components: Mapping[str, tuple[str, tuple[int, ...]]],
                  seed: int = 0) -> None:
         self._max_episodes = max_episodes
@@ -48,7 +48,7 @@ class SeedEpisodicReplayBuffer:
         return sum(a.nbytes for a in self._episodes.values())
 
     def add_episode(self, episode: Mapping[str, np.ndarray]) -> None:
-        """`episode` holds every component with L + 1 rows (the seed pads step components) and `terminals`."""
+        """`episode` holds every component with L + 1 rows (the buffer pads step components) and `terminals`."""
         length = len(episode["terminals"])
         for step_component, component_array in episode.items():
             self._episodes[step_component][self._idx, :length] = component_array
@@ -132,8 +132,8 @@ class SeedEpisodicReplayBuffer:
         )
 
     def sample_transitions_vectorized(self, batch_size: int) -> dict[str, np.ndarray]:
-        """The seed's gather shape for (obs, action, reward, next_obs) with the vectorized bound (used for
-        the transitions cases; the seed has no n-step targets)."""
+        """Its gather shape for (obs, action, reward, next_obs) with the vectorized bound (used for the
+        transitions cases; the buffer has no n-step targets)."""
         episode_idx, obs_idx, ranges = self._draw(batch_size)
         self.durations_vectorized(episode_idx, obs_idx, ranges)
         e = self._episodes

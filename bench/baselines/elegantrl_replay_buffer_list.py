@@ -1,6 +1,6 @@
-"""Seed 002's rollout storage, re-implemented as written for comparison.
+"""ElegantRL's `ReplayBufferList`, the on-policy rollout storage, re-implemented as written for comparison.
 
-Actors' trajectories are appended to a list; every update transposes it (one list per item) and
+Actors' trajectories are appended to a list; every update (`update_buffer`) transposes it (one list per item) and
 concatenates each item along dim 0 into a batch list that is cleared and refilled, so every update
 allocates a whole new rollout while the previous one and the actors' parts are still alive.
 """
