@@ -238,10 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         learner_main(rest, prog="replayd learn")
         return
     if args.command == "ray":
-        try:
-            from client.ray.cli import main as ray_main
-        except ImportError as exc:
-            parser.exit(1, f"replayd ray: {exc}\n")
+        from client.ray.cli import main as ray_main  # imports Ray once a command runs (not for --help)
+
         ray_main(rest, prog="replayd ray")
         return
     if rest:

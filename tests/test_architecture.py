@@ -126,9 +126,11 @@ def test_only_the_ray_launcher_imports_ray() -> None:
 
 def test_the_server_the_client_and_the_programs_load_without_ray() -> None:
     """`replayd serve`, the clients, actors, learners and the demo run where Ray is not installed: none of them
-    imports it (client.sharded imports client.ray only for a ray:NAME address)."""
+    imports it (client.sharded imports client.ray only for a ray:NAME address), and neither does importing
+    client.ray and its command line (`replayd ray --help`) before a name of its API is used."""
     code = ("import sys, service.cli, service.server, client, client.sharded, client.actor, client.learner, "
-            "client.demo; print(sorted(name for name in sys.modules if name == 'ray' or name.startswith('ray.')))")
+            "client.demo, client.ray, client.ray.cli; "
+            "print(sorted(name for name in sys.modules if name == 'ray' or name.startswith('ray.')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -35,7 +35,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from client import ReplayClient, States  # noqa: E402
 from client.learners.dqn import CARTPOLE_SCHEMA  # noqa: E402
 from client.polling import wait_until  # noqa: E402
-from client.ray import BufferSpec, run_actors, shards, start_shards  # noqa: E402
+from client.ray import BufferSpec, find_shards, run_actors, start_shards  # noqa: E402
 from client.ray.resolver import NAMESPACE, actor_name, distinct  # noqa: E402
 from client.sharded import connect  # noqa: E402
 from service.storage.shared_arrays import segments  # noqa: E402
@@ -160,7 +160,7 @@ def test_shards_land_on_distinct_nodes_and_serve_one_buffer_found_by_name(cluste
         with connect(f"ray:{name}") as named:
             assert [shard.address for shard in named.shards.members()] == [shard["address"] for shard in info]
             assert named.describe("spread")["episodes"] == 30
-        assert shards(name).addresses() == [shard["address"] for shard in info]
+        assert find_shards(name).addresses() == [shard["address"] for shard in info]
     finally:
         started.stop()
     assert actor_gone(name)
@@ -215,7 +215,7 @@ def test_replayd_ray_up_status_run_and_down_as_commands(cluster: LocalCluster, t
 
     try:
         up = replayd("up", "--shards", "2", "--strategy", "STRICT_SPREAD", "--shm-gb", "0.0625", "--http-port", "-1")
-        addresses = shards(name).addresses()  # the command has exited: the detached shards still serve
+        addresses = find_shards(name).addresses()  # the command has exited: the detached shards still serve
         assert all(address in up for address in addresses) and f"--address ray:{name}" in up
         with connect(f"ray:{name}") as client:
             client.wait_ready(30)
@@ -230,7 +230,7 @@ def test_replayd_ray_up_status_run_and_down_as_commands(cluster: LocalCluster, t
         assert "2 shard(s)" in replayd("down")
     finally:
         if not actor_gone(name):
-            shards(name).stop()
+            find_shards(name).stop()
     assert actor_gone(name)
     assert segments(f"rpd_{name}") == []
 

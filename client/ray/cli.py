@@ -15,12 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
-import ray
-
-from client.ray.jobs import run_actors
-from client.ray.resolver import NAMESPACE
-from client.ray.shards import STRATEGIES, shards, start_shards
+from client.ray import STRATEGIES, require_ray
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +27,8 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
+    from client.ray.shards import start_shards
+
     started = start_shards(
         args.shards, name=args.name, strategy=args.strategy, cpus_per_shard=args.cpus_per_shard,
         shm_bytes=None if args.shm_gb is None else int(args.shm_gb * 2**30), checkpoint_dir=args.checkpoint_dir,
@@ -49,6 +48,8 @@ def _print_status(infos: list[dict]) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from client.ray.jobs import run_actors
+
     learner_options = {"seconds": args.seconds, **({"run_dir": args.run_dir} if args.run_dir else {})}
     run = run_actors(args.name, args.algo, args.actors, actor_options={"seconds": args.seconds + 600},
                      learner_options=learner_options, cpus_per_actor=args.cpus_per_actor,
@@ -104,19 +105,35 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     run.add_argument("--cpus-per-actor", type=float, default=1.0)
     run.add_argument("--cpus-per-learner", type=float, default=1.0)
     args = parser.parse_args(argv)
+    try:
+        require_ray()
+    except ImportError as exc:
+        parser.exit(1, f"{parser.prog}: {exc}\n")
+    import ray
+
+    from client.ray.resolver import NAMESPACE
+
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     try:
-        if args.command == "up":
-            _up(args)
-        elif args.command == "down":
-            found = shards(args.name)
-            found.stop()
-            print(f"{len(found.handles)} shard(s) {args.name!r} stopped; their shared memory is unlinked", flush=True)
-        elif args.command == "status":
-            _print_status(shards(args.name).info())
-        else:
-            _run(args)
+        _COMMANDS[args.command](args)
     except (ValueError, TimeoutError) as exc:
         parser.exit(1, f"{parser.prog} {args.command}: {exc}\n")
     finally:
         ray.shutdown()
+
+
+def _down(args: argparse.Namespace) -> None:
+    from client.ray.shards import find_shards
+
+    found = find_shards(args.name)
+    found.stop()
+    print(f"{len(found.handles)} shard(s) {args.name!r} stopped; their shared memory is unlinked", flush=True)
+
+
+def _status(args: argparse.Namespace) -> None:
+    from client.ray.shards import find_shards
+
+    _print_status(find_shards(args.name).info())
+
+
+_COMMANDS: dict[str, Any] = {"up": _up, "down": _down, "status": _status, "run": _run}

@@ -47,6 +47,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from client.ray import STRATEGIES
 from client.ray.resolver import NAMESPACE, ShardAddresses, actor_name, connect_ray, lookup
 from client.replay_client import ReplayClient, Schema
 from client.shard_math import MAX_SHARDS, split_capacity, split_rate_limiter
@@ -66,7 +67,6 @@ from service.wire.components import (
 
 log = logging.getLogger("replayd.ray")
 
-STRATEGIES = ("SPREAD", "STRICT_SPREAD")
 SHM_RESOURCE = "shm"  # the node resource, in bytes, that stands for a node's /dev/shm
 _GROUP_NAME = re.compile(r"[A-Za-z0-9]{1,16}")  # with "s<k>n<8 hex digits>", within an instance name's 32 characters
 _LISTENING = re.compile(r"listening on (\S+?)(?: \(TLS\))?(?:, HTTPS? on port (\d+))?, (?:token required|no token)$")
@@ -354,13 +354,13 @@ class RayShards:
         return answers
 
 
-def shards(name: str = "replayd") -> RayShards:
+def find_shards(name: str = "replayd") -> RayShards:
     """The shards a driver started under `name` (on this Ray cluster, from any driver)."""
     return RayShards(name, lookup(name), os.environ.get("REPLAYD_TOKEN") or None)
 
 
 def stop_shards(name: str = "replayd", timeout: float = 60.0) -> None:
-    shards(name).stop(timeout)
+    find_shards(name).stop(timeout)
 
 
 def _check_options(num_shards: int, name: str, strategy: str, port: int, shm_bytes: int | None,
@@ -415,7 +415,7 @@ def start_shards(num_shards: int, buffers: Sequence[BufferSpec] = (), *, name: s
     connect_ray()
     if _exists(name):
         raise ValueError(f"replayd shards named {name!r} already run on this cluster: connect with "
-                         f"replayd.ray.shards({name!r}) or stop them first (stop_shards, `replayd ray down`)")
+                         f"replayd.ray.find_shards({name!r}) or stop them first (stop_shards, `replayd ray down`)")
     bundle: dict[str, float] = {"CPU": cpus_per_shard}
     if shm_bytes is not None:
         bundle[SHM_RESOURCE] = float(shm_bytes)
