@@ -16,7 +16,14 @@ $(STAMP): pyproject.toml setup.py constraints.txt service/kernels/_kernels.c
 demo: $(STAMP)
 	$(PY) -m client.demo $(ARGS)
 
-test: $(STAMP)
+# The tests also need the `ray` extra (tests/test_ray.py starts a Ray cluster); the demo does not install it.
+TEST_STAMP := $(VENV)/.test-stamp
+
+$(TEST_STAMP): $(STAMP)
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install --quiet --constraint constraints.txt --editable '.[learner,dev,docs,ray]'
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     add_common_options(parser)
     parser.add_argument("--address", required=True,
                         help="host:port of the replay server; shards:NAME:PORT (every server NAME resolves to) or "
-                             "host:port,host:port,... for several (client.sharded.connect)")
+                             "host:port,host:port,... for several, ray:NAME for Ray shards (client.sharded.connect)")
     parser.add_argument("--buffer")
     parser.add_argument("--env", dest="env_id")
     parser.add_argument("--seed", type=int)

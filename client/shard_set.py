@@ -1,6 +1,7 @@
-"""The servers (shards) of a ShardedReplayClient: from a list of addresses, or from one DNS name whose A/AAAA
-records are the shards (a compose service scaled to K replicas, a Kubernetes headless Service), re-resolved at
-an interval and when a shard fails. Each shard has its own ReplayClient; a shard that fails is down until its
+"""The servers (shards) of a ShardedReplayClient: from a list of addresses, from one DNS name whose A/AAAA
+records are the shards (a compose service scaled to K replicas, a Kubernetes headless Service), or from a function
+that lists them (the Ray launcher's, client/ray/resolver.py), the last two asked again at an interval and when a
+shard fails. Each shard has its own ReplayClient; a shard that fails is down until its
 channel connects again (gRPC's reconnects, 0.1-1 s apart), and both events are logged and counted."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -79,22 +80,30 @@ class Shard:
         return f"shard {self.index} ({self.address})"
 
 
+# What lists the shards now, each call: their addresses ("host:port"), or a mapping from a name of each shard to its
+# address, for shards that keep who they are when they move (a shard restarted at another address is the same
+# shard: its index, its keys and the spans held for it stay its own). It raises OSError when it cannot tell now.
+Resolver = Callable[[], Sequence[str] | Mapping[str, str]]
+
+
 class ShardSet:
-    """The current shards. `target`: one "name:port" (resolved to every record, again every `resolve_every`
-    seconds and after a failure) or a sequence of addresses (fixed). `connect(address)` makes a shard's client.
+    """The current shards. `target`: one "name:port" (resolved to every record), or a resolver (see Resolver):
+    either is asked again every `resolve_every` seconds and after a failure; or a sequence of addresses (fixed).
+    `connect(address)` makes a shard's client.
 
     `generation` grows at every change (a shard failing, coming back, joining or leaving), so that what callers
     derive from the shards (which hold a buffer, their sizes) is derived again."""
 
-    def __init__(self, target: str | Sequence[str], connect: Callable[[str], ReplayClient],
+    def __init__(self, target: str | Resolver | Sequence[str], connect: Callable[[str], ReplayClient],
                  resolve_every: float, registry: CollectorRegistry) -> None:
         if not resolve_every > 0:
             raise ValueError(f"resolve_every: expected seconds > 0, got {resolve_every!r}")
-        self._name = target if isinstance(target, str) else None
+        self._name = target if isinstance(target, str) or callable(target) else None  # asked again; None: fixed
         self._connect = connect
         self._resolve_every = resolve_every
         self._lock = threading.Lock()
-        self._known: dict[str, Shard] = {}  # every address ever listed: a shard listed again keeps its index
+        self._known: dict[str, Shard] = {}  # every shard ever listed, by name: one listed again keeps its index
+        self._retired: list[ReplayClient] = []  # the clients of addresses that shards moved away from
         self._members: list[Shard] = []
         self._closed = False  # calls failing on closed channels say nothing about the shards
         self.generation = 0
@@ -104,26 +113,43 @@ class ShardSet:
                                 ["shard"], registry=registry)
         self._up = Gauge("replayd_client_shard_up", "1 while a shard is up, 0 while down", ["shard"],
                          registry=registry)
-        addresses = resolve(target) if self._name is not None else list(target)
-        if not addresses or len(set(addresses)) != len(addresses):
-            raise ValueError(f"shards: expected distinct addresses, got {addresses!r} for {target!r}")
-        self._set_members(addresses)
+        listed = self._lookup() if self._name is not None else named(target)
+        if not listed or len(set(listed.values())) != len(listed):
+            raise ValueError(f"shards: expected distinct addresses, got {list(listed.values())!r} for {target!r}")
+        self._set_members(listed)
         self._resolved_at = time.monotonic()
 
-    def _set_members(self, addresses: Sequence[str]) -> None:
-        members = []
-        for address in addresses:
-            shard = self._known.get(address)
+    def _set_members(self, listed: Mapping[str, str]) -> list[Shard]:
+        """Makes the shards `listed` (name -> address) the members; returns those that moved to another address
+        (down until their new address answers: the caller watches for that once it holds no lock)."""
+        members, moved = [], []
+        for name, address in listed.items():
+            shard = self._known.get(name)
             if shard is None:
                 if len(self._known) == MAX_SHARDS:
                     raise ValueError(f"shards: a client tags keys with at most {MAX_SHARDS} shards, got one more: "
                                      f"{address}")
                 split_host_port(address)
-                shard = self._known[address] = Shard(len(self._known), address, self._connect(address))
+                shard = self._known[name] = Shard(len(self._known), address, self._connect(address))
                 self._up.labels(address).set(1)
+            elif shard.address != address:
+                split_host_port(address)
+                self._retired.append(shard.client)  # closed with this set: calls of the old address may still run
+                if shard._back is not None:
+                    shard._back.cancel()
+                shard.address, shard.client, shard.up = address, self._connect(address), False
+                shard._back = shard.client.ready_future()
+                moved.append(shard)
             members.append(shard)
         self._members = members
         self.generation += 1
+        return moved
+
+    def _watch_moved(self, moved: list[Shard]) -> None:
+        for shard in moved:
+            log.warning("%s moved: it rejoins the shards once it answers at its new address", shard)
+            self._up.labels(shard.address).set(0)
+            shard._back.add_done_callback(lambda future, shard=shard: self._came_back(shard, future))
 
     def members(self) -> list[Shard]:
         """The shards now listed (resolving the name again when it is due)."""
@@ -139,18 +165,25 @@ class ShardSet:
         with self._lock:
             return next((shard for shard in self._known.values() if shard.index == index), None)
 
+    def _lookup(self) -> dict[str, str]:
+        """The shards (name -> address) the name resolves to, or the resolver lists, now."""
+        return named(resolve(self._name) if isinstance(self._name, str) else self._name())
+
     def _resolve_again(self) -> None:
         with self._lock:
             self._resolved_at = time.monotonic()
         try:
-            addresses = resolve(self._name)
+            listed = self._lookup()
         except OSError as exc:  # the name does not resolve now: the shards known stay
             log.warning("shards: resolving %s failed (%s); keeping %d shard(s)", self._name, exc, len(self._members))
             return
+        moved = []
         with self._lock:
-            if addresses and addresses != [shard.address for shard in self._members]:
-                log.info("shards: %s resolves to %s", self._name, ", ".join(addresses))
-                self._set_members(addresses)
+            members = {name: shard.address for name, shard in self._known.items() if shard in self._members}
+            if listed and listed != members:
+                log.info("shards: %s resolves to %s", self._name, ", ".join(listed.values()))
+                moved = self._set_members(listed)
+        self._watch_moved(moved)
 
     def failed(self, shard: Shard, error: grpc.RpcError | str, life: int | None = None) -> None:
         """`shard` did not answer (`error`): it is down until its channel connects again, and for at least
@@ -217,3 +250,10 @@ class ShardSet:
             if shard._back is not None:
                 shard._back.cancel()
             shard.client.close()
+        for client in self._retired:
+            client.close()
+
+
+def named(listed: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
+    """Shards as name -> address: a mapping as it is, and a list of addresses each named by its address."""
+    return dict(listed) if isinstance(listed, Mapping) else {address: address for address in listed}

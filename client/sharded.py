@@ -2,6 +2,7 @@
 
     rc = ShardedReplayClient("replayd:50051")                 # every A/AAAA record of the name is a shard
     rc = ShardedReplayClient(["10.0.0.1:50051", "10.0.0.2:50051"])
+    rc = start_shards(3).client()                             # shards as Ray actors (client/ray): asked where they are
 
 A buffer is created on every shard, its capacity split between them. A writer keeps each episode whole on one
 shard (client/shard_sink.py). Batches follow one server's law over the union of the shards (client/shard_math.py,
@@ -47,7 +48,7 @@ from client.shard_math import (
     split_rate_limiter,
 )
 from client.shard_sampling import SHARD_DOWN, Holder, ShardedBatchStream, Split
-from client.shard_set import Shard, ShardError, ShardSet
+from client.shard_set import Resolver, Shard, ShardError, ShardSet
 from client.shard_sink import ShardedSink
 from service.wire.components import (
     Fifo,
@@ -65,13 +66,21 @@ T = TypeVar("T")
 
 
 SHARDS_PREFIX = "shards:"
+RAY_PREFIX = "ray:"
+RAY_RESOLVE_EVERY = 1.0  # seconds: asking the shard actors where they are costs no wait (client/ray/resolver.py)
 
 
 def connect(address: str, timeout: float = 30.0) -> ReplayClient | ShardedReplayClient:
     """A client for an address as command lines take it: "host:port" is one server (ReplayClient); "shards:name:port"
-    every server the name resolves to, and "host:port,host:port,..." those servers (ShardedReplayClient)."""
+    every server the name resolves to, "host:port,host:port,..." those servers, and "ray:NAME" the shards that
+    `replayd.ray.start_shards(name=NAME)` runs as Ray actors, wherever Ray has placed them (ShardedReplayClient)."""
     if address.startswith(SHARDS_PREFIX):
         return ShardedReplayClient(address.removeprefix(SHARDS_PREFIX), timeout=timeout)
+    if address.startswith(RAY_PREFIX):
+        from client.ray.resolver import named_shards  # ray is imported only for these addresses
+
+        return ShardedReplayClient(named_shards(address.removeprefix(RAY_PREFIX)), timeout=timeout,
+                                   resolve_every=RAY_RESOLVE_EVERY)
     if "," in address:
         return ShardedReplayClient(address.split(","), timeout=timeout)
     return ReplayClient(address, timeout=timeout)
@@ -79,14 +88,15 @@ def connect(address: str, timeout: float = 30.0) -> ReplayClient | ShardedReplay
 
 class ShardedReplayClient:
     """ReplayClient's methods over shards. `target`: "name:port" (every A/AAAA record of the name is a shard,
-    resolved again every `resolve_every` seconds and when a shard fails) or a sequence of "host:port" addresses.
+    resolved again every `resolve_every` seconds and when a shard fails), a function that returns the addresses
+    now (asked as often; the Ray launcher's, client/ray/resolver.py) or a sequence of "host:port" addresses.
     `refresh_seconds`: how old the shards' sizes a batch is split by may be (see client/shard_sampling.py). The
     other options are each shard's ReplayClient's. `metrics`: this client's Prometheus registry (shards failing,
     coming back, stranded episodes, priority updates for shards that are down)."""
 
-    def __init__(self, target: str | Sequence[str], timeout: float = 30.0, retries: int = 5, token: str | None = None,
-                 root_certificates: bytes | None = None, resolve_every: float = 30.0, refresh_seconds: float = 0.1,
-                 **client_options: Any) -> None:
+    def __init__(self, target: str | Resolver | Sequence[str], timeout: float = 30.0, retries: int = 5,
+                 token: str | None = None, root_certificates: bytes | None = None, resolve_every: float = 30.0,
+                 refresh_seconds: float = 0.1, **client_options: Any) -> None:
         if not refresh_seconds >= 0:
             raise ValueError(f"refresh_seconds: expected seconds >= 0, got {refresh_seconds!r}")
         self.timeout = timeout

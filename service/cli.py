@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     # so the server never imports torch.
     commands.add_parser("actor", help="run an actor (python -m client.actor --help)", add_help=False)
     commands.add_parser("learn", help="run a learner (python -m client.learner --help)", add_help=False)
+    # Needs the `ray` extra; Ray is imported by client.ray alone, only when this command runs.
+    commands.add_parser("ray", help="replay shards, actors and learners on a Ray cluster (replayd ray --help)",
+                        add_help=False)
     segments_parser = commands.add_parser("segments", help="list (and remove) replayd shared-memory segments")
     segments_parser.add_argument("--instance", default=None, type=instance_name,
                                  help="only this server instance's segments")
@@ -233,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         from client.learner import main as learner_main
 
         learner_main(rest, prog="replayd learn")
+        return
+    if args.command == "ray":
+        from client.ray.cli import main as ray_main  # imports Ray once a command runs (not for --help)
+
+        ray_main(rest, prog="replayd ray")
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

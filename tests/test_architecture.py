@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,13 +106,34 @@ def test_one_side_does_not_import_the_other(importer: str, imported: str) -> Non
     assert crossing == []
 
 
-def test_the_server_never_imports_torch() -> None:
+def external_imports(path: Path) -> set[str]:
+    """The top-level packages `path` imports (inside functions too)."""
+    tree = ast.parse(path.read_text())
+    names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    return names | {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+
+
+def test_the_server_never_imports_torch_or_ray() -> None:
     for path in (ROOT / "service").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                 for alias in node.names}
-        names |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        assert "torch" not in names, path
+        assert not {"torch", "ray"} & external_imports(path), path
+
+
+def test_only_the_ray_launcher_imports_ray() -> None:
+    importers = sorted(name for name, path in modules().items() if "ray" in external_imports(path))
+    assert importers and all(name == "client.ray" or name.startswith("client.ray.") for name in importers), importers
+
+
+def test_the_server_the_client_and_the_programs_load_without_ray() -> None:
+    """`replayd serve`, the clients, actors, learners and the demo run where Ray is not installed: none of them
+    imports it (client.sharded imports client.ray only for a ray:NAME address), and neither does importing
+    client.ray and its command line (`replayd ray --help`) before a name of its API is used."""
+    code = ("import sys, service.cli, service.server, client, client.sharded, client.actor, client.learner, "
+            "client.demo, client.ray, client.ray.cli; "
+            "print(sorted(name for name in sys.modules if name == 'ray' or name.startswith('ray.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_the_buffers_functions_are_short() -> None:

@@ -101,7 +101,8 @@ def test_the_api_page_lists_replay_client_sample_in_chromium(served: str) -> Non
 
 def test_the_command_line_page_holds_every_commands_help(site: Path) -> None:
     text = page_text(site, "reference/cli")
-    for command in ("replayd", "replayd serve", "replayd actor", "replayd learn", "replayd segments"):
+    for command in ("replayd", "replayd serve", "replayd actor", "replayd learn", "replayd segments", "replayd ray up",
+                    "replayd ray status", "replayd ray run", "replayd ray down"):
         assert f"usage: {command} " in text, command
     assert "--checkpoint-every SECONDS" in text and "--sample-workers" in text and "--algo" in text
     assert "<!-- help:" not in (site / "reference/cli/index.html").read_text()

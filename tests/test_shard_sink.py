@@ -257,3 +257,58 @@ def test_a_name_that_stops_resolving_keeps_the_shards_known(monkeypatch: pytest.
 
     monkeypatch.setattr("client.shard_set.resolve", fails)
     assert [s.address for s in shards.members()] == ["10.0.0.1:5"]
+
+
+def test_a_resolver_function_lists_the_shards_asked_again_at_its_interval_and_after_a_failure() -> None:
+    """What the Ray launcher's clients use (client/ray/resolver.py): a function that returns the addresses now."""
+    listed = [["127.0.0.1:5", "127.0.0.1:6"]]
+    asked = []
+
+    def resolver() -> list[str]:
+        asked.append(1)
+        if isinstance(listed[0], OSError):
+            raise listed[0]
+        return listed[0]
+
+    shards = ShardSet(resolver, lambda address: FakeShardClient(), 3600.0, CollectorRegistry())
+    assert [(s.index, s.address) for s in shards.members()] == [(0, "127.0.0.1:5"), (1, "127.0.0.1:6")]
+    assert len(asked) == 1  # not due again for an hour
+    listed[0] = ["127.0.0.1:5", "127.0.0.1:7"]  # shard 1 restarted elsewhere
+    shards._resolved_at -= 2  # the last answer is older than a failure's wait for the next (1 s)
+    shards.failed(shards.members()[1], "connection refused")
+    assert [(s.index, s.address) for s in shards.members()] == [(0, "127.0.0.1:5"), (2, "127.0.0.1:7")]
+    assert shards.by_index(1).address == "127.0.0.1:6" and not shards.by_index(1).up
+    listed[0] = OSError("the launcher cannot tell now")
+    shards._resolved_at -= 2
+    shards.failed(shards.members()[0], "connection refused")
+    assert [s.address for s in shards.members()] == ["127.0.0.1:5", "127.0.0.1:7"]  # the shards known stay
+
+
+def test_a_shard_that_moves_keeps_its_index_and_gets_the_spans_held_for_it_at_its_new_address() -> None:
+    """A resolver that names its shards (the Ray launcher's, by shard index): a shard restarted at another address
+    is the same shard; what a writer holds for it in doubt goes to its new life (which acknowledges what its
+    checkpoint holds, and stores the rest)."""
+    listed = [{"0": "127.0.0.1:5", "1": "127.0.0.1:6"}]
+    clients: dict[str, FakeShardClient] = {}
+
+    def connect(address: str) -> FakeShardClient:
+        clients[address] = FakeShardClient()
+        return clients[address]
+
+    shards = ShardSet(lambda: listed[0], connect, 3600.0, CollectorRegistry())
+    writer = writer_over(shards, CollectorRegistry(), auto_flush=False)
+    a, b = shards.members()
+    steps(writer, 3)
+    writer.end_episode(True, obs=np.zeros(2, np.float32))
+    a.client.fail = True
+    writer.flush()  # in doubt on shard 0, whose node goes away
+    assert not a.up and clients["127.0.0.1:5"].stored == []
+    listed[0] = {"0": "127.0.0.1:7", "1": "127.0.0.1:6"}  # Ray restarted shard 0 elsewhere
+    shards._resolved_at -= 3600
+    assert shards.members() == [a, b] and (a.index, a.address) == (0, "127.0.0.1:7") and not a.up
+    generation = shards.generation
+    clients["127.0.0.1:7"].comeback.resolve()  # it answers at its new address
+    assert a.up and shards.generation > generation
+    writer.close()
+    assert [span[1:] for span in clients["127.0.0.1:7"].stored] == [(0, 4, True, True)]
+    assert clients["127.0.0.1:5"].stored == [] and b.client.stored == []
