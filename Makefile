@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt service/kernels/_kernels.c
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m client.demo $(ARGS)
+	$(PY) -m replayd.client.demo $(ARGS)
 
 # The tests also need the `ray` extra (tests/test_ray.py starts a Ray cluster); the demo does not install it.
 TEST_STAMP := $(VENV)/.test-stamp
@@ -51,9 +51,11 @@ $(COMPOSE_STAMP): $(STAMP) constraints.txt
 compose-check: $(COMPOSE_STAMP)
 	$(PY) deploy/compose_check.py $(ARGS)
 
-# Regenerates the committed gRPC code from proto/replay.proto (tests/test_proto.py checks they match).
+# Regenerates the committed gRPC code beside proto/replay.proto (tests/test_proto.py checks they match).
 proto: $(STAMP)
-	$(PROTOC) -Iservice/wire=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/replay.proto
+	mkdir -p build/proto
+	$(PROTOC) -Ireplayd/wire=proto --python_out=build/proto --pyi_out=build/proto --grpc_python_out=build/proto proto/replay.proto
+	cp build/proto/replayd/wire/replay_pb2.py build/proto/replayd/wire/replay_pb2.pyi build/proto/replayd/wire/replay_pb2_grpc.py proto/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build site service/kernels/_kernels.*.so

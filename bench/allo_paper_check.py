@@ -51,12 +51,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client import ReplayClient
-from client.gridworld import GridWorld, cosine_similarities
-from client.loader import to_tensors
-from client.trainers.allo import AlloTrainer
-from service.server import ReplayServer
-from service.wire.components import Geometric, States
+from replayd.client import ReplayClient
+from replayd.client.gridworld import GridWorld, cosine_similarities
+from replayd.client.loader import to_tensors
+from replayd.client.trainers.allo import AlloTrainer
+from replayd.server.server import ReplayServer
+from replayd.wire.components import Geometric, States
 
 SampleFn = Callable[[str, int], dict[str, np.ndarray]]
 

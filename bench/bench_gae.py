@@ -27,8 +27,8 @@ import torch
 from bench.baselines.elegantrl_replay_buffer_list import ListRolloutStore
 from bench.baselines.esper_lite_gae import compute_advantages_loop, compute_advantages_vectorized
 from bench.subprocesses import peak_rss_bytes
-from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.gae import GaeWorkspace, compute_gae
+from replayd.server.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
+from replayd.server.gae import GaeWorkspace, compute_gae
 
 GAE_SHAPES = [(25, 4), (128, 1024), (2048, 64)]
 GAMMA, LAMBDA = 0.99, 0.95

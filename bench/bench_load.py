@@ -28,9 +28,9 @@ import grpc
 import numpy as np
 
 from bench.bench_replay import ServerProcess
-from client.replay_client import ReplayClient, Span, new_episode_id, spans_request
-from service.wire import replay_pb2 as pb
-from service.wire.frames import InsertFrame
+from replayd.client.replay_client import ReplayClient, Span, new_episode_id, spans_request
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.frames import InsertFrame
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 BUFFER = "load"

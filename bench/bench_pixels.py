@@ -44,12 +44,12 @@ import numpy as np
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
 from bench.bench_replay import ServerProcess, batch_nbytes
-from client import Frames, ReplayClient, Transitions
-from client.loader import Loader
-from client.replay_client import compress_columns
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.schema import Field
-from service.wire import replay_pb2 as pb
+from replayd.client import Frames, ReplayClient, Transitions
+from replayd.client.loader import Loader
+from replayd.client.replay_client import compress_columns
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.schema import Field
+from replayd.wire import replay_pb2 as pb
 
 gym.register_envs(ale_py)
 GAMES = ("Pong", "Breakout")

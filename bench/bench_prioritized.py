@@ -17,10 +17,10 @@ import numpy as np
 
 from bench.baselines.python_sum_tree import PythonSumTree
 from bench.timing import time_calls
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.sum_tree import SumTree, tree_size
-from service.schema import Field
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.server.samplers.sum_tree import SumTree, tree_size
+from replayd.server.schema import Field
 
 PYTHON_SUM_TREE = "per-item sum tree in plain Python (the usual PER reference)"
 STEPS, BATCH = 1_000_000, 256

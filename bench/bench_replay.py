@@ -52,12 +52,12 @@ from bench.baselines.allo_episodic_buffer import AlloEpisodicReplayBuffer
 from bench.baselines.grpc_sink import GrpcSink
 from bench.baselines.loopback_tcp import loopback_tcp_gbps
 from bench.timing import time_calls
-from client.replay_client import ReplayClient, Span, spans_requests
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.modes.geometric import GeometricMode
-from service.modes.transitions import TransitionsMode
-from service.schema import Field
-from service.wire.components import Transitions
+from replayd.client.replay_client import ReplayClient, Span, spans_requests
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.modes.geometric import GeometricMode
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.schema import Field
+from replayd.wire.components import Transitions
 
 MB = 1e6
 DISCOUNT = 0.99
@@ -287,13 +287,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m service.cli serve` on a free port; SIGTERM makes it unlink its shared memory."""
+    """`python -m replayd.server.cli serve` on a free port; SIGTERM makes it unlink its shared memory."""
 
     def __init__(self, *extra_args: str) -> None:
         self.port = free_port()
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--http-port", "-1",
+            [sys.executable, "-m", "replayd.server.cli", "serve", "--port", str(self.port), "--http-port", "-1",
              "--log-level", "WARNING", "--instance", f"bench{uuid.uuid4().hex[:6]}", *extra_args],
             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=self.log,
         )

@@ -24,7 +24,7 @@ import torch
 from bench.baselines.elegantrl_replay_buffer_list import ListRolloutStore
 from bench.bench_gae import ACTORS, ENVS_PER_ACTOR, OBS_DIM, STEPS, actor_parts
 from bench.bench_replay import ServerProcess
-from client.replay_client import ReplayClient
+from replayd.client.replay_client import ReplayClient
 
 SCHEMA = {"obs": ("float32", (OBS_DIM,)), "action": ("int64", ()), "log_prob": ("float32", ())}
 

@@ -21,11 +21,11 @@ import numpy as np
 
 from bench.baselines.searchsorted_sequences import SearchsortedSequences
 from bench.timing import time_calls
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.modes.hindsight import HindsightMode
-from service.modes.sequences import SequencesMode
-from service.modes.transitions import TransitionsMode
-from service.schema import Field
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.modes.hindsight import HindsightMode
+from replayd.server.modes.sequences import SequencesMode
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.schema import Field
 
 BATCH, BURN_IN, LENGTH = 32, 40, 80
 STEPS = BURN_IN + LENGTH

@@ -25,11 +25,11 @@ import numpy as np
 from bench.bench_replay import ServerProcess
 from bench.shards_scaling import BATCH, PROFILE, fill, record, records
 from bench.timing import time_calls
-from client.replay_client import ReplayClient
-from client.shard_sampling import Holder, ShardedBatchStream, Split
-from client.shard_set import Shard
-from client.sharded import ShardedReplayClient
-from service.wire.components import Transitions
+from replayd.client.replay_client import ReplayClient
+from replayd.client.shard_sampling import Holder, ShardedBatchStream, Split
+from replayd.client.shard_set import Shard
+from replayd.client.sharded import ShardedReplayClient
+from replayd.wire.components import Transitions
 
 
 def rate(take: Callable[[], object], seconds: float) -> float:

@@ -22,8 +22,8 @@ import psutil
 
 from bench import subprocesses
 from bench.bench_replay import PROFILES, Profile, ServerProcess, insert_batches
-from client.local_reader import LocalReader
-from client.replay_client import ReplayClient, spans_requests
+from replayd.client.local_reader import LocalReader
+from replayd.client.replay_client import ReplayClient, spans_requests
 
 
 def record(case: str, metric: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0,

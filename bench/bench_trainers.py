@@ -38,11 +38,11 @@ from collections.abc import Callable
 import torch
 
 from bench.baselines.slm_lab_qloss import SlmLabMLP, single_forward_qloss, two_forward_qloss
-from client.trainers.allo import AlloEncoder, allo_loss
-from client.trainers.compiled import CompiledFunction
-from client.trainers.dqn import q_loss
-from client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
-from client.trainers.q_network import QNetwork
+from replayd.client.trainers.allo import AlloEncoder, allo_loss
+from replayd.client.trainers.compiled import CompiledFunction
+from replayd.client.trainers.dqn import q_loss
+from replayd.client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
+from replayd.client.trainers.q_network import QNetwork
 
 OBS_DIM, N_ACTIONS = 4, 2  # CartPole
 # Baselines, named for what they are (bench/baselines/slm_lab_qloss.py).

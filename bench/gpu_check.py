@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from client.loader import Loader
-from client.replay_client import ReplayClient
-from client.trainers.allo import AlloTrainer, default_single_call
-from client.trainers.dqn import DQNTrainer
-from client.trainers.ppo import PPOTrainer
-from service.server import ReplayServer
-from service.wire.components import Transitions
+from replayd.client.loader import Loader
+from replayd.client.replay_client import ReplayClient
+from replayd.client.trainers.allo import AlloTrainer, default_single_call
+from replayd.client.trainers.dqn import DQNTrainer
+from replayd.client.trainers.ppo import PPOTrainer
+from replayd.server.server import ReplayServer
+from replayd.wire.components import Transitions
 
 N_ACTIONS = 2  # the DQN learner's CartPole-sized network
 LOADER_PROFILES = {  # name: (schema, batch size, capacity)

@@ -22,9 +22,9 @@ import psutil
 
 from bench import subprocesses
 from bench.bench_replay import PROFILES, ServerProcess, insert_batches
-from client.replay_client import spans_requests
-from client.sharded import ShardedReplayClient
-from service.wire.components import Transitions
+from replayd.client.replay_client import spans_requests
+from replayd.client.sharded import ShardedReplayClient
+from replayd.wire.components import Transitions
 
 PROFILE = PROFILES[0]  # cartpole
 BATCH = PROFILE.batch

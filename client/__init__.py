@@ -1,10 +1,10 @@
 """replayd client library: ReplayClient, ShardedReplayClient (one client over many servers), EpisodeWriter and the
-typed options of buffers and batch modes; torch only in client.trainers and the loader."""
+typed options of buffers and batch modes; torch only in replayd.client.trainers and the loader."""
 
-from client.episode_writer import EpisodeWriter
-from client.replay_client import ReplayClient
-from client.sharded import ShardedReplayClient
-from service.wire.components import (
+from replayd.client.episode_writer import EpisodeWriter
+from replayd.client.replay_client import ReplayClient
+from replayd.client.sharded import ShardedReplayClient
+from replayd.wire.components import (
     Fifo,
     Geometric,
     Hindsight,
@@ -17,7 +17,7 @@ from service.wire.components import (
     Transitions,
     Uniform,
 )
-from service.wire.frame_fields import Frames
+from replayd.wire.frame_fields import Frames
 
 __all__ = ["EpisodeWriter", "Fifo", "Frames", "Geometric", "Hindsight", "MaxTimesSampled", "MinSize", "Prioritized",
            "ReplayClient", "SampleToInsertRatio", "Sequences", "ShardedReplayClient", "States", "Transitions",

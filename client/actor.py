@@ -1,6 +1,6 @@
 """Actors: step environments and push experience into a replayd server.
 
-`python -m client.actor --algo {dqn,ppo,allo,drqn,her} --address HOST:PORT` (or `replayd actor ...`).
+`python -m replayd.client.actor --algo {dqn,ppo,allo,drqn,her} --address HOST:PORT` (or `replayd actor ...`).
 dqn: epsilon-greedy CartPole episodes with the newest Q-network; ppo: one rollout part per policy
 version (`--actor-index` picks the slots; the learner's `--actors` says how many there are); allo:
 random-walk episodes in four rooms; drqn: epsilon-greedy CartPole-without-velocities episodes with the newest
@@ -15,10 +15,10 @@ import secrets
 import signal
 import threading
 
-from client.actors.common import ActorReport, flush_with_retry, refresh_weights, wait_for_buffer
-from client.actors.dqn import DQNActorConfig, run_dqn_actor
-from client.algos import ALGOS, add_common_options, at_least, build, refuse_foreign_options
-from client.heartbeat import BeatingStop, Heartbeat
+from replayd.client.actors.common import ActorReport, flush_with_retry, refresh_weights, wait_for_buffer
+from replayd.client.actors.dqn import DQNActorConfig, run_dqn_actor
+from replayd.client.algos import ALGOS, add_common_options, at_least, build, refuse_foreign_options
+from replayd.client.heartbeat import BeatingStop, Heartbeat
 
 __all__ = ["ActorReport", "DQNActorConfig", "flush_with_retry", "main", "refresh_weights", "run_dqn_actor",
            "wait_for_buffer"]
@@ -30,14 +30,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     add_common_options(parser)
     parser.add_argument("--address", required=True,
                         help="host:port of the replay server; shards:NAME:PORT (every server NAME resolves to) or "
-                             "host:port,host:port,... for several, ray:NAME for Ray shards (client.sharded.connect)")
+                             "host:port,host:port,... for several, ray:NAME for Ray shards "
+                             "(replayd.client.sharded.connect)")
     parser.add_argument("--buffer")
     parser.add_argument("--env", dest="env_id")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--actor-index", type=at_least(0), help="ppo: this actor's slot block (0 .. actors - 1)")
     parser.add_argument("--heartbeat", metavar="FILE",
                         help="touch FILE at every step and every poll while waiting, for a liveness probe "
-                             "(python -m client.heartbeat FILE --max-age SECONDS)")
+                             "(python -m replayd.client.heartbeat FILE --max-age SECONDS)")
     args = vars(parser.parse_args(argv))
     heartbeat_file = args.pop("heartbeat")
     algo_name = args.pop("algo")

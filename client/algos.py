@@ -9,17 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from client.actors.allo import AlloActorConfig, run_allo_actor
-from client.actors.dqn import DQNActorConfig, run_dqn_actor
-from client.actors.drqn import DRQNActorConfig, run_drqn_actor
-from client.actors.her import HERActorConfig, run_her_actor
-from client.actors.ppo import PPOActorConfig, run_ppo_actor
-from client.envs import CARTPOLE_POMDP
-from client.learners.allo import AlloLearnerConfig, learn_allo
-from client.learners.dqn import DQNLearnerConfig, learn_dqn
-from client.learners.drqn import DRQNLearnerConfig, learn_drqn
-from client.learners.her import HERLearnerConfig, learn_her
-from client.learners.ppo import PPOLearnerConfig, learn_ppo
+from replayd.client.actors.allo import AlloActorConfig, run_allo_actor
+from replayd.client.actors.dqn import DQNActorConfig, run_dqn_actor
+from replayd.client.actors.drqn import DRQNActorConfig, run_drqn_actor
+from replayd.client.actors.her import HERActorConfig, run_her_actor
+from replayd.client.actors.ppo import PPOActorConfig, run_ppo_actor
+from replayd.client.envs import CARTPOLE_POMDP
+from replayd.client.learners.allo import AlloLearnerConfig, learn_allo
+from replayd.client.learners.dqn import DQNLearnerConfig, learn_dqn
+from replayd.client.learners.drqn import DRQNLearnerConfig, learn_drqn
+from replayd.client.learners.her import HERLearnerConfig, learn_her
+from replayd.client.learners.ppo import PPOLearnerConfig, learn_ppo
 
 C = TypeVar("C")
 

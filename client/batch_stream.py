@@ -23,11 +23,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from client.retries import cut_short_by_deadline, server_retry_after
-from service import kernels
-from service.wire import codec
-from service.wire.frame_fields import decompress_many, stacked_shape
-from service.wire.frames import SampledMessage
+from replayd.client.retries import cut_short_by_deadline, server_retry_after
+from replayd.server import kernels
+from replayd.wire import codec
+from replayd.wire.frame_fields import decompress_many, stacked_shape
+from replayd.wire.frames import SampledMessage
 
 log = logging.getLogger("replayd.client")
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from client.algos import (
+from replayd.client.algos import (
     ALGOS,
     Algo,
     Baseline,
@@ -49,10 +49,10 @@ from client.algos import (
     refuse_compile_loss_off_cpu,
     refuse_foreign_options,
 )
-from client.learners.common import CurvePlot, Progress, write_curves, write_summary
-from client.progress_bar import ProgressBar
-from client.replay_client import ReplayClient
-from client.status_screenshot import MidRunScreenshot
+from replayd.client.learners.common import CurvePlot, Progress, write_curves, write_summary
+from replayd.client.progress_bar import ProgressBar
+from replayd.client.replay_client import ReplayClient
+from replayd.client.status_screenshot import MidRunScreenshot
 
 
 def free_port() -> int:
@@ -66,7 +66,7 @@ def local_server(instance: str | None = None) -> Iterator[tuple[str, str]]:
     """A `replayd serve` subprocess on free loopback ports; yields its gRPC address and its status page's URL,
     stops it on exit (the server unlinks its shared memory, named after `instance`, when it stops)."""
     port, http_port = free_port(), free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
+    command = [sys.executable, "-m", "replayd.server.cli", "serve", "--port", str(port), "--instance",
                instance or f"demo{port}", "--http-port", str(http_port), "--log-level", "WARNING"]
     server = subprocess.Popen(command)
     try:

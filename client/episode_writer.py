@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from client.polling import RECONNECT
-from client.replay_client import ReplayClient, Span, SpanSink, compress_columns, is_int, new_episode_id
-from service.wire.frame_fields import Frames, stacked_shape
+from replayd.client.polling import RECONNECT
+from replayd.client.replay_client import ReplayClient, Span, SpanSink, compress_columns, is_int, new_episode_id
+from replayd.wire.frame_fields import Frames, stacked_shape
 
 if TYPE_CHECKING:
-    from client.sharded import ShardedReplayClient
+    from replayd.client.sharded import ShardedReplayClient
 
 
 class EpisodeWriter:

@@ -4,7 +4,7 @@
 every poll while it waits (for the learner, a buffer, a shard), a learner at every report (at least once a second,
 training or waiting for data). A process stuck anywhere stops touching it, and
 
-    python -m client.heartbeat FILE --max-age SECONDS
+    python -m replayd.client.heartbeat FILE --max-age SECONDS
 
 exits 1 once FILE is older than SECONDS (or missing), 0 otherwise: a Kubernetes exec liveness probe.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 
-class StopEvent(Protocol):  # client.actors.common's (not imported: the probe stays light, without torch)
+class StopEvent(Protocol):  # replayd.client.actors.common's (not imported: the probe stays light, without torch)
     def is_set(self) -> bool: ...
 
 
@@ -63,7 +63,7 @@ def age(path: str | os.PathLike) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m client.heartbeat",
+    parser = argparse.ArgumentParser(prog="python -m replayd.client.heartbeat",
                                      description="exit 1 when a heartbeat file is missing or older than --max-age")
     parser.add_argument("file")
     parser.add_argument("--max-age", type=float, required=True, help="seconds")

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # client.loader imports torch; this module needs numpy alone
-    from client.loader import Prepare
+if TYPE_CHECKING:  # replayd.client.loader imports torch; this module needs numpy alone
+    from replayd.client.loader import Prepare
 
 __all__ = ["GoalFunction", "recompute_rewards", "recompute_terminations"]
 

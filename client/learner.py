@@ -1,7 +1,8 @@
 """Learners: create the buffer, train from replayd, publish weights, write a run folder.
 
-`python -m client.learner --algo {dqn,ppo,allo,drqn,her} --address HOST:PORT` (or `replayd learn ...`): a progress
-bar over the training budget while it runs, one summary line at the end. Implementations live in client/learners/.
+`python -m replayd.client.learner --algo {dqn,ppo,allo,drqn,her} --address HOST:PORT` (or `replayd learn ...`):
+a progress bar over the training budget while it runs, one summary line at the end. Implementations live in
+client/learners/.
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ import argparse
 
 import torch
 
-from client.algos import ALGOS, add_common_options, at_least, build, refuse_compile_loss_off_cpu, refuse_foreign_options
-from client.heartbeat import Heartbeat
-from client.learners.common import BufferMismatch, Progress, write_run
-from client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
-from client.progress_bar import ProgressBar
-from client.sharded import connect
+from replayd.client.algos import (
+    ALGOS,
+    add_common_options,
+    at_least,
+    build,
+    refuse_compile_loss_off_cpu,
+    refuse_foreign_options,
+)
+from replayd.client.heartbeat import Heartbeat
+from replayd.client.learners.common import BufferMismatch, Progress, write_run
+from replayd.client.learners.dqn import CARTPOLE_SCHEMA, DQNLearnerConfig, learn_dqn
+from replayd.client.progress_bar import ProgressBar
+from replayd.client.sharded import connect
 
 __all__ = ["CARTPOLE_SCHEMA", "DQNLearnerConfig", "Progress", "learn_dqn", "main", "write_run"]
 
@@ -26,7 +34,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     add_common_options(parser)
     parser.add_argument("--address", required=True,
                         help="host:port of the replay server; shards:NAME:PORT (every server NAME resolves to) or "
-                             "host:port,host:port,... for several, ray:NAME for Ray shards (client.sharded.connect)")
+                             "host:port,host:port,... for several, ray:NAME for Ray shards "
+                             "(replayd.client.sharded.connect)")
     parser.add_argument("--run-dir")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--eval-every", type=at_least(1),
@@ -41,7 +50,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         "a 1.4-1.9x faster loss step)")
     parser.add_argument("--heartbeat", metavar="FILE",
                         help="touch FILE at every report (at least once a second, training or waiting for data), for a "
-                             "liveness probe (python -m client.heartbeat FILE --max-age SECONDS)")
+                             "liveness probe (python -m replayd.client.heartbeat FILE --max-age SECONDS)")
     args = vars(parser.parse_args(argv))
     heartbeat_file = args.pop("heartbeat")
     algo_name = args.pop("algo")

@@ -16,14 +16,14 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 
-from client.polling import never, wait_until
-from client.replay_client import ReplayClient
-from service import components
-from service.buffers.reader import RingReader
-from service.errors import DeadlineExceeded, InvalidArgument, NotFound
-from service.modes.base import BatchMode
-from service.storage.shared_arrays import segment_identity
-from service.wire.components import ModeOptions, Transitions
+from replayd.client.polling import never, wait_until
+from replayd.client.replay_client import ReplayClient
+from replayd.server import components
+from replayd.server.buffers.reader import RingReader
+from replayd.server.modes.base import BatchMode
+from replayd.server.storage.shared_arrays import segment_identity
+from replayd.wire.components import ModeOptions, Transitions
+from replayd.wire.errors import DeadlineExceeded, InvalidArgument, NotFound
 
 CHECK_EVERY = 0.05  # seconds between checks that the buffer still exists on the server
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from client.learners.common import Progress
-from client.replay_client import ReplayClient
+from replayd.client.learners.common import Progress
+from replayd.client.replay_client import ReplayClient
 
 RATE_SECONDS = 5.0  # the insert and sample rates are measured over about this many seconds
 

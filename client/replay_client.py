@@ -19,14 +19,14 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import numpy as np
 
-from client.batch_stream import BatchStream, decode_sample
-from client.retries import cut_short_by_deadline, server_retry_after
-from service.wire import codec
-from service.wire import components as options
-from service.wire import replay_pb2 as pb
-from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from service.wire.components import (
+from replayd.client.batch_stream import BatchStream, decode_sample
+from replayd.client.retries import cut_short_by_deadline, server_retry_after
+from replayd.wire import codec
+from replayd.wire import components as options
+from replayd.wire import replay_pb2 as pb
+from replayd.wire import replay_pb2_grpc as pb_grpc
+from replayd.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from replayd.wire.components import (
     Fifo,
     MinSize,
     ModeOptions,
@@ -36,8 +36,8 @@ from service.wire.components import (
     Transitions,
     Uniform,
 )
-from service.wire.frame_fields import CompressedFrames, Frames, compress, concatenate
-from service.wire.frames import InsertFrame, SampledMessage, sample_response, sample_response_batch, serialize_insert
+from replayd.wire.frame_fields import CompressedFrames, Frames, compress, concatenate
+from replayd.wire.frames import InsertFrame, SampledMessage, sample_response, sample_response_batch, serialize_insert
 
 # field -> (numpy dtype, row shape), or (dtype, frame shape, Frames(...)) for a stacked or compressed observation field
 Schema = Mapping[str, tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], Frames]]
@@ -436,7 +436,7 @@ class ReplayClient:
         self._token = os.environ.get("REPLAYD_TOKEN", "") if token is None else token
         self._channel = self._open_channel(address)
         self._stub = pb_grpc.ReplayStub(self._channel)
-        # The payload-carrying calls skip protobuf's copies of their Arrow bytes (service/wire/frames.py).
+        # The payload-carrying calls skip protobuf's copies of their Arrow bytes (proto/frames.py).
         self._insert = self._channel.stream_unary(
             "/replayd.v1.Replay/Insert", request_serializer=serialize_insert,
             response_deserializer=pb.InsertResponse.FromString)
@@ -603,7 +603,7 @@ class ReplayClient:
         reward_field: the per-step reward for n-step returns (None: the field named "reward", if any).
         sampler: Uniform() or Prioritized(alpha=0.6). remover: Fifo() or MaxTimesSampled(k) (a step is retired
         after k draws). rate_limiter: MinSize(n) or SampleToInsertRatio(samples_per_insert, min_size_to_sample,
-        error_buffer) (Reverb's limiters). All from `replayd`'s options (service/wire/components.py).
+        error_buffer) (Reverb's limiters). All from `replayd`'s options (proto/components.py).
         goal_fields: (achieved, desired), the observation fields of goal-conditioned episodes that the
         Hindsight mode relabels.
         """

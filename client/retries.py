@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from service.errors import RETRY_AFTER_METADATA
+from replayd.wire.errors import RETRY_AFTER_METADATA
 
 
 def server_retry_after(exc: grpc.RpcError) -> float | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from service.wire.components import MinSize, RateLimiterOptions, SampleToInsertRatio
+from replayd.wire.components import MinSize, RateLimiterOptions, SampleToInsertRatio
 
 # A sharded client's key is the shard's position in bits 0..47 and the shard's index in bits 48..62, so keys stay
 # non-negative int64 (the batch format of one server) and update_priorities can route each to its shard. A ring's

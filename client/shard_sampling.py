@@ -21,9 +21,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from client.batch_stream import BatchStream
-from client.shard_math import Rows, globalize, globalize_rows, merge_rows, split_batch, weight_factor
-from client.shard_set import Shard, ShardSet
+from replayd.client.batch_stream import BatchStream
+from replayd.client.shard_math import Rows, globalize, globalize_rows, merge_rows, split_batch, weight_factor
+from replayd.client.shard_set import Shard, ShardSet
 
 log = logging.getLogger("replayd.client")
 

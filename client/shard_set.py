@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from client.replay_client import ReplayClient
-from client.shard_math import MAX_SHARDS
+from replayd.client.replay_client import ReplayClient
+from replayd.client.shard_math import MAX_SHARDS
 
 log = logging.getLogger("replayd.client")
 

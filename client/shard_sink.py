@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from client.replay_client import Span, spans_requests
-from client.shard_set import Shard, ShardError, ShardSet
+from replayd.client.replay_client import Span, spans_requests
+from replayd.client.shard_set import Shard, ShardError, ShardSet
 
 log = logging.getLogger("replayd.client")
 

@@ -27,9 +27,9 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
-from client.batch_stream import BatchStream
-from client.polling import wait_until
-from client.replay_client import (
+from replayd.client.batch_stream import BatchStream
+from replayd.client.polling import wait_until
+from replayd.client.replay_client import (
     FetchedWeights,
     ReplayClient,
     Schema,
@@ -38,7 +38,7 @@ from client.replay_client import (
     _left,
     new_episode_id,
 )
-from client.shard_math import (
+from replayd.client.shard_math import (
     keys_by_shard,
     merge_descriptions,
     positions,
@@ -47,10 +47,10 @@ from client.shard_math import (
     split_capacity,
     split_rate_limiter,
 )
-from client.shard_sampling import SHARD_DOWN, Holder, ShardedBatchStream, Split
-from client.shard_set import Resolver, Shard, ShardError, ShardSet
-from client.shard_sink import ShardedSink
-from service.wire.components import (
+from replayd.client.shard_sampling import SHARD_DOWN, Holder, ShardedBatchStream, Split
+from replayd.client.shard_set import Resolver, Shard, ShardError, ShardSet
+from replayd.client.shard_sink import ShardedSink
+from replayd.wire.components import (
     Fifo,
     MinSize,
     ModeOptions,
@@ -77,7 +77,7 @@ def connect(address: str, timeout: float = 30.0) -> ReplayClient | ShardedReplay
     if address.startswith(SHARDS_PREFIX):
         return ShardedReplayClient(address.removeprefix(SHARDS_PREFIX), timeout=timeout)
     if address.startswith(RAY_PREFIX):
-        from client.ray.resolver import named_shards  # ray is imported only for these addresses
+        from replayd.client.ray.resolver import named_shards  # ray is imported only for these addresses
 
         return ShardedReplayClient(named_shards(address.removeprefix(RAY_PREFIX)), timeout=timeout,
                                    resolve_every=RAY_RESOLVE_EVERY)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from client.learners.common import Progress
+from replayd.client.learners.common import Progress
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
 WINDOW = (1200, 1000)  # the table and one buffer's row of charts

@@ -62,12 +62,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from service.buffers.arena import ARENA_HEAD, Arena
-from service.buffers.episodic import EpisodicBuffer
-from service.buffers.ring import HEAD, NEXT_SEQ, TAIL_POS, TAIL_SEQ
-from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.errors import FailedPrecondition, NotFound, ReplayError, Unavailable
-from service.registry import BufferRegistry
+from replayd.server.buffers.arena import ARENA_HEAD, Arena
+from replayd.server.buffers.episodic import EpisodicBuffer
+from replayd.server.buffers.ring import HEAD, NEXT_SEQ, TAIL_POS, TAIL_SEQ
+from replayd.server.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
+from replayd.server.registry import BufferRegistry
+from replayd.wire.errors import FailedPrecondition, NotFound, ReplayError, Unavailable
 
 log = logging.getLogger("replayd")
 

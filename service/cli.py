@@ -13,13 +13,14 @@ import signal
 import threading
 from pathlib import Path
 
-from service.buffers.reader import lock_free_host
-from service.errors import FailedPrecondition, ReplayError
-from service.schema import check_instance_name
-from service.server import ReplayServer
-from service.storage.instance_lock import InstanceLock
-from service.storage.shared_arrays import SHM_DIR, remove_segment, segments
-from service.tokens import check_bind, check_token
+import replayd
+from replayd.server.buffers.reader import lock_free_host
+from replayd.server.schema import check_instance_name
+from replayd.server.server import ReplayServer
+from replayd.server.storage.instance_lock import InstanceLock
+from replayd.server.storage.shared_arrays import SHM_DIR, remove_segment, segments
+from replayd.server.tokens import check_bind, check_token
+from replayd.wire.errors import FailedPrecondition, ReplayError
 
 
 def tune_allocator() -> None:
@@ -162,6 +163,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="replayd", description="Experience-replay server for RL.")
+    parser.add_argument("--version", action="version", version=f"replayd {replayd.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="run the gRPC replay server")
     serve_parser.add_argument("--host", default="127.0.0.1",
@@ -212,9 +214,9 @@ def main(argv: list[str] | None = None) -> None:
                               choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     # Actors and learners need the client extras (torch, gymnasium); they are imported only when asked for,
     # so the server never imports torch.
-    commands.add_parser("actor", help="run an actor (python -m client.actor --help)", add_help=False)
-    commands.add_parser("learn", help="run a learner (python -m client.learner --help)", add_help=False)
-    # Needs the `ray` extra; Ray is imported by client.ray alone, only when this command runs.
+    commands.add_parser("actor", help="run an actor (python -m replayd.client.actor --help)", add_help=False)
+    commands.add_parser("learn", help="run a learner (python -m replayd.client.learner --help)", add_help=False)
+    # Needs the `ray` extra; Ray is imported by replayd.client.ray alone, only when this command runs.
     commands.add_parser("ray", help="replay shards, actors and learners on a Ray cluster (replayd ray --help)",
                         add_help=False)
     segments_parser = commands.add_parser("segments", help="list (and remove) replayd shared-memory segments")
@@ -228,17 +230,17 @@ def main(argv: list[str] | None = None) -> None:
         list_segments(args)
         return
     if args.command == "actor":
-        from client.actor import main as actor_main
+        from replayd.client.actor import main as actor_main
 
         actor_main(rest, prog="replayd actor")
         return
     if args.command == "learn":
-        from client.learner import main as learner_main
+        from replayd.client.learner import main as learner_main
 
         learner_main(rest, prog="replayd learn")
         return
     if args.command == "ray":
-        from client.ray.cli import main as ray_main  # imports Ray once a command runs (not for --help)
+        from replayd.client.ray.cli import main as ray_main  # imports Ray once a command runs (not for --help)
 
         ray_main(rest, prog="replayd ray")
         return

@@ -1,6 +1,6 @@
 """The server's component classes by option class: what `build` makes of a buffer's typed options.
 
-Each option kind registered in service/wire/components.py has one implementation here, and `build` is
+Each option kind registered in proto/components.py has one implementation here, and `build` is
 the only place a component is made from options (a create request, a shared-memory header, a checkpoint,
 a sample request): adding a sampler, remover, rate limiter or batch mode is its class, its options class
 and its wire message, plus its entry in IMPLEMENTATIONS.
@@ -10,20 +10,20 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from service.configured import Configured
-from service.limiters import MinSizeLimiter, RateLimiter, SampleToInsertRatioLimiter
-from service.modes.base import BatchMode
-from service.modes.geometric import GeometricMode
-from service.modes.hindsight import HindsightMode
-from service.modes.sequences import SequencesMode
-from service.modes.states import StatesMode
-from service.modes.transitions import TransitionsMode
-from service.removers import FifoRemover, MaxTimesSampledRemover, Remover
-from service.samplers.base import Sampler
-from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.uniform import UniformSampler
-from service.wire import components as options
-from service.wire.components import Options
+from replayd.server.configured import Configured
+from replayd.server.limiters import MinSizeLimiter, RateLimiter, SampleToInsertRatioLimiter
+from replayd.server.modes.base import BatchMode
+from replayd.server.modes.geometric import GeometricMode
+from replayd.server.modes.hindsight import HindsightMode
+from replayd.server.modes.sequences import SequencesMode
+from replayd.server.modes.states import StatesMode
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.removers import FifoRemover, MaxTimesSampledRemover, Remover
+from replayd.server.samplers.base import Sampler
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.server.samplers.uniform import UniformSampler
+from replayd.wire import components as options
+from replayd.wire.components import Options
 
 IMPLEMENTATIONS: dict[type[Options], type[Configured]] = {
     options.Uniform: UniformSampler,

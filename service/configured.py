@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Self
 
-from service.wire.components import Options
+from replayd.wire.components import Options
 
 
 class Configured:
-    """A server component configured by options (service/wire/components.py), which validated them."""
+    """A server component configured by options (proto/components.py), which validated them."""
 
     options: Options
 

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.errors import InvalidArgument
-from service.wire.frame_fields import CompressedFrames
+from replayd.wire.errors import InvalidArgument
+from replayd.wire.frame_fields import CompressedFrames
 
 if TYPE_CHECKING:
-    from service.buffers.planner import Spans
+    from replayd.server.buffers.planner import Spans
 
 DEFAULT_WINDOW = 65_536
 UNKNOWN = -1  # offset of a span inserted without offsets: never deduplicated

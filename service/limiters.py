@@ -33,9 +33,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from service.configured import Configured
-from service.errors import InvalidArgument
-from service.wire.components import MinSize, RateLimiterOptions, SampleToInsertRatio
+from replayd.server.configured import Configured
+from replayd.wire.components import MinSize, RateLimiterOptions, SampleToInsertRatio
+from replayd.wire.errors import InvalidArgument
 
 SIDES = ("insert", "sample")
 

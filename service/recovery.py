@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from service.buffers.episodic import EpisodicBuffer
-from service.errors import FailedPrecondition
-from service.registry import BufferRegistry
-from service.storage.shared_arrays import SharedArrays, remove_segment, segments
+from replayd.server.buffers.episodic import EpisodicBuffer
+from replayd.server.registry import BufferRegistry
+from replayd.server.storage.shared_arrays import SharedArrays, remove_segment, segments
+from replayd.wire.errors import FailedPrecondition
 
 log = logging.getLogger("replayd")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from service.buffers.episodic import EpisodicBuffer
-from service.buffers.rollout import RolloutBuffer
-from service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from service.worker_seats import WorkerSeats
+from replayd.server.buffers.episodic import EpisodicBuffer
+from replayd.server.buffers.rollout import RolloutBuffer
+from replayd.server.worker_seats import WorkerSeats
+from replayd.wire.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 
 Buffer = EpisodicBuffer | RolloutBuffer
 # Buffers one server holds at most: each keeps 4 file descriptors open (its two segments), so without a bound

@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service.buffers.ring import NOTHING_RETIRED, EpisodicRing, Retired
-from service.configured import Configured
-from service.storage.shared_arrays import ArraySpec
-from service.wire.components import Fifo, MaxTimesSampled, RemoverOptions
+from replayd.server.buffers.ring import NOTHING_RETIRED, EpisodicRing, Retired
+from replayd.server.configured import Configured
+from replayd.server.storage.shared_arrays import ArraySpec
+from replayd.wire.components import Fifo, MaxTimesSampled, RemoverOptions
 
 
 class DrawCounts(NamedTuple):

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import InvalidArgument
-from service.wire.codec import CodecError, check_dtype
-from service.wire.frame_fields import CompressedFrames, check_frames, stacked_shape
+from replayd.wire.codec import CodecError, check_dtype
+from replayd.wire.errors import InvalidArgument
+from replayd.wire.frame_fields import CompressedFrames, check_frames, stacked_shape
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # No underscore: segments are named rpd_<instance>_<buffer>, and buffer names may contain one, so an
@@ -38,7 +38,7 @@ class Field:
 
     A field stacked `stack` deep stores one frame (`shape`) per row and is sampled as its frames of rows
     t-k+1 .. t of one episode, stacked on `stack_axis` of the batch's row; a compressed one ("zstd" at
-    `compression_level`, or "lz4") stores each frame compressed (service/wire/frame_fields.py).
+    `compression_level`, or "lz4") stores each frame compressed (proto/frame_fields.py).
     """
 
     name: str
@@ -179,7 +179,7 @@ def check_columns(fields: tuple[Field, ...], columns: Mapping[str, np.ndarray | 
 
 
 def _check_frames(field: Field, column: np.ndarray | CompressedFrames, rows: int | None, what: str) -> int:
-    """The rows of a compressed field's frames (checked: service/wire/frame_fields.py), or InvalidArgument for a
+    """The rows of a compressed field's frames (checked: proto/frame_fields.py), or InvalidArgument for a
     field sent in the other form than it is stored in."""
     if not field.compressed:
         raise InvalidArgument(f"{what}: field {field.name!r} is not compressed: expected an Arrow column, got "

@@ -11,18 +11,18 @@ from concurrent import futures
 import grpc
 from prometheus_client import CollectorRegistry
 
-from service.checkpoint import check_writable, has_checkpoint, restore_checkpoint, write_checkpoint
-from service.grpc_server.auth import TokenAuthInterceptor
-from service.grpc_server.sample_workers import SampleWorkers
-from service.grpc_server.servicer import ReplayServicer, lenient
-from service.recovery import recover_instance
-from service.registry import BufferRegistry
-from service.schema import check_instance_name
-from service.storage.instance_lock import InstanceLock
-from service.wire import replay_pb2 as pb
-from service.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from service.wire.frames import InsertFrame
-from service.worker_seats import WorkerSeats
+from replayd.server.checkpoint import check_writable, has_checkpoint, restore_checkpoint, write_checkpoint
+from replayd.server.grpc_server.auth import TokenAuthInterceptor
+from replayd.server.grpc_server.sample_workers import SampleWorkers
+from replayd.server.grpc_server.servicer import ReplayServicer, lenient
+from replayd.server.recovery import recover_instance
+from replayd.server.registry import BufferRegistry
+from replayd.server.schema import check_instance_name
+from replayd.server.storage.instance_lock import InstanceLock
+from replayd.server.worker_seats import WorkerSeats
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from replayd.wire.frames import InsertFrame
 
 log = logging.getLogger("replayd")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("replayd")
 
 def _method_handlers(servicer: ReplayServicer) -> grpc.GenericRpcHandler:
     """The Replay service's handlers. Inserts and batches skip protobuf's copies of their Arrow payload
-    (service/wire/frames.py): Insert gets InsertFrames, and the sampling RPCs return serialized
+    (proto/frames.py): Insert gets InsertFrames, and the sampling RPCs return serialized
     SampleResponse messages, framed by hand as they are encoded (so their serializer is the identity)."""
     unary = grpc.unary_unary_rpc_method_handler
 
@@ -140,7 +140,7 @@ class ReplayServer:
             self.servicer.sample_endpoints = self.sample_workers.endpoints
             self.http = None
             if http_address is not None:
-                from service.http.app import HttpServer, create_app, loopback_hosts
+                from replayd.server.http.app import HttpServer, create_app, loopback_hosts
 
                 http_host, http_port = http_address.rsplit(":", 1)
                 http_host = http_host.strip("[]")  # uvicorn takes an IPv6 host without the brackets gRPC needs

@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import safetensors
 
-from service.errors import InvalidArgument, ResourceExhausted
-from service.schema import check_buffer_name
+from replayd.server.schema import check_buffer_name
+from replayd.wire.errors import InvalidArgument, ResourceExhausted
 
 
 def check_safetensors(payload: bytes) -> None:

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-from service.errors import Unavailable
+from replayd.wire.errors import Unavailable
 
 
 class WorkerSeats:

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from client import ReplayClient
-from service.server import ReplayServer
+from replayd.client import ReplayClient
+from replayd.server.server import ReplayServer
 
 TEST_INSTANCE = f"test{os.getpid()}"
 _servers = itertools.count()

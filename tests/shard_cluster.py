@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from client import EpisodeWriter, Prioritized, ReplayClient, ShardedReplayClient, States
-from client.polling import wait_until
-from client.shard_math import SHARD_SHIFT
-from service.buffers.reader import RingReader
-from service.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
-from service.server import ReplayServer
-from service.storage.shared_arrays import segments
+from replayd.client import EpisodeWriter, Prioritized, ReplayClient, ShardedReplayClient, States
+from replayd.client.polling import wait_until
+from replayd.client.shard_math import SHARD_SHIFT
+from replayd.server.buffers.reader import RingReader
+from replayd.server.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
+from replayd.server.server import ReplayServer
+from replayd.server.storage.shared_arrays import segments
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"obs": ("float32", (2,)), "reward": ("float32", ())}  # obs = (episode number, step t)
@@ -59,7 +59,8 @@ class ShardServer:
 
     def command(self, token: str | None) -> list[str]:
         prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
-        return [*prefix, sys.executable, "-m", "service.cli", "serve", "--host", self.host, "--port", str(self.port),
+        return [*prefix, sys.executable, "-m", "replayd.server.cli", "serve", "--host", self.host,
+                "--port", str(self.port),
                 "--instance", self.instance, "--http-port", "-1", "--log-level", "WARNING", "--recover",
                 *(["--token", token] if token else [])]
 

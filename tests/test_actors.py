@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from client import ReplayClient
-from client.actors.common import ActorReport, EpisodeRecorder, action_rng, epsilon_at, explores, refresh_weights
-from client.actors.dqn import DQNActorConfig, run_dqn_actor
-from client.actors.ppo import PPOActorConfig, Rollout, collect, run_ppo_actor
-from client.learners.dqn import CARTPOLE_SCHEMA
-from client.params import module_to_bytes
-from client.polling import wait_until
-from client.trainers.ppo import ActorCritic
-from client.trainers.q_network import QNetwork
-from service.wire.components import States, Transitions
+from replayd.client import ReplayClient
+from replayd.client.actors.common import ActorReport, EpisodeRecorder, action_rng, epsilon_at, explores, refresh_weights
+from replayd.client.actors.dqn import DQNActorConfig, run_dqn_actor
+from replayd.client.actors.ppo import PPOActorConfig, Rollout, collect, run_ppo_actor
+from replayd.client.learners.dqn import CARTPOLE_SCHEMA
+from replayd.client.params import module_to_bytes
+from replayd.client.polling import wait_until
+from replayd.client.trainers.ppo import ActorCritic
+from replayd.client.trainers.q_network import QNetwork
+from replayd.wire.components import States, Transitions
 from tests.test_episode_writer import unreachable_for_first_inserts
 
 BUDGET = 120.0  # the actors' own --seconds: far longer than these tests may take
@@ -79,8 +79,8 @@ def test_actors_started_alike_write_different_episodes(client: ReplayClient) -> 
     """Two `replayd actor --algo allo` with the same command line (as one per actor, or compose's --scale,
     start them) write different random walks: each draws its own seed, where a fixed default would give both
     the same walks."""
-    from client.actor import main as actor_main
-    from client.learners.allo import GRID_SCHEMA
+    from replayd.client.actor import main as actor_main
+    from replayd.client.learners.allo import GRID_SCHEMA
 
     client.create_buffer("fourrooms", 10_000, GRID_SCHEMA)
     for _ in range(2):
@@ -98,7 +98,7 @@ def test_a_learner_publishes_above_an_earlier_runs_final_weights(client: ReplayC
     """A learner started on a server where an earlier run left its final weights (version 50) publishes above
     them: publishing from version 1 would be refused unnoticed, and a new actor would take the old final
     weights and stop at once."""
-    from client.learners.dqn import DQNLearnerConfig, learn_dqn
+    from replayd.client.learners.dqn import DQNLearnerConfig, learn_dqn
 
     client.publish_weights("q", 50, module_to_bytes(QNetwork(4, 2, (16,))), final=True)
     actor_config = DQNActorConfig(address=client.address, seconds=BUDGET, fetch_every=10, hidden=(16,))
@@ -122,7 +122,7 @@ def test_an_actor_started_before_a_learner_restarted_on_an_earlier_runs_buffer_w
     started before the new learner waits for the new learner's weights instead of taking the old final ones
     for its own learner's (which would stop it at once, with no env step, and leave the new learner training
     on the old data alone)."""
-    from client.learners.dqn import DQNLearnerConfig, learn_dqn
+    from replayd.client.learners.dqn import DQNLearnerConfig, learn_dqn
 
     learner_config = DQNLearnerConfig(address=client.address, run_dir=str(tmp_path), seconds=2, hidden=(16,),
                                       learning_starts=200, eval_every=10_000, eval_episodes=1)
@@ -254,8 +254,8 @@ def test_a_dqn_actor_started_without_a_seed_draws_its_own(monkeypatch: pytest.Mo
     """Like allo actors (above), dqn actors started alike must not play the same episodes."""
     import dataclasses
 
-    from client.actor import main as actor_main
-    from client.algos import ALGOS
+    from replayd.client.actor import main as actor_main
+    from replayd.client.algos import ALGOS
 
     seeds = []
     monkeypatch.setitem(ALGOS, "dqn", dataclasses.replace(
@@ -268,8 +268,8 @@ def test_a_dqn_actor_started_without_a_seed_draws_its_own(monkeypatch: pytest.Mo
 
 
 def test_the_allo_actor_walks_in_all_four_directions(client: ReplayClient) -> None:
-    from client.actors.allo import AlloActorConfig, run_allo_actor
-    from client.learners.allo import GRID_SCHEMA
+    from replayd.client.actors.allo import AlloActorConfig, run_allo_actor
+    from replayd.client.learners.allo import GRID_SCHEMA
 
     client.create_buffer("fourrooms", 10_000, GRID_SCHEMA)
     report = run_allo_actor(AlloActorConfig(address=client.address, episodes=2, seed=0, seconds=BUDGET))
@@ -296,8 +296,9 @@ def test_sigterm_ends_an_actor_process_as_its_budget_does(client: ReplayClient) 
     yet sent, and reports, as when its time is up, instead of dying with them."""
     client.create_buffer("cartpole", 50_000, CARTPOLE_SCHEMA)
     client.publish_weights("q", 1, module_to_bytes(QNetwork(4, 2, DQNActorConfig(address="").hidden)))
-    actor = subprocess.Popen([sys.executable, "-m", "client.actor", "--algo", "dqn", "--address", client.address,
-                              "--seconds", str(BUDGET)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    actor = subprocess.Popen([sys.executable, "-m", "replayd.client.actor", "--algo", "dqn",
+                              "--address", client.address, "--seconds", str(BUDGET)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Its first batch of episodes is in: it is stepping, with more written since.
         wait_until(lambda: actor.poll() is not None or client.describe("cartpole")["episodes"] > 0,

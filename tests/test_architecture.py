@@ -11,20 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from service import components
-from service.wire import components as options
+from replayd.server import components
+from replayd.wire import components as options
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("service", "client")
+# The installed package's parts and the repository folders that hold them (setup.py's FOLDERS).
+PACKAGES = {"replayd": "replayd", "replayd.server": "service", "replayd.client": "client", "replayd.wire": "proto"}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def module_name(package: str, folder: str, path: Path) -> str:
+    parts = path.relative_to(ROOT / folder).with_suffix("").parts
+    return ".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    return {module_name(package, folder, path): path for package, folder in PACKAGES.items()
+            for path in (ROOT / folder).rglob("*.py")
+            if package != "replayd" or path.parent == ROOT / folder}
 
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
@@ -44,12 +47,12 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
                 name = name.rpartition(".")[0]
             if name:
                 found.add(name)
-    return found - {module_name(path)}
+    return found
 
 
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: imports(path, known) for name, path in known.items()}
+    return {name: imports(path, known) - {name} for name, path in known.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -93,11 +96,13 @@ def test_cycles_are_found() -> None:
 
 
 @pytest.mark.parametrize(("importer", "imported"), [
-    ("service.http", "service.grpc_server"),
-    ("service.grpc_server", "service.http"),
-    ("client", "service.grpc_server"),
-    ("client", "service.http"),
-    ("service.buffers", "service.grpc_server"),
+    ("replayd.server.http", "replayd.server.grpc_server"),
+    ("replayd.server.grpc_server", "replayd.server.http"),
+    ("replayd.client", "replayd.server.grpc_server"),
+    ("replayd.client", "replayd.server.http"),
+    ("replayd.wire", "replayd.server"),
+    ("replayd.wire", "replayd.client"),
+    ("replayd.server.buffers", "replayd.server.grpc_server"),
 ])
 def test_one_side_does_not_import_the_other(importer: str, imported: str) -> None:
     crossing = sorted((source, target) for source, targets in graph().items() for target in targets
@@ -121,15 +126,17 @@ def test_the_server_never_imports_torch_or_ray() -> None:
 
 def test_only_the_ray_launcher_imports_ray() -> None:
     importers = sorted(name for name, path in modules().items() if "ray" in external_imports(path))
-    assert importers and all(name == "client.ray" or name.startswith("client.ray.") for name in importers), importers
+    assert importers, "the Ray launcher imports Ray"
+    assert all(name == "replayd.client.ray" or name.startswith("replayd.client.ray.") for name in importers), importers
 
 
 def test_the_server_the_client_and_the_programs_load_without_ray() -> None:
     """`replayd serve`, the clients, actors, learners and the demo run where Ray is not installed: none of them
-    imports it (client.sharded imports client.ray only for a ray:NAME address), and neither does importing
-    client.ray and its command line (`replayd ray --help`) before a name of its API is used."""
-    code = ("import sys, service.cli, service.server, client, client.sharded, client.actor, client.learner, "
-            "client.demo, client.ray, client.ray.cli; "
+    imports it (replayd.client.sharded imports replayd.client.ray only for a ray:NAME address), and neither does
+    importing replayd.client.ray and its command line (`replayd ray --help`) before a name of its API is used."""
+    code = ("import sys, replayd.server.cli, replayd.server.server, replayd.client, replayd.client.sharded, "
+            "replayd.client.actor, replayd.client.learner, replayd.client.demo, replayd.client.ray, "
+            "replayd.client.ray.cli; "
             "print(sorted(name for name in sys.modules if name == 'ray' or name.startswith('ray.')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -154,7 +161,7 @@ def test_every_component_kind_has_one_implementation_and_one_wire_message(role: 
     kinds = options.kinds(role)
     container = {"sampler": "SamplerConfig", "remover": "RemoverConfig", "rate_limiter": "RateLimiterConfig",
                  "mode": "BatchMode"}[role]
-    from service.wire import replay_pb2 as pb
+    from replayd.wire import replay_pb2 as pb
 
     oneof = getattr(pb, container).DESCRIPTOR.oneofs_by_name["kind"]
     assert sorted(kinds) == sorted(field.name for field in oneof.fields)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
-from client import EpisodeWriter, Frames, ReplayClient, Sequences, Transitions
+from replayd.client import EpisodeWriter, Frames, ReplayClient, Sequences, Transitions
 
 gym.register_envs(ale_py)
 STEPS = 240  # per game

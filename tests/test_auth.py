@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from service.cli import main as cli_main
-from service.server import ReplayServer
+from replayd.client import ReplayClient
+from replayd.server.cli import main as cli_main
+from replayd.server.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
 
 TOKEN = "s3cret-token"
@@ -98,7 +98,7 @@ def test_serve_refuses_a_non_loopback_host_without_token(host: str, monkeypatch:
 
 
 def test_serve_bind_rule_accepts_token_flag_or_loopback() -> None:
-    from service.tokens import check_bind
+    from replayd.server.tokens import check_bind
 
     check_bind("0.0.0.0", "token", insecure_bind_all=False)
     check_bind("0.0.0.0", None, insecure_bind_all=True)

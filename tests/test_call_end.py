@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.grpc_server.servicer import CallEnd
+from replayd.server.grpc_server.servicer import CallEnd
 
 
 class _Context:

@@ -21,17 +21,17 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from client import ReplayClient
-from client.replay_client import Span, spans_request
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.checkpoint import LATEST, MANIFEST, latest_checkpoint, restore_checkpoint, write_checkpoint
-from service.errors import FailedPrecondition, Unavailable
-from service.modes.transitions import TransitionsMode
-from service.registry import BufferRegistry
-from service.schema import Field
-from service.server import ReplayServer
-from service.storage.shared_arrays import segments
-from service.wire.components import Prioritized, SampleToInsertRatio, Transitions
+from replayd.client import ReplayClient
+from replayd.client.replay_client import Span, spans_request
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.checkpoint import LATEST, MANIFEST, latest_checkpoint, restore_checkpoint, write_checkpoint
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.registry import BufferRegistry
+from replayd.server.schema import Field
+from replayd.server.server import ReplayServer
+from replayd.server.storage.shared_arrays import segments
+from replayd.wire.components import Prioritized, SampleToInsertRatio, Transitions
+from replayd.wire.errors import FailedPrecondition, Unavailable
 from tests.conftest import TEST_INSTANCE, rpc_status
 
 SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}

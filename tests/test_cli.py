@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from service import cli
-from service.cli import main as cli_main
-from service.server import ReplayServer
+from replayd.server import cli
+from replayd.server.cli import main as cli_main
+from replayd.server.server import ReplayServer
 from tests.conftest import TEST_INSTANCE
 
 
@@ -110,7 +110,7 @@ def test_serve_flags_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _serve(*flags: str) -> subprocess.CompletedProcess:
     """`replayd serve` in a process of its own (it tunes the allocator and logging of the process it runs in)."""
-    return subprocess.run([sys.executable, "-m", "service.cli", "serve", "--http-port", "-1", *flags],
+    return subprocess.run([sys.executable, "-m", "replayd.server.cli", "serve", "--http-port", "-1", *flags],
                           capture_output=True, text=True, timeout=30)
 
 

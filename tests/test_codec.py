@@ -2,7 +2,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from service.wire import codec
+from replayd.wire import codec
 
 
 def test_round_trip_keeps_dtype_and_shape_zero_copy() -> None:

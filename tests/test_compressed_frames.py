@@ -18,21 +18,21 @@ import httpx
 import numpy as np
 import pytest
 
-from client import EpisodeWriter, Frames, ReplayClient, Sequences, Transitions
-from client.replay_client import Span, spans_request
-from service import checkpoint
-from service.buffers.arena import place
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.planner import ArenaSnapshot, Extent, FrameLengths, RingSnapshot, check_spans, plan_insert
-from service.buffers.reader import RingReader
-from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from service.modes.transitions import TransitionsMode
-from service.registry import BufferRegistry
-from service.schema import Field
-from service.server import ReplayServer
-from service.wire import replay_pb2 as pb
-from service.wire.frame_fields import CompressedFrames, FrameError, compress, decompress, decompress_many
-from service.wire.frames import InsertFrame
+from replayd.client import EpisodeWriter, Frames, ReplayClient, Sequences, Transitions
+from replayd.client.replay_client import Span, spans_request
+from replayd.server import checkpoint
+from replayd.server.buffers.arena import place
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.buffers.planner import ArenaSnapshot, Extent, FrameLengths, RingSnapshot, check_spans, plan_insert
+from replayd.server.buffers.reader import RingReader
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.registry import BufferRegistry
+from replayd.server.schema import Field
+from replayd.server.server import ReplayServer
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from replayd.wire.frame_fields import CompressedFrames, FrameError, compress, decompress, decompress_many
+from replayd.wire.frames import InsertFrame
 from tests.conftest import TEST_INSTANCE, rpc_status
 from tests.test_crash_recovery import Crash, crash_inside, segments_removed
 
@@ -145,7 +145,7 @@ def test_the_planner_gives_frames_their_offsets_and_refuses_what_no_arena_holds(
     # 40 bytes an episode: two fit the arena of 100 bytes with a frame's slack, the third goes in its own block
     assert [(op.span_lo, op.span_hi) for op in ops] == [(0, 2), (2, 3)]
     assert ops[1].frame_offsets[0].tolist() == [80, 90, 100, 110] and ops[1].arena_after == (120,)
-    from service.buffers.planner import check_frames_fit
+    from replayd.server.buffers.planner import check_frames_fit
 
     big = Spans.whole_episodes(np.array([9]), np.array([7]), np.array([True]))
     with pytest.raises(InvalidArgument, match="episode 7: its frames of field 'obs' take 100 bytes"):
@@ -278,7 +278,7 @@ def test_bad_frames_are_refused_naming_the_field_and_nothing_is_stored(client: R
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "field 'obs' is missing" in details
     as_column = request_of(2, 6)
     columns = {"obs": np.zeros((7, *FRAME), np.uint8), "t": np.arange(7), "reward": np.ones(7, np.float32)}
-    from service.wire import codec
+    from replayd.wire import codec
 
     code, details = rpc_status(client.insert, [InsertFrame(as_column.request, codec.encode(columns))], retry=False)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
@@ -526,8 +526,8 @@ def test_frames_decompressed_by_the_client_are_the_servers_batch(client: ReplayC
 
 
 def test_shipped_frames_cross_the_wire_compressed(client: ReplayClient, server) -> None:
-    from service.grpc_server.servicer import sample_message
-    from service.wire.frames import sample_response
+    from replayd.server.grpc_server.servicer import sample_message
+    from replayd.wire.frames import sample_response
 
     client.create_buffer("pix", 1000, SCHEMA, capacity_bytes=150_000)
     client.insert([request_of(episode, 30) for episode in range(10)])
@@ -553,13 +553,13 @@ def test_shipped_frames_cross_the_wire_compressed(client: ReplayClient, server) 
 def test_the_loader_decompresses_shipped_frames_on_its_thread(client: ReplayClient) -> None:
     import torch
 
-    from client.loader import Loader
+    from replayd.client.loader import Loader
 
     client.create_buffer("pix", 1000, SCHEMA, capacity_bytes=150_000)
     client.insert([request_of(episode, 30) for episode in range(10)])
     reference = list(client.sample_stream("pix", 16, Transitions(2), num_batches=3, seed=9))
     threads = set()
-    decode = __import__("client.batch_stream", fromlist=["decode_sample"]).decode_sample
+    decode = __import__("replayd.client.batch_stream", fromlist=["decode_sample"]).decode_sample
 
     def recording(message: object) -> dict:
         threads.add(threading.current_thread().name)

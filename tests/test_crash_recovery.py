@@ -15,17 +15,17 @@ from contextlib import closing, contextmanager
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.reader import RingReader
-from service.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
-from service.dedup import RECOVERED_WHOLE
-from service.errors import FailedPrecondition
-from service.modes.transitions import TransitionsMode
-from service.removers import MaxTimesSampledRemover
-from service.samplers.prioritized import PrioritizedSampler
-from service.schema import Field
-from service.storage.shared_arrays import remove_segment, segments
+from replayd.client import ReplayClient
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.buffers.reader import RingReader
+from replayd.server.buffers.ring import ALIVE, IS_OPEN, EpisodicRing
+from replayd.server.dedup import RECOVERED_WHOLE
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.removers import MaxTimesSampledRemover
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.server.schema import Field
+from replayd.server.storage.shared_arrays import remove_segment, segments
+from replayd.wire.errors import FailedPrecondition
 from tests.conftest import TEST_INSTANCE, free_port
 
 FIELDS = [Field("obs", "float64", (2,), observation=True), Field("reward", "float32")]
@@ -140,7 +140,7 @@ def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
     instance = f"{TEST_INSTANCE}fault"
     port = free_port()
     address = f"127.0.0.1:{port}"
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
+    command = [sys.executable, "-m", "replayd.server.cli", "serve", "--port", str(port), "--instance", instance,
                "--http-port", "-1", "--log-level", "WARNING", "--recover"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     acknowledged: list[list[int]] = [[] for _ in range(3)]
@@ -205,8 +205,8 @@ def test_server_killed_twice_loses_no_acknowledged_episode() -> None:
 
 
 def test_inconsistent_segments_fall_back_to_the_latest_checkpoint(tmp_path) -> None:
-    from service.server import ReplayServer
-    from service.storage.shared_arrays import SharedArrays
+    from replayd.server.server import ReplayServer
+    from replayd.server.storage.shared_arrays import SharedArrays
 
     instance = f"{TEST_INSTANCE}fallback"
     schema = {"obs": ("float64", (2,)), "reward": ("float32", ())}
@@ -459,8 +459,8 @@ def test_recovery_remembers_no_more_closed_episodes_than_the_dedup_window() -> N
 def test_a_failed_restore_after_recovery_keeps_the_recovered_buffers(tmp_path) -> None:
     """--recover --restore DIR where DIR holds no checkpoint (a mistyped path, or a kill before the first
     one): the start fails and keeps the buffers it has just reattached, their only copy."""
-    from service.server import ReplayServer
-    from service.storage.shared_arrays import SharedArrays
+    from replayd.server.server import ReplayServer
+    from replayd.server.storage.shared_arrays import SharedArrays
 
     instance = f"{TEST_INSTANCE}keep"
     with segments_removed(f"rpd_{instance}_"):
@@ -486,10 +486,10 @@ def test_recovery_restores_only_the_corrupt_buffers_from_the_checkpoint(tmp_path
     """--recover with a checkpoint: a buffer whose segments pass the checks keeps what it stored after the
     checkpoint; only the corrupt one comes back from it. Restoring every checkpointed buffer would roll the
     good one back, or (as its name is taken) fail the start."""
-    from service.checkpoint import write_checkpoint
-    from service.registry import BufferRegistry
-    from service.server import ReplayServer
-    from service.storage.shared_arrays import SharedArrays
+    from replayd.server.checkpoint import write_checkpoint
+    from replayd.server.registry import BufferRegistry
+    from replayd.server.server import ReplayServer
+    from replayd.server.storage.shared_arrays import SharedArrays
 
     instance = f"{TEST_INSTANCE}only"
     with segments_removed(f"rpd_{instance}_"):
@@ -521,9 +521,9 @@ def test_recovery_restores_only_the_corrupt_buffers_from_the_checkpoint(tmp_path
 def test_recover_on_an_emptied_dev_shm_restores_the_whole_checkpoint(tmp_path, checkpoint_from: str) -> None:
     """After a reboot (or in a new container) no segment of the instance is left: --recover restored
     nothing, without a word, and periodic checkpoints of the empty server then pruned the good ones."""
-    from service.checkpoint import write_checkpoint
-    from service.registry import BufferRegistry
-    from service.server import ReplayServer
+    from replayd.server.checkpoint import write_checkpoint
+    from replayd.server.registry import BufferRegistry
+    from replayd.server.server import ReplayServer
 
     instance = f"{TEST_INSTANCE}boot"
     with segments_removed(f"rpd_{instance}_"):

@@ -14,12 +14,12 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import NotFound
-from service.limiters import SampleToInsertRatioLimiter
-from service.modes.transitions import TransitionsMode
-from service.schema import Field
+from replayd.client import ReplayClient
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.limiters import SampleToInsertRatioLimiter
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.schema import Field
+from replayd.wire.errors import NotFound
 
 SCHEMA = {"obs": ("float32", (8,)), "action": ("int64", ()), "reward": ("float32", ())}
 

@@ -20,23 +20,23 @@ import pytest
 import torch
 import yaml
 
-from client import ReplayClient
-from client.actor import main as actor_main
-from client.algos import ALGOS
-from client.demo import ActorFailed, actor_processes, baseline_args
-from client.demo import main as demo_main
-from client.envs import CARTPOLE_POMDP
-from client.learner import main as learner_main
-from client.learners import common as learner_common
-from client.learners import dqn as dqn_learner
-from client.learners import ppo as ppo_learner
-from client.learners.common import evaluate_greedy
-from client.local_reader import LocalReader
-from client.polling import wait_until
-from client.status_screenshot import find_chromium
-from client.trainers.dqn import DQNTrainer
-from service.checkpoint import has_checkpoint
-from service.cli import main as cli_main
+from replayd.client import ReplayClient
+from replayd.client.actor import main as actor_main
+from replayd.client.algos import ALGOS
+from replayd.client.demo import ActorFailed, actor_processes, baseline_args
+from replayd.client.demo import main as demo_main
+from replayd.client.envs import CARTPOLE_POMDP
+from replayd.client.learner import main as learner_main
+from replayd.client.learners import common as learner_common
+from replayd.client.learners import dqn as dqn_learner
+from replayd.client.learners import ppo as ppo_learner
+from replayd.client.learners.common import evaluate_greedy
+from replayd.client.local_reader import LocalReader
+from replayd.client.polling import wait_until
+from replayd.client.status_screenshot import find_chromium
+from replayd.client.trainers.dqn import DQNTrainer
+from replayd.server.checkpoint import has_checkpoint
+from replayd.server.cli import main as cli_main
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_sigterm_stops_everything_the_demo_started(tmp_path: Path) -> None:
     import signal
 
     instance = f"test{os.getpid()}term"
-    demo = subprocess.Popen([sys.executable, "-m", "client.demo", "--seconds", "60", "--instance", instance,
+    demo = subprocess.Popen([sys.executable, "-m", "replayd.client.demo", "--seconds", "60", "--instance", instance,
                              "--run-dir", str(tmp_path)], start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
@@ -258,7 +258,7 @@ def test_compose_builds_one_dockerfile_and_actors_share_the_learners_image() -> 
 def _local_command(command: str, env: dict[str, str]) -> list[str]:
     words = shlex.split(_interpolate(command, env))
     assert words[0] == "replayd"
-    return [sys.executable, "-m", "service.cli", *words[1:]]
+    return [sys.executable, "-m", "replayd.server.cli", *words[1:]]
 
 
 def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
@@ -427,7 +427,7 @@ def test_command_lines_refuse_bad_numbers(command, argv, message, capsys, monkey
     def started(*args: object, **kwargs: object) -> None:
         pytest.fail(f"{argv} were accepted: the command started")
 
-    monkeypatch.setattr("client.demo.local_server", started)
+    monkeypatch.setattr("replayd.client.demo.local_server", started)
     for name, algo in ALGOS.items():
         monkeypatch.setitem(ALGOS, name, dataclasses.replace(algo, actor=started, learn=started))
     with pytest.raises(SystemExit) as exited:

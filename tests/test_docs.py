@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from bench import report
-from service.server import ReplayServer
+from replayd.server.server import ReplayServer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -85,12 +85,13 @@ def test_the_api_page_lists_replay_client_sample_in_chromium(served: str) -> Non
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})  # a desktop: the search bar shows
             page.goto(f"{served}/reference/client/")
-            heading = page.locator('h2[id="client.ReplayClient"] ~ * h3[id="client.ReplayClient.sample"]')
+            heading = page.locator('h2[id="replayd.client.ReplayClient"]'
+                                   ' ~ * h3[id="replayd.client.ReplayClient.sample"]')
             assert heading.is_visible() and heading.locator(".doc-object-name").inner_text() == "sample"
             # its signature and docstring follow the heading; the page's table of contents links to it
-            method = page.locator(".doc-object:has(> h3[id='client.ReplayClient.sample'])")
+            method = page.locator(".doc-object:has(> h3[id='replayd.client.ReplayClient.sample'])")
             assert "batch_size" in method.inner_text() and "One batch as read-only numpy arrays" in method.inner_text()
-            assert page.locator('nav a[href="#client.ReplayClient.sample"]').count() >= 1
+            assert page.locator('nav a[href="#replayd.client.ReplayClient.sample"]').count() >= 1
             page.click("input.md-search__input")  # the search index covers the API too
             page.keyboard.type("sample_stream")
             page.wait_for_selector(".md-search-result__item")

@@ -6,7 +6,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from client.envs import BIT_FLIPPING, CARTPOLE_POMDP, BitFlippingEnv, HideVelocities
+from replayd.client.envs import BIT_FLIPPING, CARTPOLE_POMDP, BitFlippingEnv, HideVelocities
 
 
 def test_the_pomdp_keeps_cart_position_and_pole_angle_of_cartpoles_state() -> None:

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from client import EpisodeWriter, ReplayClient
+from replayd.client import EpisodeWriter, ReplayClient
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 

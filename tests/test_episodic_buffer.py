@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from service.kernels import HOLE
-from service.modes.geometric import GeometricMode
-from service.modes.states import StatesMode
-from service.modes.transitions import TransitionsMode
-from service.schema import Field
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.kernels import HOLE
+from replayd.server.modes.geometric import GeometricMode
+from replayd.server.modes.states import StatesMode
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.schema import Field
+from replayd.wire.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 FIELDS = [
     Field("obs", "float32", (3,), observation=True),
@@ -268,7 +268,7 @@ def test_schema_takes_any_numpy_spelling_of_a_dtype_and_names_a_bad_one() -> Non
         buffer.close()
 
 
-# Spelled out, not taken from service.schema: a name dropped there must fail here.
+# Spelled out, not taken from replayd.server.schema: a name dropped there must fail here.
 @pytest.mark.parametrize("name", ["terminated", "truncated", "n_step_return", "bootstrap_discount", "offset", "key",
                                   "episode_id", "probability", "weight", "advantage", "return",
                                   "next_obs", "future_obs", "bootstrap_obs", "bootstrap_value"])

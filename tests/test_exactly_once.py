@@ -9,15 +9,14 @@ import grpc
 import numpy as np
 import pytest
 
-from client import EpisodeWriter, ReplayClient
-from client.replay_client import Span, _SamplingCalls, episode_span, spans_request
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.dedup import SpanDedup, span_offsets
-from service.errors import FailedPrecondition
-from service.schema import Field
-from service.wire import replay_pb2 as pb
-from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.components import (
+from replayd.client import EpisodeWriter, ReplayClient
+from replayd.client.replay_client import Span, _SamplingCalls, episode_span, spans_request
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.dedup import SpanDedup, span_offsets
+from replayd.server.schema import Field
+from replayd.wire import replay_pb2 as pb
+from replayd.wire import replay_pb2_grpc as pb_grpc
+from replayd.wire.components import (
     Fifo,
     MaxTimesSampled,
     MinSize,
@@ -26,7 +25,8 @@ from service.wire.components import (
     SampleToInsertRatio,
     States,
 )
-from service.wire.frames import serialize_insert
+from replayd.wire.errors import FailedPrecondition
+from replayd.wire.frames import serialize_insert
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
 

@@ -4,10 +4,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire.codec import CodecError
-from service.wire.frames import (
+from replayd.wire import codec
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.codec import CodecError
+from replayd.wire.frames import (
     SAMPLE_RESPONSE_HEAD_BYTES,
     InsertFrame,
     sample_response_batch,
@@ -193,7 +193,7 @@ def test_splitting_many_small_fields_holds_no_more_than_the_message() -> None:
 def test_a_message_of_many_fields_is_parsed_by_protobuf_itself() -> None:
     """Unpacked repeated fields cost the hand scan ~0.25 µs each (a minute for a 512 MB request): past
     MANY_FIELDS fields the scan stops and protobuf's compiled parser reads the message, payload included."""
-    from service.wire import frames
+    from replayd.wire import frames
 
     raw = (pb.InsertRequest(buffer="b").SerializeToString() + b"\x18\x07" * (4 * frames.MANY_FIELDS)
            + _field(2, 2, b"\x05arrow") + b"\x20\x01")  # episode_ids unpacked, the steps, a span_rows

@@ -20,13 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import ReplayClient
-from client.replay_client import Span, spans_request
-from service.server import ReplayServer
-from service.storage.shared_arrays import SharedArrays
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire.components import Prioritized
+from replayd.client import ReplayClient
+from replayd.client.replay_client import Span, spans_request
+from replayd.server.server import ReplayServer
+from replayd.server.storage.shared_arrays import SharedArrays
+from replayd.wire import codec
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.components import Prioritized
 
 # The server persists across examples on purpose: state left by one hostile call is what the next one sees.
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.gae import GaeWorkspace, block_size, compute_gae
+from replayd.server.gae import GaeWorkspace, block_size, compute_gae
 
 
 def reference_gae(reward, value, terminated, truncated, final_value, bootstrap, gamma, lam):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import ReplayClient
-from service.server import ReplayServer
-from service.wire.components import Prioritized, SampleToInsertRatio
+from replayd.client import ReplayClient
+from replayd.server.server import ReplayServer
+from replayd.wire.components import Prioritized, SampleToInsertRatio
 from tests.conftest import TEST_INSTANCE
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "replayd.json"

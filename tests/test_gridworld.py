@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bench.allo_paper_check import collect_episodes, make_numpy_sampler, sampled_laplacian_eigenvectors
-from client.gridworld import GridWorld, cosine_similarities, parse_layout
+from replayd.client.gridworld import GridWorld, cosine_similarities, parse_layout
 
 
 def test_four_rooms_shape_and_observations():

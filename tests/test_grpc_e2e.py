@@ -11,25 +11,24 @@ import grpc
 import numpy as np
 import pytest
 
-from client import EpisodeWriter, ReplayClient
-from client.replay_client import Span, spans_request, split_spans
-from client.replay_client import episode_span as client_episode_span
-from service import errors
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.grpc_server import convert
-from service.grpc_server.in_place import IN_PLACE_MIN_BYTES
-from service.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode, wait_seconds
-from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.uniform import UniformSampler
-from service.schema import Field
-from service.server import ReplayServer
-from service.storage.shared_arrays import SharedArrays
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.components import Geometric, MaxTimesSampled, States, Transitions
-from service.wire.frames import sample_response_batch
-from service.worker_seats import WorkerSeats
+from replayd.client import EpisodeWriter, ReplayClient
+from replayd.client.replay_client import Span, spans_request, split_spans
+from replayd.client.replay_client import episode_span as client_episode_span
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.grpc_server import convert
+from replayd.server.grpc_server.in_place import IN_PLACE_MIN_BYTES
+from replayd.server.grpc_server.servicer import KEY_ITEM_BYTES, _Ahead, sample_mode, wait_seconds
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.server.samplers.uniform import UniformSampler
+from replayd.server.schema import Field
+from replayd.server.server import ReplayServer
+from replayd.server.storage.shared_arrays import SharedArrays
+from replayd.server.worker_seats import WorkerSeats
+from replayd.wire import codec, errors
+from replayd.wire import replay_pb2 as pb
+from replayd.wire import replay_pb2_grpc as pb_grpc
+from replayd.wire.components import Geometric, MaxTimesSampled, States, Transitions
+from replayd.wire.frames import sample_response_batch
 from tests.conftest import TEST_INSTANCE, free_port, rpc_status
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from client import heartbeat as heartbeat_module
-from client.actor import main as actor_main
-from client.actors.common import ActorReport
-from client.algos import ALGOS
-from client.heartbeat import BeatingStop, Heartbeat, age
-from client.learner import CARTPOLE_SCHEMA
-from client.learner import main as learner_main
-from client.learners.common import Progress
+from replayd.client import heartbeat as heartbeat_module
+from replayd.client.actor import main as actor_main
+from replayd.client.actors.common import ActorReport
+from replayd.client.algos import ALGOS
+from replayd.client.heartbeat import BeatingStop, Heartbeat, age
+from replayd.client.learner import CARTPOLE_SCHEMA
+from replayd.client.learner import main as learner_main
+from replayd.client.learners.common import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,8 +66,8 @@ def test_the_probe_fails_on_a_missing_or_stale_file_and_passes_on_a_fresh_one(tm
     path = tmp_path / "heartbeat"
 
     def probe() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "client.heartbeat", str(path), "--max-age", "300"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run([sys.executable, "-m", "replayd.client.heartbeat", str(path), "--max-age", "300"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
 
     missing = probe()
     assert missing.returncode == 1 and "missing" in missing.stderr
@@ -107,7 +107,7 @@ def test_a_learner_beats_at_every_report(tmp_path: Path, monkeypatch: pytest.Mon
         raise SystemExit(0)
 
     monkeypatch.setitem(ALGOS, "dqn", dataclasses.replace(ALGOS["dqn"], learn=learn))
-    monkeypatch.setattr("client.learner.Heartbeat", functools.partial(Heartbeat, every=0.0))
+    monkeypatch.setattr("replayd.client.learner.Heartbeat", functools.partial(Heartbeat, every=0.0))
     with pytest.raises(SystemExit):
         learner_main(["--address", client.address, "--heartbeat", str(path), "--run-dir", str(tmp_path / "run")])
     assert ages and ages[0] < 60

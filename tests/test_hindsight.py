@@ -10,11 +10,11 @@ import grpc
 import numpy as np
 import pytest
 
-from client import Hindsight, ReplayClient, Transitions
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import InvalidArgument
-from service.modes.hindsight import HindsightMode
-from service.schema import Field
+from replayd.client import Hindsight, ReplayClient, Transitions
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.modes.hindsight import HindsightMode
+from replayd.server.schema import Field
+from replayd.wire.errors import InvalidArgument
 from tests.conftest import rpc_status
 from tests.test_episodic_buffer import _chi_square_critical
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from client.envs import BitFlippingEnv
-from client.hindsight import recompute_rewards, recompute_terminations
+from replayd.client.envs import BitFlippingEnv
+from replayd.client.hindsight import recompute_rewards, recompute_terminations
 from tests.spec_batches import Episode, hindsight_batch
 
 

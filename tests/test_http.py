@@ -10,16 +10,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save
 
-from client import ReplayClient
-from client.polling import wait_until
-from client.replay_client import episode_span, spans_requests
-from service.grpc_server.metrics import RpcMetrics
-from service.http.app import loopback_hosts
-from service.server import ReplayServer
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.components import MinSize, Prioritized, SampleToInsertRatio
+from replayd.client import ReplayClient
+from replayd.client.polling import wait_until
+from replayd.client.replay_client import episode_span, spans_requests
+from replayd.server.grpc_server.metrics import RpcMetrics
+from replayd.server.http.app import loopback_hosts
+from replayd.server.server import ReplayServer
+from replayd.wire import codec
+from replayd.wire import replay_pb2 as pb
+from replayd.wire import replay_pb2_grpc as pb_grpc
+from replayd.wire.components import MinSize, Prioritized, SampleToInsertRatio
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}

@@ -9,19 +9,19 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from service import kernels
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.grpc_server.in_place import IN_PLACE_MIN_BYTES, InPlaceMessages
-from service.grpc_server.servicer import sample_message
-from service.modes.base import BatchMode
-from service.modes.geometric import GeometricMode
-from service.modes.states import StatesMode
-from service.modes.transitions import TransitionsMode
-from service.samplers.prioritized import PrioritizedSampler
-from service.samplers.uniform import UniformSampler
-from service.schema import Field
-from service.wire import codec
-from service.wire.frames import sample_response_batch
+from replayd.server import kernels
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.grpc_server.in_place import IN_PLACE_MIN_BYTES, InPlaceMessages
+from replayd.server.grpc_server.servicer import sample_message
+from replayd.server.modes.base import BatchMode
+from replayd.server.modes.geometric import GeometricMode
+from replayd.server.modes.states import StatesMode
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.server.samplers.uniform import UniformSampler
+from replayd.server.schema import Field
+from replayd.wire import codec
+from replayd.wire.frames import sample_response_batch
 
 FIELDS = [
     Field("frame", "uint8", (32, 32, 4), observation=True),

@@ -15,15 +15,15 @@ import textwrap
 import numpy as np
 import pytest
 
-from service import kernels
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import RingChanged
-from service.kernels import _kernels
-from service.modes.geometric import GeometricMode
-from service.modes.transitions import TransitionsMode
-from service.samplers.uniform import UniformSampler
-from service.schema import Field
-from service.wire.codec import ALLOWED_DTYPES
+from replayd.server import kernels
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.kernels import _kernels
+from replayd.server.modes.geometric import GeometricMode
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.samplers.uniform import UniformSampler
+from replayd.server.schema import Field
+from replayd.wire.codec import ALLOWED_DTYPES
+from replayd.wire.errors import RingChanged
 
 CAPACITY = 10
 
@@ -406,7 +406,7 @@ def test_transition_batch_releases_its_arrays_when_a_later_gather_runs_out_of_me
     code = textwrap.dedent("""
         import gc, resource, tracemalloc
         import numpy as np
-        from service import kernels
+        from replayd.server import kernels
 
         capacity, row_bytes, count = 4, 100, 1_000_000  # a 100 MB observation gather, 1 MB per target column
         positions = np.zeros(count, np.int64)

@@ -114,7 +114,8 @@ def test_every_container_has_probes_and_resource_requests(objects: list[dict[str
     for workload in ("replayd-actor", "replayd-learner"):
         container = pod_specs(objects)[workload]["containers"][0]
         heartbeat = container["command"][container["command"].index("--heartbeat") + 1]
-        assert container["livenessProbe"]["exec"]["command"][:4] == ["python", "-m", "client.heartbeat", heartbeat]
+        probe = container["livenessProbe"]["exec"]["command"]
+        assert probe[:4] == ["python", "-m", "replayd.client.heartbeat", heartbeat]
 
 
 def test_shared_memory_is_a_sized_memory_volume_within_the_shards_memory(objects: list[dict[str, Any]]) -> None:

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import client.learners.allo as allo
-import client.learners.common as common
-import client.learners.dqn as dqn
-import client.learners.ppo as ppo
-from client import ReplayClient
-from client.learners.common import Progress
+import replayd.client.learners.allo as allo
+import replayd.client.learners.common as common
+import replayd.client.learners.dqn as dqn
+import replayd.client.learners.ppo as ppo
+from replayd.client import ReplayClient
+from replayd.client.learners.common import Progress
 
 
 class FakeLoader:

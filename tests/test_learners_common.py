@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from client import ReplayClient
-from client.learner import main as learner_main
-from client.learners.common import BufferMismatch, create_or_reuse, env_steps, evaluate_greedy
-from client.learners.dqn import CARTPOLE_SCHEMA
+from replayd.client import ReplayClient
+from replayd.client.learner import main as learner_main
+from replayd.client.learners.common import BufferMismatch, create_or_reuse, env_steps, evaluate_greedy
+from replayd.client.learners.dqn import CARTPOLE_SCHEMA
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
 

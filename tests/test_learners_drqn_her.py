@@ -9,15 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from client import Hindsight, ReplayClient, Sequences
-from client.actors.drqn import DRQNActorConfig, run_drqn_actor
-from client.actors.her import HERActorConfig, run_her_actor
-from client.envs import BitFlippingEnv
-from client.learners.drqn import DRQNLearnerConfig, learn_drqn, sequence_schema
-from client.learners.her import GOAL_FIELDS, OBSERVATION_FIELDS, HERLearnerConfig, goal_schema, learn_her
-from client.params import module_to_bytes
-from client.trainers.dqn import DQNTrainer
-from client.trainers.drqn import RecurrentQNetwork
+from replayd.client import Hindsight, ReplayClient, Sequences
+from replayd.client.actors.drqn import DRQNActorConfig, run_drqn_actor
+from replayd.client.actors.her import HERActorConfig, run_her_actor
+from replayd.client.envs import BitFlippingEnv
+from replayd.client.learners.drqn import DRQNLearnerConfig, learn_drqn, sequence_schema
+from replayd.client.learners.her import GOAL_FIELDS, OBSERVATION_FIELDS, HERLearnerConfig, goal_schema, learn_her
+from replayd.client.params import module_to_bytes
+from replayd.client.trainers.dqn import DQNTrainer
+from replayd.client.trainers.drqn import RecurrentQNetwork
 from tests.test_actors import BUDGET, _run_until_final
 
 HIDDEN = 16

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from client import ReplayClient
-from client.loader import Loader, to_tensors
-from client.polling import wait_until
+from replayd.client import ReplayClient
+from replayd.client.loader import Loader, to_tensors
+from replayd.client.polling import wait_until
 
 
 def _drain(loader: Loader, seconds: float = 10) -> list[dict[str, torch.Tensor]]:
@@ -142,7 +142,7 @@ def test_close_cancels_a_server_stream_the_thread_waits_on(client: ReplayClient)
 def test_close_ends_a_local_reader_stream_the_thread_waits_on(client: ReplayClient) -> None:
     """The same with a LocalReader's stream: close() returns at once and ends the thread, rather than wait out
     the join's timeout and leave the thread polling the empty buffer until it is deleted."""
-    from client.local_reader import LocalReader
+    from replayd.client.local_reader import LocalReader
 
     client.create_buffer("empty", 100, {"obs": ("float32", (2,)), "action": ("int64", ())})
     with LocalReader(client, "empty") as reader:

@@ -14,17 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from client.local_reader import LocalReader
-from client.polling import wait_until
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.lifetime import SharedReads
-from service.buffers.reader import RingReader
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, RingChanged
-from service.modes.transitions import TransitionsMode
-from service.removers import MaxTimesSampledRemover
-from service.schema import Field
-from service.wire.components import Geometric, Prioritized, States, Transitions
+from replayd.client import ReplayClient
+from replayd.client.local_reader import LocalReader
+from replayd.client.polling import wait_until
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.buffers.lifetime import SharedReads
+from replayd.server.buffers.reader import RingReader
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.removers import MaxTimesSampledRemover
+from replayd.server.schema import Field
+from replayd.wire.components import Geometric, Prioritized, States, Transitions
+from replayd.wire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, RingChanged
 from tests.conftest import TEST_INSTANCE
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -119,7 +119,7 @@ def test_a_closed_local_stream_yields_nothing_more(client: ReplayClient) -> None
 def test_local_reader_stops_when_the_buffer_is_deleted_or_re_created(client: ReplayClient,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The reader's mapping outlives the unlinked segment: it must not go on sampling a frozen snapshot."""
-    monkeypatch.setattr("client.local_reader.CHECK_EVERY", 0.0)
+    monkeypatch.setattr("replayd.client.local_reader.CHECK_EVERY", 0.0)
     episode = {"obs": np.ones((11, 4), np.float32), "action": np.zeros(10, np.int64), "reward": np.ones(10, np.float32)}
     for replace in (False, True):
         client.create_buffer("gone", 1000, SCHEMA)
@@ -192,7 +192,7 @@ def test_a_reader_waiting_for_data_stops_when_the_buffer_is_deleted(
             client.delete_buffer("empty")
             deleted_at.append(time.monotonic())
 
-    monkeypatch.setattr("client.local_reader.wait_until", wait_until_noted)
+    monkeypatch.setattr("replayd.client.local_reader.wait_until", wait_until_noted)
     client.create_buffer("empty", 1000, SCHEMA)
     deleter = threading.Thread(target=delete_once_waiting)
     with LocalReader(client, "empty") as reader:
@@ -336,11 +336,11 @@ def test_readers_never_see_torn_samples_while_the_writer_evicts() -> None:
 _CLOSE_WHILE_SAMPLING = """
 import os, sys, threading
 import numpy as np
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.reader import RingReader
-from service.errors import NotFound
-from service.modes.transitions import TransitionsMode
-from service.schema import Field
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.buffers.reader import RingReader
+from replayd.wire.errors import NotFound
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.schema import Field
 
 instance = sys.argv[1]
 writer = EpisodicBuffer("big", instance, [Field("obs", "float32", (1024,), True), Field("reward", "float32")], 4000)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from service import kernels
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.reader import RingReader
-from service.buffers.ring import HEAD, EpisodicRing
-from service.modes.transitions import TransitionsMode
-from service.samplers.prioritized import PrioritizedSampler
+from replayd.server import kernels
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.buffers.reader import RingReader
+from replayd.server.buffers.ring import HEAD, EpisodicRing
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.samplers.prioritized import PrioritizedSampler
 from tests.conftest import TEST_INSTANCE
 from tests.test_lock_free_reads import FIELDS
 

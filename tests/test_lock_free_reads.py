@@ -18,14 +18,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from service import kernels
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.reader import RingReader
-from service.buffers.ring import EpisodicRing
-from service.errors import FailedPrecondition, RingChanged
-from service.modes.transitions import TransitionsMode
-from service.samplers.prioritized import PrioritizedSampler
-from service.schema import Field
+from replayd.server import kernels
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.buffers.reader import RingReader
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.server.schema import Field
+from replayd.wire.errors import FailedPrecondition, RingChanged
 from tests.conftest import TEST_INSTANCE
 
 FIELDS = [Field("obs", "float64", (3,), observation=True), Field("reward", "float64")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from client.params import load_module_bytes, module_to_bytes
+from replayd.client.params import load_module_bytes, module_to_bytes
 
 
 def atari_conv() -> nn.Module:

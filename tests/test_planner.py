@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.buffers.planner import Extent, RingSnapshot, Spans, check_spans, plan_insert
-from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from replayd.server.buffers.planner import Extent, RingSnapshot, Spans, check_spans, plan_insert
+from replayd.wire.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 
 def spans(rows: list[int], ids: list[int], begins: list[bool], ends: list[bool]) -> Spans:

@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from service.kernels import HOLE
-from service.modes.states import StatesMode
-from service.removers import MaxTimesSampledRemover
-from service.samplers.prioritized import PrioritizedSampler
-from service.wire.components import Prioritized
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.kernels import HOLE
+from replayd.server.modes.states import StatesMode
+from replayd.server.removers import MaxTimesSampledRemover
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.wire.components import Prioritized
+from replayd.wire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from tests.test_episodic_buffer import FIELDS, _chi_square_critical, make_rows
 
 ALPHA = 0.7

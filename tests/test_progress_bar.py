@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from client import status_screenshot
-from client.learners.common import Progress, Tracker
-from client.progress_bar import ProgressBar
-from client.status_screenshot import MidRunScreenshot
+from replayd.client import status_screenshot
+from replayd.client.learners.common import Progress, Tracker
+from replayd.client.progress_bar import ProgressBar
+from replayd.client.status_screenshot import MidRunScreenshot
 
 
 class Clock:

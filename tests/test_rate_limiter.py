@@ -10,17 +10,17 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from client.replay_client import episode_span, spans_requests
-from client.retries import server_retry_after
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
-from service.limiters import SampleToInsertRatioLimiter
-from service.modes.states import StatesMode
-from service.removers import MaxTimesSampledRemover
-from service.server import ReplayServer
-from service.wire.components import SampleToInsertRatio
-from service.worker_seats import WorkerSeats
+from replayd.client import ReplayClient
+from replayd.client.replay_client import episode_span, spans_requests
+from replayd.client.retries import server_retry_after
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.limiters import SampleToInsertRatioLimiter
+from replayd.server.modes.states import StatesMode
+from replayd.server.removers import MaxTimesSampledRemover
+from replayd.server.server import ReplayServer
+from replayd.server.worker_seats import WorkerSeats
+from replayd.wire.components import SampleToInsertRatio
+from replayd.wire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from tests.conftest import TEST_INSTANCE
 from tests.test_episodic_buffer import FIELDS, make_rows
 

@@ -32,13 +32,13 @@ ray = pytest.importorskip("ray", reason="the `ray` extra is not installed (pip i
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from client import ReplayClient, States  # noqa: E402
-from client.learners.dqn import CARTPOLE_SCHEMA  # noqa: E402
-from client.polling import wait_until  # noqa: E402
-from client.ray import BufferSpec, find_shards, run_actors, start_shards  # noqa: E402
-from client.ray.resolver import NAMESPACE, actor_name, distinct  # noqa: E402
-from client.sharded import connect  # noqa: E402
-from service.storage.shared_arrays import segments  # noqa: E402
+from replayd.client import ReplayClient, States  # noqa: E402
+from replayd.client.learners.dqn import CARTPOLE_SCHEMA  # noqa: E402
+from replayd.client.polling import wait_until  # noqa: E402
+from replayd.client.ray import BufferSpec, find_shards, run_actors, start_shards  # noqa: E402
+from replayd.client.ray.resolver import NAMESPACE, actor_name, distinct  # noqa: E402
+from replayd.client.sharded import connect  # noqa: E402
+from replayd.server.storage.shared_arrays import segments  # noqa: E402
 from tests.conftest import TEST_INSTANCE  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -84,7 +84,7 @@ def processes_of(temp_dir: str) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         command = " ".join(process.info["cmdline"] or ())
-        if temp_dir in command or ("service.cli serve" in command and f"--instance {TEST_INSTANCE}" in command):
+        if temp_dir in command or ("replayd.server.cli serve" in command and f"--instance {TEST_INSTANCE}" in command):
             found.append(process)
     return found
 
@@ -207,7 +207,7 @@ def test_replayd_ray_up_status_run_and_down_as_commands(cluster: LocalCluster, t
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def replayd(*args: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "service.cli", "ray", *args, "--name", name,
+        done = subprocess.run([sys.executable, "-m", "replayd.server.cli", "ray", *args, "--name", name,
                                "--address", cluster.cluster.address], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=180)
         assert done.returncode == 0, done.stderr[-3000:]

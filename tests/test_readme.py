@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from service.server import ReplayServer
+from replayd.server.server import ReplayServer
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

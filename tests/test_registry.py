@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import FailedPrecondition, ResourceExhausted, Unavailable
-from service.modes.transitions import TransitionsMode
-from service.registry import BufferRegistry
-from service.schema import Field
-from service.storage.shared_arrays import segments
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.registry import BufferRegistry
+from replayd.server.schema import Field
+from replayd.server.storage.shared_arrays import segments
+from replayd.wire.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from tests.conftest import TEST_INSTANCE
 
 FIELDS = [Field("obs", "float32", (2,), observation=True), Field("reward", "float32")]

@@ -8,12 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
-from service.modes.states import StatesMode
-from service.modes.transitions import TransitionsMode
-from service.removers import MaxTimesSampledRemover
-from service.samplers.prioritized import PrioritizedSampler
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.modes.states import StatesMode
+from replayd.server.modes.transitions import TransitionsMode
+from replayd.server.removers import MaxTimesSampledRemover
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.wire.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from tests.test_episodic_buffer import FIELDS, make_rows
 
 

@@ -13,16 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from client import EpisodeWriter, ReplayClient
-from client.batch_stream import BatchStream
-from client.params import load_module_bytes, module_to_bytes
-from client.polling import wait_until
-from client.replay_client import Span, _SamplingCalls, episode_span, split_spans
-from service.errors import RETRY_AFTER_METADATA
-from service.server import ReplayServer
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire.components import (
+from replayd.client import EpisodeWriter, ReplayClient
+from replayd.client.batch_stream import BatchStream
+from replayd.client.params import load_module_bytes, module_to_bytes
+from replayd.client.polling import wait_until
+from replayd.client.replay_client import Span, _SamplingCalls, episode_span, split_spans
+from replayd.server.server import ReplayServer
+from replayd.wire import codec
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.components import (
     Geometric,
     MaxTimesSampled,
     Prioritized,
@@ -31,7 +30,8 @@ from service.wire.components import (
     Transitions,
     Uniform,
 )
-from service.wire.frames import SampledMessage
+from replayd.wire.errors import RETRY_AFTER_METADATA
+from replayd.wire.frames import SampledMessage
 from tests.conftest import rpc_status
 
 SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ())}
@@ -243,7 +243,7 @@ def test_a_reopened_stream_gets_what_is_left_of_its_timeout() -> None:
 
 
 def test_a_stream_refused_again_and_again_backs_off_exponentially(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("client.batch_stream.random.random", lambda: 0.0)  # pauses without jitter
+    monkeypatch.setattr("replayd.client.batch_stream.random.random", lambda: 0.0)  # pauses without jitter
     open_call, opened = opener([FakeCall([], FakeError(BUSY, 1)) for _ in range(3)] + [FakeCall([PAYLOAD])])
     stream = BatchStream(open_call, 10.0)
     next(stream)
@@ -360,7 +360,7 @@ def test_a_unary_call_refused_until_its_deadline_fails_with_the_refusal(case, co
 # ---------------------------------------------------------------- wait_until
 def test_wait_until_backs_off_no_longer_than_max_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     pauses: list[float] = []
-    monkeypatch.setattr("client.polling.time.sleep", pauses.append)
+    monkeypatch.setattr("replayd.client.polling.time.sleep", pauses.append)
     results = iter([None] * 12 + [7])
     assert wait_until(lambda: next(results), time.monotonic() + 60, "x", delay=0.01, max_delay=0.05) == 7
     assert pauses[:3] == [0.01, 0.02, 0.04]

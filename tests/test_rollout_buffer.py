@@ -8,9 +8,9 @@ import uuid
 import numpy as np
 import pytest
 
-from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.errors import FailedPrecondition, InvalidArgument, NotFound
-from service.gae import GaeWorkspace, compute_gae
+from replayd.server.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
+from replayd.server.gae import GaeWorkspace, compute_gae
+from replayd.wire.errors import FailedPrecondition, InvalidArgument, NotFound
 
 T, N, OBS = 8, 6, 3
 INSTANCE = f"test{os.getpid()}"

@@ -9,13 +9,13 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from client.actors.ppo import PPOActorConfig, Rollout, push
-from service.gae import compute_gae
-from service.server import ReplayServer
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire import replay_pb2_grpc as pb_grpc
+from replayd.client import ReplayClient
+from replayd.client.actors.ppo import PPOActorConfig, Rollout, push
+from replayd.server.gae import compute_gae
+from replayd.server.server import ReplayServer
+from replayd.wire import codec
+from replayd.wire import replay_pb2 as pb
+from replayd.wire import replay_pb2_grpc as pb_grpc
 from tests.conftest import TEST_INSTANCE, rpc_status
 
 T, N = 16, 8

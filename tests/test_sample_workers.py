@@ -15,15 +15,15 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from service.errors import InvalidArgument, NotFound
-from service.grpc_server.sample_workers import WORKER_THREADS, SampleWorkers, SampleWorkerServicer
-from service.server import ReplayServer
-from service.storage.instance_lock import lock_path
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire.components import Hindsight, MaxTimesSampled, Prioritized, Sequences, Transitions
-from service.wire.frames import sample_response_batch
+from replayd.client import ReplayClient
+from replayd.server.grpc_server.sample_workers import WORKER_THREADS, SampleWorkers, SampleWorkerServicer
+from replayd.server.server import ReplayServer
+from replayd.server.storage.instance_lock import lock_path
+from replayd.wire import codec
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.components import Hindsight, MaxTimesSampled, Prioritized, Sequences, Transitions
+from replayd.wire.errors import InvalidArgument, NotFound
+from replayd.wire.frames import sample_response_batch
 from tests.conftest import TEST_INSTANCE, free_port
 
 SCHEMA = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -211,7 +211,7 @@ def test_workers_of_a_killed_server_exit() -> None:
     than serving on beside a restarted server."""
     port = free_port()
     instance = f"{TEST_INSTANCE}orphan"
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
+    command = [sys.executable, "-m", "replayd.server.cli", "serve", "--port", str(port), "--instance", instance,
                "--http-port", "-1", "--sample-workers", "2"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     children: set[int] = set()
@@ -420,7 +420,7 @@ def test_a_buffer_deleted_between_the_workers_look_and_its_attach_is_not_found(
     def unlinked_meanwhile(header: str) -> None:
         raise FileNotFoundError(2, "No such file or directory", f"/{header}")
 
-    monkeypatch.setattr("service.grpc_server.sample_workers.RingReader.attach", unlinked_meanwhile)
+    monkeypatch.setattr("replayd.server.grpc_server.sample_workers.RingReader.attach", unlinked_meanwhile)
     with pytest.raises(NotFound, match="buffer 'racing' does not exist"):
         in_process_worker.ring("racing")
 
@@ -430,7 +430,7 @@ def test_a_buffer_whose_header_is_not_written_yet_is_not_found() -> None:
     in between (a client routed there before a delete and create again) answered INTERNAL (a JSONDecodeError)."""
     from multiprocessing import shared_memory
 
-    from service.storage.shared_arrays import _untracked, remove_segment
+    from replayd.server.storage.shared_arrays import _untracked, remove_segment
 
     instance = f"{TEST_INSTANCE}hdr"
     header = _untracked(shared_memory.SharedMemory(name=f"rpd_{instance}_creating", create=True, size=256))
@@ -504,7 +504,7 @@ def test_ctrl_c_stops_the_server_and_its_workers_quietly() -> None:
     KeyboardInterrupt traceback each), and the monitor starts none again while the server stops."""
     port = free_port()
     instance = f"{TEST_INSTANCE}ctrlc"
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance", instance,
+    command = [sys.executable, "-m", "replayd.server.cli", "serve", "--port", str(port), "--instance", instance,
                "--http-port", "-1", "--sample-workers", "2"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)  # its own process group, as a terminal's job

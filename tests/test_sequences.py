@@ -12,14 +12,14 @@ import time
 import numpy as np
 import pytest
 
-from client import Prioritized, ReplayClient, Sequences, ShardedReplayClient
-from client.local_reader import LocalReader
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.buffers.reader import RingReader
-from service.errors import FailedPrecondition, InvalidArgument
-from service.modes.sequences import SequencesMode
-from service.samplers.prioritized import PrioritizedSampler
-from service.server import ReplayServer
+from replayd.client import Prioritized, ReplayClient, Sequences, ShardedReplayClient
+from replayd.client.local_reader import LocalReader
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.buffers.reader import RingReader
+from replayd.server.modes.sequences import SequencesMode
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.server.server import ReplayServer
+from replayd.wire.errors import FailedPrecondition, InvalidArgument
 from tests.conftest import TEST_INSTANCE
 from tests.test_episodic_buffer import FIELDS, RefEpisode, _chi_square_critical, expected_item, make_rows
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from client.shard_math import (
+from replayd.client.shard_math import (
     globalize,
     keys_by_shard,
     merge_descriptions,
@@ -21,9 +21,9 @@ from client.shard_math import (
     split_capacity,
     split_rate_limiter,
 )
-from client.shard_sampling import Holder, Split
-from client.shard_set import Shard
-from service.wire.components import MinSize, Prioritized, SampleToInsertRatio
+from replayd.client.shard_sampling import Holder, Split
+from replayd.client.shard_set import Shard
+from replayd.wire.components import MinSize, Prioritized, SampleToInsertRatio
 from tests.shard_cluster import chi_square_critical
 
 

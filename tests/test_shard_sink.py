@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from client import EpisodeWriter
-from client.polling import wait_until
-from client.shard_set import Shard, ShardError, ShardSet
-from client.shard_sink import ShardedSink
+from replayd.client import EpisodeWriter
+from replayd.client.polling import wait_until
+from replayd.client.shard_set import Shard, ShardError, ShardSet
+from replayd.client.shard_sink import ShardedSink
 
 
 class Unavailable(grpc.RpcError):
@@ -102,7 +102,7 @@ def run_all(calls: list[Callable[[], Any]]) -> list[Any]:
 @pytest.fixture(autouse=True)
 def no_hold_down(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fake shards come back when a test resolves their comeback (the hold-down has its own test)."""
-    monkeypatch.setattr("client.shard_set._HOLD_DOWN", 0.0)
+    monkeypatch.setattr("replayd.client.shard_set._HOLD_DOWN", 0.0)
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ def test_a_comeback_seen_as_the_shard_fails_is_looked_at_again_after_the_hold_do
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A call failed on a connection that the server's death had broken while the channel still read READY: its
     ready future resolved at once, the shard "answered again", and the next call found it down a second time."""
-    monkeypatch.setattr("client.shard_set._HOLD_DOWN", 0.3)
+    monkeypatch.setattr("replayd.client.shard_set._HOLD_DOWN", 0.3)
     shards = ShardSet(["a:1", "b:1"], lambda address: FakeShardClient(), 30.0, CollectorRegistry())
     a = shards.members()[0]
     shards.failed(a, "connection reset")
@@ -220,7 +220,7 @@ def test_a_comeback_seen_as_the_shard_fails_is_looked_at_again_after_the_hold_do
 def test_a_name_resolved_again_adds_and_drops_shards_and_a_shard_listed_again_keeps_its_index(
         monkeypatch: pytest.MonkeyPatch) -> None:
     records = [["10.0.0.1:5", "10.0.0.2:5"], ["10.0.0.2:5", "10.0.0.3:5"], ["10.0.0.1:5", "10.0.0.3:5"]]
-    monkeypatch.setattr("client.shard_set.resolve", lambda target: records[0])
+    monkeypatch.setattr("replayd.client.shard_set.resolve", lambda target: records[0])
     shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 1e-9, CollectorRegistry())  # due at every look
     assert [(s.index, s.address) for s in shards.members()] == [(0, "10.0.0.1:5"), (1, "10.0.0.2:5")]
     generation = shards.generation
@@ -236,8 +236,8 @@ def test_a_shard_whose_record_left_the_name_while_down_is_listed_again_as_soon_a
     """A stopped container's record leaves the service name, and the failure's resolution dropped the shard; it
     came back with its record, but only the next resolution (30 s later by default) listed it again."""
     records = ["10.0.0.1:5", "10.0.0.2:5"]
-    monkeypatch.setattr("client.shard_set.resolve", lambda target: list(records))
-    monkeypatch.setattr("client.shard_set._RESOLVE_AFTER_FAILURE", 0.0)
+    monkeypatch.setattr("replayd.client.shard_set.resolve", lambda target: list(records))
+    monkeypatch.setattr("replayd.client.shard_set._RESOLVE_AFTER_FAILURE", 0.0)
     shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 3600.0, CollectorRegistry())
     victim = shards.members()[1]
     records.remove("10.0.0.2:5")
@@ -249,13 +249,13 @@ def test_a_shard_whose_record_left_the_name_while_down_is_listed_again_as_soon_a
 
 
 def test_a_name_that_stops_resolving_keeps_the_shards_known(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("client.shard_set.resolve", lambda target: ["10.0.0.1:5"])
+    monkeypatch.setattr("replayd.client.shard_set.resolve", lambda target: ["10.0.0.1:5"])
     shards = ShardSet("replayd:5", lambda address: FakeShardClient(), 1e-9, CollectorRegistry())
 
     def fails(target: str) -> list[str]:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    monkeypatch.setattr("client.shard_set.resolve", fails)
+    monkeypatch.setattr("replayd.client.shard_set.resolve", fails)
     assert [s.address for s in shards.members()] == ["10.0.0.1:5"]
 
 

@@ -14,11 +14,19 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from client import MinSize, Prioritized, ReplayClient, SampleToInsertRatio, ShardedReplayClient, States, Transitions
-from client.polling import wait_until
-from client.shard_set import resolve
-from client.sharded import connect
-from service.server import ReplayServer
+from replayd.client import (
+    MinSize,
+    Prioritized,
+    ReplayClient,
+    SampleToInsertRatio,
+    ShardedReplayClient,
+    States,
+    Transitions,
+)
+from replayd.client.polling import wait_until
+from replayd.client.shard_set import resolve
+from replayd.client.sharded import connect
+from replayd.server.server import ReplayServer
 from tests import shard_cluster
 from tests.conftest import TEST_INSTANCE, free_port, rpc_status
 from tests.shard_cluster import SCHEMA, ShardCluster, ShardServer, created
@@ -175,7 +183,7 @@ def test_a_name_resolves_to_every_address_it_has() -> None:
 def test_compressed_stacked_frames_on_every_shard(client: ShardedReplayClient) -> None:
     """A buffer of compressed frames stacked at sample time, sized by bytes on every shard: a writer's episodes and
     a merged batch decompressed by the client name their own episode and steps, and the ratio is over all shards."""
-    from client import EpisodeWriter, Frames
+    from replayd.client import EpisodeWriter, Frames
     from tests.test_compressed_frames import FRAME, frame_of, named
 
     schema = {"obs": ("uint8", FRAME, Frames(stack=4, stack_axis=0, compression="zstd")), "t": ("int64", ()),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from service.storage.shared_arrays import segments
+from replayd.server.storage.shared_arrays import segments
 from tests.conftest import TEST_INSTANCE
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import safetensors.numpy
 
-from client import ReplayClient
-from service.server import ReplayServer
+from replayd.client import ReplayClient
+from replayd.server.server import ReplayServer
 from tests.conftest import TEST_INSTANCE, rpc_status
 
 SCHEMA = {"obs": ("float32", (3,)), "action": ("int64", ()), "reward": ("float32", ())}

@@ -5,9 +5,9 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from service.errors import FailedPrecondition, ResourceExhausted
-from service.storage import shared_arrays
-from service.storage.shared_arrays import SHM_DIR, ArraySpec, SharedArrays, segment_exists
+from replayd.server.storage import shared_arrays
+from replayd.server.storage.shared_arrays import SHM_DIR, ArraySpec, SharedArrays, segment_exists
+from replayd.wire.errors import FailedPrecondition, ResourceExhausted
 
 
 def test_create_attach_unlink() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from client import Hindsight, ReplayClient, Sequences
+from replayd.client import Hindsight, ReplayClient, Sequences
 from tests.spec_batches import Episode, hindsight_batch, sequence_rows
 
 LENGTH, BURN_IN, N_STEP, GAMMA = 6, 2, 3, 0.9

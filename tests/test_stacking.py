@@ -13,14 +13,14 @@ import grpc
 import numpy as np
 import pytest
 
-from client import EpisodeWriter, Frames, Geometric, Hindsight, ReplayClient, Sequences, States, Transitions
-from client.local_reader import LocalReader
-from service import components, kernels
-from service.buffers.episodic import EpisodicBuffer, Spans
-from service.errors import InvalidArgument
-from service.schema import Field
-from service.wire import replay_pb2 as pb
-from service.wire.components import ModeOptions
+from replayd.client import EpisodeWriter, Frames, Geometric, Hindsight, ReplayClient, Sequences, States, Transitions
+from replayd.client.local_reader import LocalReader
+from replayd.server import components, kernels
+from replayd.server.buffers.episodic import EpisodicBuffer, Spans
+from replayd.server.schema import Field
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.components import ModeOptions
+from replayd.wire.errors import InvalidArgument
 from tests.conftest import rpc_status
 
 FRAME, DEPTH = (6, 5), (3,)
@@ -136,7 +136,7 @@ def test_every_mode_returns_the_stacks_of_its_states(filled: tuple[EpisodicBuffe
 
 
 def test_a_lock_free_reader_returns_the_stacks(filled: tuple[EpisodicBuffer, Episodes]) -> None:
-    from service.buffers.reader import RingReader
+    from replayd.server.buffers.reader import RingReader
 
     buffer, episodes = filled
     reader = RingReader.attach(buffer.storage.header_name)
@@ -264,8 +264,8 @@ def test_the_writer_takes_frames_or_stacks_and_refuses_other_shapes(client: Repl
 def test_a_stream_stacks_frames_straight_into_its_messages(filled: tuple[EpisodicBuffer, Episodes],
                                                            mode: ModeOptions) -> None:
     """In-place messages are the usual encoding byte for byte, and the stacks are written into the message."""
-    from service.grpc_server.in_place import InPlaceMessages
-    from service.grpc_server.servicer import sample_message
+    from replayd.server.grpc_server.in_place import InPlaceMessages
+    from replayd.server.grpc_server.servicer import sample_message
 
     buffer, _ = filled
     built = components.build(mode)

@@ -14,19 +14,19 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from service.buffers.episodic import EpisodicBuffer
-from service.cli import main as cli_main
-from service.errors import FailedPrecondition, InvalidArgument
-from service.schema import Field
-from service.server import ReplayServer
-from service.storage.instance_lock import InstanceLock, lock_path
-from service.storage.shared_arrays import segments
+from replayd.client import ReplayClient
+from replayd.server.buffers.episodic import EpisodicBuffer
+from replayd.server.cli import main as cli_main
+from replayd.server.schema import Field
+from replayd.server.server import ReplayServer
+from replayd.server.storage.instance_lock import InstanceLock, lock_path
+from replayd.server.storage.shared_arrays import segments
+from replayd.wire.errors import FailedPrecondition, InvalidArgument
 from tests.conftest import TEST_INSTANCE, free_port
 
 
 def _start(port: int, instance: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
+    return subprocess.Popen([sys.executable, "-m", "replayd.server.cli", "serve", "--port", str(port), "--instance",
                              instance, "--http-port", "-1", "--log-level", "WARNING", *extra],
                             stdout=subprocess.PIPE, text=True)
 
@@ -98,11 +98,12 @@ def test_a_running_servers_instance_cannot_be_taken_nor_its_segments_removed() -
         with pytest.raises(FailedPrecondition, match=f"instance '{instance}' is served by another running process"):
             ReplayServer("127.0.0.1:0", instance=instance)
         port = free_port()
-        refused = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--instance",
-                                  instance, "--http-port", "-1", "--remove-stale"],
+        refused = subprocess.run([sys.executable, "-m", "replayd.server.cli", "serve", "--port", str(port),
+                                  "--instance", instance, "--http-port", "-1", "--remove-stale"],
                                  capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and "served by another running process" in refused.stderr
-        listed = subprocess.run([sys.executable, "-m", "service.cli", "segments", "--instance", instance, "--remove"],
+        listed = subprocess.run([sys.executable, "-m", "replayd.server.cli", "segments", "--instance", instance,
+                                 "--remove"],
                                 capture_output=True, text=True, timeout=60, check=True)
         assert "in use" in listed.stdout and "removed 0 segment(s)" in listed.stdout
         assert segments(f"rpd_{instance}_") == [f"rpd_{instance}_b", f"rpd_{instance}_b.data"]

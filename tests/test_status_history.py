@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from client import ReplayClient
-from service.http.history import KEPT_SAMPLES, History, bucket_quantile, latency_quantiles
-from service.server import ReplayServer
+from replayd.client import ReplayClient
+from replayd.server.http.history import KEPT_SAMPLES, History, bucket_quantile, latency_quantiles
+from replayd.server.server import ReplayServer
 
 SCHEMA = {"obs": ("float32", (4,)), "reward": ("float32", ())}
 INF = float("inf")

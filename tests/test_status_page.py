@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from client import ReplayClient
-from client.polling import wait_until
-from service.server import ReplayServer
-from service.wire.components import Prioritized, SampleToInsertRatio
+from replayd.client import ReplayClient
+from replayd.client.polling import wait_until
+from replayd.server.server import ReplayServer
+from replayd.wire.components import Prioritized, SampleToInsertRatio
 from tests.conftest import TEST_INSTANCE
 
 CHROMIUM = next((path for name in ("chromium", "chromium-browser", "google-chrome", "chrome")

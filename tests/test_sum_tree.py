@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from service.samplers.sum_tree import K, SumTree, level_sizes, tree_size
+from replayd.server.samplers.sum_tree import K, SumTree, level_sizes, tree_size
 
 # Tiny, just over a multiple of K, one top level, several K-ary levels, and not powers of K.
 CAPACITIES = [1, 2, 3, K - 1, K, K + 1, 100, 1000, 5000, 70_001]

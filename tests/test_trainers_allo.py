@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from client.trainers.allo import AlloEncoder, AlloTrainer, allo_loss, update_duals_and_barrier
+from replayd.client.trainers.allo import AlloEncoder, AlloTrainer, allo_loss, update_duals_and_barrier
 
 D = 4
 

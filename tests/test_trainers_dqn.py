@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from client.trainers.compiled import CompiledFunction
-from client.trainers.dqn import DQNTrainer, q_loss, update_target
-from client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
-from client.trainers.q_network import QNetwork
+from replayd.client.trainers.compiled import CompiledFunction
+from replayd.client.trainers.dqn import DQNTrainer, q_loss, update_target
+from replayd.client.trainers.dqn_manual_grad import q_loss_grads_flat, q_loss_manual_grad
+from replayd.client.trainers.q_network import QNetwork
 
 OBS_DIM, N_ACTIONS, GAMMA = 4, 3, 0.9
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client.trainers.drqn import DRQNTrainer, RecurrentQNetwork, r2d2_loss
+from replayd.client.trainers.drqn import DRQNTrainer, RecurrentQNetwork, r2d2_loss
 from tests.spec_batches import Episode, sequences_batch
 
 OBS_DIM, N_ACTIONS, HIDDEN = 3, 2, 8

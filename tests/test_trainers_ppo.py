@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from client.trainers.ppo import ActorCritic, PPOTrainer, ppo_loss
+from replayd.client.trainers.ppo import ActorCritic, PPOTrainer, ppo_loss
 
 B, OBS, A = 64, 5, 3
 

@@ -5,10 +5,10 @@ import grpc
 import pytest
 import torch
 
-from client import ReplayClient
-from client.params import load_module_bytes, module_to_bytes
-from client.replay_client import FetchedWeights
-from service.weights import MAX_NAMES
+from replayd.client import ReplayClient
+from replayd.client.params import load_module_bytes, module_to_bytes
+from replayd.client.replay_client import FetchedWeights
+from replayd.server.weights import MAX_NAMES
 
 
 def test_publish_and_fetch_newest_version(client: ReplayClient) -> None:

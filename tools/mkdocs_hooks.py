@@ -24,19 +24,19 @@ HELP_WIDTH = "80"  # argparse wraps its help to $COLUMNS
 
 
 def _replayd(argv: list[str]) -> None:
-    from service.cli import main
+    from replayd.server.cli import main
 
     main(argv)
 
 
 def _demo(argv: list[str]) -> None:
-    from client.demo import main
+    from replayd.client.demo import main
 
     main(argv)
 
 
 # The commands a page may show the help of: the first words select the entry point, the rest are its arguments.
-PROGRAMS: dict[str, Callable[[list[str]], None]] = {"replayd": _replayd, "python -m client.demo": _demo}
+PROGRAMS: dict[str, Callable[[list[str]], None]] = {"replayd": _replayd, "python -m replayd.client.demo": _demo}
 
 
 def command_help(command: str) -> str:

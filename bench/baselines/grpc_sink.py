@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from bench import subprocesses
-from service.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from replayd.wire.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 
 _SERVICE = "replayd.bench.Sink"
 _COUNTS = struct.Struct("<QQ")  # Repeat's request: messages, bytes per message

@@ -1,2 +1,2 @@
 """Actors, one module per algorithm: DQN (epsilon-greedy episodes), PPO (on-policy rollouts), ALLO
-(random-walk episodes). `client.actor` is their command line; `client.actors.common` what they share."""
+(random-walk episodes). `replayd.client.actor` is their command line; `replayd.client.actors.common` what they share."""

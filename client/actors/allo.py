@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from client.actors.common import ActorReport, EpisodeRecorder, StopEvent, action_rng, connect, stop_condition
-from client.gridworld import GridWorld
+from replayd.client.actors.common import ActorReport, EpisodeRecorder, StopEvent, action_rng, connect, stop_condition
+from replayd.client.gridworld import GridWorld
 
 BUFFER = "fourrooms"
 LAYOUT = "four_rooms"

@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import torch
 
-from client.episode_writer import EpisodeWriter
-from client.params import load_module_bytes
-from client.polling import RECONNECT, never, wait_until
-from client.replay_client import FetchedWeights, ReplayClient
-from client.sharded import connect as connect_to
+from replayd.client.episode_writer import EpisodeWriter
+from replayd.client.params import load_module_bytes
+from replayd.client.polling import RECONNECT, never, wait_until
+from replayd.client.replay_client import FetchedWeights, ReplayClient
+from replayd.client.sharded import connect as connect_to
 
 
 def action_rng(seed: int) -> np.random.Generator:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from client.actors.common import (
+from replayd.client.actors.common import (
     ActorReport,
     EpisodeRecorder,
     StopEvent,
@@ -19,7 +19,7 @@ from client.actors.common import (
     refresh_weights,
     stop_condition,
 )
-from client.trainers.q_network import QNetwork
+from replayd.client.trainers.q_network import QNetwork
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DQNActorConfig:
 
 def run_dqn_actor(config: DQNActorConfig, stop: StopEvent | None = None) -> ActorReport:
     """Epsilon-greedy actor until `config.seconds` pass, `stop` is set or the learner publishes its final weights."""
-    from client.envs import make
+    from replayd.client.envs import make
 
     torch.set_num_threads(1)
     env = make(config.env_id)

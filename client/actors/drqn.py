@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from client.actors.common import (
+from replayd.client.actors.common import (
     ActorReport,
     EpisodeRecorder,
     StopEvent,
@@ -24,8 +24,8 @@ from client.actors.common import (
     refresh_weights,
     stop_condition,
 )
-from client.envs import CARTPOLE_POMDP
-from client.trainers.drqn import RecurrentQNetwork
+from replayd.client.envs import CARTPOLE_POMDP
+from replayd.client.trainers.drqn import RecurrentQNetwork
 
 BUFFER = "cartpole_pomdp_sequences"
 WEIGHTS = "drqn"
@@ -52,7 +52,7 @@ class DRQNActorConfig:
 def run_drqn_actor(config: DRQNActorConfig, stop: StopEvent | None = None) -> ActorReport:
     """Epsilon-greedy recurrent actor until `config.seconds` pass, `stop` is set or the learner publishes its
     final weights."""
-    from client.envs import make
+    from replayd.client.envs import make
 
     torch.set_num_threads(1)
     env = make(config.env_id)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from client.actors.common import (
+from replayd.client.actors.common import (
     ActorReport,
     EpisodeRecorder,
     StopEvent,
@@ -20,9 +20,9 @@ from client.actors.common import (
     refresh_weights,
     stop_condition,
 )
-from client.envs import BIT_FLIPPING
-from client.trainers.her import goal_input
-from client.trainers.q_network import QNetwork
+from replayd.client.envs import BIT_FLIPPING
+from replayd.client.trainers.her import goal_input
+from replayd.client.trainers.q_network import QNetwork
 
 BUFFER = "bit_flipping"
 WEIGHTS = "her_q"
@@ -47,7 +47,7 @@ class HERActorConfig:
 def run_her_actor(config: HERActorConfig, stop: StopEvent | None = None) -> ActorReport:
     """Epsilon-greedy goal-conditioned actor until `config.seconds` pass, `stop` is set or the learner publishes
     its final weights."""
-    from client.envs import make
+    from replayd.client.envs import make
 
     torch.set_num_threads(1)
     env = make(config.env_id)

@@ -17,11 +17,11 @@ import grpc
 import numpy as np
 import torch
 
-from client.actors.common import ActorReport, StopEvent, connect, newer_or_final, stop_condition
-from client.params import load_module_bytes
-from client.polling import wait_until
-from client.replay_client import ReplayClient
-from client.trainers.ppo import ActorCritic
+from replayd.client.actors.common import ActorReport, StopEvent, connect, newer_or_final, stop_condition
+from replayd.client.params import load_module_bytes
+from replayd.client.polling import wait_until
+from replayd.client.replay_client import ReplayClient
+from replayd.client.trainers.ppo import ActorCritic
 
 ROLLOUT_STEPS = 128  # T, shared by actors and the learner (the buffer is T x actors * num_envs)
 ENVS_PER_ACTOR = 4

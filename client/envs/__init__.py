@@ -11,8 +11,8 @@ from typing import Any
 
 import gymnasium as gym
 
-from client.envs.bit_flipping import BitFlippingEnv
-from client.envs.pomdp import HideVelocities, make_cartpole_pomdp
+from replayd.client.envs.bit_flipping import BitFlippingEnv
+from replayd.client.envs.pomdp import HideVelocities, make_cartpole_pomdp
 
 __all__ = ["BIT_FLIPPING", "CARTPOLE_POMDP", "BitFlippingEnv", "HideVelocities", "make", "make_cartpole_pomdp"]
 

@@ -1,2 +1,2 @@
-"""Learners, one module per algorithm (DQN, PPO, ALLO); `client.learner` is their command line and
-`client.learners.common` what they share (progress, evaluation, the run folder)."""
+"""Learners, one module per algorithm (DQN, PPO, ALLO); `replayd.client.learner` is their command line and
+`replayd.client.learners.common` what they share (progress, evaluation, the run folder)."""

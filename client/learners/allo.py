@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client.actors.allo import BUFFER, LAYOUT
-from client.gridworld import GridWorld, cosine_similarities
-from client.learners.common import (
+from replayd.client.actors.allo import BUFFER, LAYOUT
+from replayd.client.gridworld import GridWorld, cosine_similarities
+from replayd.client.learners.common import (
     CurvePlot,
     Progress,
     create_or_reuse,
@@ -28,9 +28,9 @@ from client.learners.common import (
     start_learner,
     wait_for_steps,
 )
-from client.loader import Loader
-from client.trainers.allo import AlloTrainer
-from service.wire.components import Geometric, ModeOptions, States
+from replayd.client.loader import Loader
+from replayd.client.trainers.allo import AlloTrainer
+from replayd.wire.components import Geometric, ModeOptions, States
 
 GRID_SCHEMA = {"obs": ("float32", (2,)), "action": ("int64", ()), "reward": ("float32", ())}
 

@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import torch
 
-from client.params import module_to_bytes
-from client.polling import wait_until
-from client.replay_client import ReplayClient
-from client.sharded import connect
+from replayd.client.params import module_to_bytes
+from replayd.client.polling import wait_until
+from replayd.client.replay_client import ReplayClient
+from replayd.client.sharded import connect
 
 REPORT_EVERY = 1.0  # seconds between the reports that keep a progress bar moving between evaluations
 
@@ -120,7 +120,7 @@ def evaluate_recurrent(act: Callable[[torch.Tensor, torch.Tensor], tuple[torch.T
                        device: torch.device | str = "cpu") -> float:
     """evaluate_greedy for a policy with a recurrent state: `act(obs (N, *S), states (N, H))` returns the
     actions (N,) and the states after the step; `state` (episodes, H) holds the states the episodes start from."""
-    from client.envs import make
+    from replayd.client.envs import make
 
     envs = [make(env_id) for _ in range(episodes)]
     obs = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
@@ -144,7 +144,7 @@ def evaluate_recurrent(act: Callable[[torch.Tensor, torch.Tensor], tuple[torch.T
 
 def env_spaces(env_id: str) -> tuple[tuple[int, ...], int]:
     """(observation shape, number of actions) of an env with a Box observation and Discrete actions."""
-    from client.envs import make
+    from replayd.client.envs import make
 
     env = make(env_id)
     return env.observation_space.shape, int(env.action_space.n)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.learners.common import (
+from replayd.client.learners.common import (
     CurvePlot,
     Progress,
     WeightsPublisher,
@@ -22,10 +22,10 @@ from client.learners.common import (
     start_learner,
     wait_for_steps,
 )
-from client.loader import Loader
-from client.local_reader import LocalReader
-from client.trainers.dqn import DQNTrainer
-from service.wire.components import Transitions
+from replayd.client.loader import Loader
+from replayd.client.local_reader import LocalReader
+from replayd.client.trainers.dqn import DQNTrainer
+from replayd.wire.components import Transitions
 
 
 def transition_schema(obs_shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.actors.drqn import BUFFER, ENCODER, HIDDEN, WEIGHTS
-from client.envs import CARTPOLE_POMDP
-from client.learners.common import (
+from replayd.client.actors.drqn import BUFFER, ENCODER, HIDDEN, WEIGHTS
+from replayd.client.envs import CARTPOLE_POMDP
+from replayd.client.learners.common import (
     CurvePlot,
     Progress,
     Tracker,
@@ -31,10 +31,10 @@ from client.learners.common import (
     start_learner,
     wait_for_steps,
 )
-from client.loader import Loader
-from client.replay_client import ReplayClient
-from client.trainers.drqn import DRQNTrainer
-from service.wire.components import Prioritized, Sequences
+from replayd.client.loader import Loader
+from replayd.client.replay_client import ReplayClient
+from replayd.client.trainers.drqn import DRQNTrainer
+from replayd.wire.components import Prioritized, Sequences
 
 PRIORITY_EPSILON = 1e-3  # added to each sequence's priority: a sequence whose errors are all 0 stays drawable
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from client.actors.her import BUFFER, HIDDEN, WEIGHTS
-from client.envs import BIT_FLIPPING
-from client.learners.common import (
+from replayd.client.actors.her import BUFFER, HIDDEN, WEIGHTS
+from replayd.client.envs import BIT_FLIPPING
+from replayd.client.learners.common import (
     CurvePlot,
     Progress,
     Tracker,
@@ -28,11 +28,11 @@ from client.learners.common import (
     start_learner,
     wait_for_steps,
 )
-from client.loader import Loader
-from client.replay_client import ReplayClient
-from client.trainers.dqn import DQNTrainer
-from client.trainers.her import goal_input, her_prepare
-from service.wire.components import Hindsight
+from replayd.client.loader import Loader
+from replayd.client.replay_client import ReplayClient
+from replayd.client.trainers.dqn import DQNTrainer
+from replayd.client.trainers.her import goal_input, her_prepare
+from replayd.wire.components import Hindsight
 
 OBSERVATION_FIELDS = ("observation", "achieved_goal", "desired_goal")
 GOAL_FIELDS = ("achieved_goal", "desired_goal")
@@ -74,7 +74,7 @@ def learn_her(config: HERLearnerConfig, report: Callable[[Progress], None] = lam
               finished: Callable[[dict], None] = lambda summary: None) -> dict:
     """`report` gets every curve point; `waiting` runs at every poll for data (see Tracker); `finished` gets the
     summary once the run folder is written, before the final weights stop the actors (see finish_learner)."""
-    from client.envs import make
+    from replayd.client.envs import make
 
     tracker, client = start_learner(config, "success_rate", report, waiting)
     env = make(config.env_id).unwrapped
@@ -142,7 +142,7 @@ def evaluate_success(network: torch.nn.Module, env_id: str, episodes: int, seed:
                      device: torch.device | str = "cpu") -> float:
     """The fraction of `episodes` goal-env episodes (episode i reset with seed + i) that the greedy policy of a
     goal-conditioned Q-network ends in success; the episodes run side by side, one batched forward per step."""
-    from client.envs import make
+    from replayd.client.envs import make
 
     envs = [make(env_id) for _ in range(episodes)]
     obs = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]

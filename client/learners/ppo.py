@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from client.actors.ppo import BUFFER, ENVS_PER_ACTOR, HIDDEN, ROLLOUT_STEPS, WEIGHTS
-from client.learners.common import (
+from replayd.client.actors.ppo import BUFFER, ENVS_PER_ACTOR, HIDDEN, ROLLOUT_STEPS, WEIGHTS
+from replayd.client.learners.common import (
     STARTUP_SECONDS,
     CurvePlot,
     Progress,
@@ -27,9 +27,9 @@ from client.learners.common import (
     finish_learner,
     start_learner,
 )
-from client.loader import Loader
-from client.polling import wait_until
-from client.trainers.ppo import PPOTrainer
+from replayd.client.loader import Loader
+from replayd.client.polling import wait_until
+from replayd.client.trainers.ppo import PPOTrainer
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """replayd on a Ray cluster: replay shards as Ray actors, and the actor and learner programs as Ray tasks.
 
-    from client.ray import BufferSpec, run_actors, start_shards
+    from replayd.client.ray import BufferSpec, run_actors, start_shards
 
     shards = start_shards(3, [BufferSpec("cartpole", 300_000, schema)], strategy="STRICT_SPREAD",
                           checkpoint_dir="/mnt/shared/replayd", checkpoint_every=60)
@@ -39,6 +39,6 @@ def require_ray() -> None:
 def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
     if module is None:
-        raise AttributeError(f"module 'client.ray' has no attribute {name!r}")
+        raise AttributeError(f"module 'replayd.client.ray' has no attribute {name!r}")
     require_ray()
-    return getattr(importlib.import_module(f"client.ray.{module}"), name)
+    return getattr(importlib.import_module(f"replayd.client.ray.{module}"), name)

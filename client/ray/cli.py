@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from client.ray import STRATEGIES, require_ray
+from replayd.client.ray import STRATEGIES, require_ray
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from client.ray.shards import start_shards
+    from replayd.client.ray.shards import start_shards
 
     started = start_shards(
         args.shards, name=args.name, strategy=args.strategy, cpus_per_shard=args.cpus_per_shard,
@@ -48,7 +48,7 @@ def _print_status(infos: list[dict]) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from client.ray.jobs import run_actors
+    from replayd.client.ray.jobs import run_actors
 
     learner_options = {"seconds": args.seconds, **({"run_dir": args.run_dir} if args.run_dir else {})}
     run = run_actors(args.name, args.algo, args.actors, actor_options={"seconds": args.seconds + 600},
@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> None:
     except BaseException:
         run.cancel()
         raise
-    from client.algos import ALGOS
+    from replayd.client.algos import ALGOS
 
     steps = sum(report.env_steps for report in reports)
     shown = {key: summary.get(key) for key in ("seconds", "learner_steps", "env_steps", ALGOS[args.algo].score)}
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         parser.exit(1, f"{parser.prog}: {exc}\n")
     import ray
 
-    from client.ray.resolver import NAMESPACE
+    from replayd.client.ray.resolver import NAMESPACE
 
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     try:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
 
 def _down(args: argparse.Namespace) -> None:
-    from client.ray.shards import find_shards
+    from replayd.client.ray.shards import find_shards
 
     found = find_shards(args.name)
     found.stop()
@@ -131,7 +131,7 @@ def _down(args: argparse.Namespace) -> None:
 
 
 def _status(args: argparse.Namespace) -> None:
-    from client.ray.shards import find_shards
+    from replayd.client.ray.shards import find_shards
 
     _print_status(find_shards(args.name).info())
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from client.ray.resolver import connect_ray
-from client.ray.shards import RayShards
+from replayd.client.ray.resolver import connect_ray
+from replayd.client.ray.shards import RayShards
 
 
 @dataclass
@@ -49,7 +49,7 @@ def _config(config_type: type, role: str, options: dict[str, Any]) -> Any:
 
 
 def _run_actor(algo: str, config: Any) -> Any:
-    from client.algos import ALGOS
+    from replayd.client.algos import ALGOS
 
     return ALGOS[algo].actor(config)
 
@@ -57,7 +57,7 @@ def _run_actor(algo: str, config: Any) -> Any:
 def _run_learner(algo: str, config: Any) -> dict:
     import torch
 
-    from client.algos import ALGOS
+    from replayd.client.algos import ALGOS
 
     torch.set_num_threads(1)
     return ALGOS[algo].learn(config)
@@ -75,7 +75,7 @@ def run_actors(shards: RayShards | str, algo: str = "dqn", actors: int = 2, *, l
     client/learners: e.g. {"seconds": 300, "run_dir": "/mnt/runs/dqn"}; the run folder is written on the learner's
     node). Actors get distinct seeds (from `actor_options["seed"]` when given) and, for ppo, their slot blocks.
     `*_ray_options`: Ray task options (resources, scheduling_strategy, max_retries, runtime_env, ...)."""
-    from client.algos import ALGOS  # the learner extra (torch, gymnasium): needed here to check the options
+    from replayd.client.algos import ALGOS  # the learner extra (torch, gymnasium): needed here to check the options
 
     if algo not in ALGOS:
         raise ValueError(f"algo: expected one of {sorted(ALGOS)}, got {algo!r}")

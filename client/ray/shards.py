@@ -47,16 +47,15 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from client.ray import STRATEGIES
-from client.ray.resolver import NAMESPACE, ShardAddresses, actor_name, connect_ray, lookup
-from client.replay_client import ReplayClient, Schema
-from client.shard_math import MAX_SHARDS, split_capacity, split_rate_limiter
-from client.sharded import RAY_RESOLVE_EVERY, ShardedReplayClient
-from service.checkpoint import has_checkpoint
-from service.errors import FailedPrecondition
-from service.storage.instance_lock import InstanceLock
-from service.storage.shared_arrays import SHM_DIR, remove_segment, segments
-from service.wire.components import (
+from replayd.client.ray import STRATEGIES
+from replayd.client.ray.resolver import NAMESPACE, ShardAddresses, actor_name, connect_ray, lookup
+from replayd.client.replay_client import ReplayClient, Schema
+from replayd.client.shard_math import MAX_SHARDS, split_capacity, split_rate_limiter
+from replayd.client.sharded import RAY_RESOLVE_EVERY, ShardedReplayClient
+from replayd.server.checkpoint import has_checkpoint
+from replayd.server.storage.instance_lock import InstanceLock
+from replayd.server.storage.shared_arrays import SHM_DIR, remove_segment, segments
+from replayd.wire.components import (
     Fifo,
     MinSize,
     RateLimiterOptions,
@@ -64,6 +63,7 @@ from service.wire.components import (
     SamplerOptions,
     Uniform,
 )
+from replayd.wire.errors import FailedPrecondition
 
 log = logging.getLogger("replayd.ray")
 
@@ -141,7 +141,7 @@ class ShardServer:
         host = spec.host or ray.util.get_node_ip_address()
         # The previous life on this node may still be going down (its server dies with its process).
         InstanceLock(self.instance, wait_seconds=30).release()
-        command = [sys.executable, "-m", "service.cli", "serve", "--host", host, "--port", str(spec.port),
+        command = [sys.executable, "-m", "replayd.server.cli", "serve", "--host", host, "--port", str(spec.port),
                    "--http-port", str(spec.http_port), "--instance", self.instance]
         if segments(f"rpd_{self.instance}_"):
             self.started_from = "recovered"

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from client.trainers.settings import check_non_negative, check_positive
+from replayd.client.trainers.settings import check_non_negative, check_positive
 
 __all__ = ["AlloEncoder", "AlloTrainer", "allo_loss", "default_single_call", "update_duals_and_barrier"]
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from client.trainers.dqn_manual_grad import CompiledManualGradLoss, ManualGradLoss
-from client.trainers.q_network import QNetwork, as_dtype, check_action, check_loss
-from client.trainers.settings import check_max_grad_norm, check_positive
+from replayd.client.trainers.dqn_manual_grad import CompiledManualGradLoss, ManualGradLoss
+from replayd.client.trainers.q_network import QNetwork, as_dtype, check_action, check_loss
+from replayd.client.trainers.settings import check_max_grad_norm, check_positive
 
 __all__ = ["LOSS_STRATEGIES", "AutogradLoss", "DQNTrainer", "LossStrategy", "q_loss", "update_target"]
 

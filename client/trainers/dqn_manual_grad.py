@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from client.trainers.compiled import CompiledFunction
-from client.trainers.q_network import QNetwork, as_dtype, check_action, check_loss, flat_obs
+from replayd.client.trainers.compiled import CompiledFunction
+from replayd.client.trainers.q_network import QNetwork, as_dtype, check_action, check_loss, flat_obs
 
 __all__ = ["CompiledManualGradLoss", "ManualGradLoss", "q_loss_grads", "q_loss_grads_flat", "q_loss_manual_grad"]
 

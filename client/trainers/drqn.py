@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from client.trainers.dqn import update_target
-from client.trainers.q_network import check_action, check_loss
-from client.trainers.settings import check_max_grad_norm, check_positive
+from replayd.client.trainers.dqn import update_target
+from replayd.client.trainers.q_network import check_action, check_loss
+from replayd.client.trainers.settings import check_max_grad_norm, check_positive
 
 __all__ = ["DRQNTrainer", "RecurrentQNetwork", "r2d2_loss"]
 

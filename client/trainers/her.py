@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from client.hindsight import GoalFunction, recompute_rewards, recompute_terminations
-from client.loader import Prepare
+from replayd.client.hindsight import GoalFunction, recompute_rewards, recompute_terminations
+from replayd.client.loader import Prepare
 
 __all__ = ["goal_input", "her_prepare", "q_learning_fields"]
 

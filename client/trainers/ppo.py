@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributions import Categorical, Distribution, Normal
 
-from client.trainers.settings import check_max_grad_norm, check_non_negative, check_positive
+from replayd.client.trainers.settings import check_max_grad_norm, check_non_negative, check_positive
 
 __all__ = ["ActorCritic", "PPOTrainer", "ppo_loss"]
 

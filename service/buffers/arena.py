@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service.errors import InvalidArgument
-from service.schema import Field
-from service.storage.shared_arrays import ArraySpec
+from replayd.server.schema import Field
+from replayd.server.storage.shared_arrays import ArraySpec
+from replayd.wire.errors import InvalidArgument
 
 ARENA_HEAD, ARENA_STORED = 0, 1  # columns of `arena.state`
 # Sizing a buffer by one capacity alone takes a compressed frame's size as this share of its raw size. Arenas

@@ -25,10 +25,17 @@ from typing import Any
 
 import numpy as np
 
-from service import components
-from service.buffers.arena import ARENA_HEAD, ARENA_STORED, arena_sizes, arena_specs, rows_from_bytes, sizes_from_rows
-from service.buffers.lifetime import Lifetime, LiveBuffer
-from service.buffers.planner import (
+from replayd.server import components
+from replayd.server.buffers.arena import (
+    ARENA_HEAD,
+    ARENA_STORED,
+    arena_sizes,
+    arena_specs,
+    rows_from_bytes,
+    sizes_from_rows,
+)
+from replayd.server.buffers.lifetime import Lifetime, LiveBuffer
+from replayd.server.buffers.planner import (
     ArenaSnapshot,
     Extent,
     FrameLengths,
@@ -39,24 +46,24 @@ from service.buffers.planner import (
     check_spans,
     plan_insert,
 )
-from service.buffers.reader import RingReader, shared_sampling
-from service.buffers.repair import repair
-from service.buffers.ring import HOLE, NEXT_SEQ, SAMPLEABLE, STATE_SIZE, EpisodicRing, shm_name
-from service.buffers.stacking import Shipped
-from service.buffers.writer import RingWriter
-from service.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
-from service.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ShortOfDraws
-from service.kernels import REWARD_DTYPES
-from service.limiters import MinSizeLimiter, RateLimiter
-from service.modes.base import BatchMode
-from service.removers import FifoRemover, Remover
-from service.samplers.base import Sampler
-from service.samplers.draw import Draw
-from service.samplers.uniform import UniformSampler
-from service.schema import Field, check_buffer_name, check_columns, check_fields
-from service.storage.shared_arrays import ALIGN, ArraySpec, SharedArrays
-from service.wire.frame_fields import CompressedFrames, compress_bound
-from service.worker_seats import WorkerSeats
+from replayd.server.buffers.reader import RingReader, shared_sampling
+from replayd.server.buffers.repair import repair
+from replayd.server.buffers.ring import HOLE, NEXT_SEQ, SAMPLEABLE, STATE_SIZE, EpisodicRing, shm_name
+from replayd.server.buffers.stacking import Shipped
+from replayd.server.buffers.writer import RingWriter
+from replayd.server.dedup import DEFAULT_WINDOW, SpanDedup, select, span_offsets
+from replayd.server.kernels import REWARD_DTYPES
+from replayd.server.limiters import MinSizeLimiter, RateLimiter
+from replayd.server.modes.base import BatchMode
+from replayd.server.removers import FifoRemover, Remover
+from replayd.server.samplers.base import Sampler
+from replayd.server.samplers.draw import Draw
+from replayd.server.samplers.uniform import UniformSampler
+from replayd.server.schema import Field, check_buffer_name, check_columns, check_fields
+from replayd.server.storage.shared_arrays import ALIGN, ArraySpec, SharedArrays
+from replayd.server.worker_seats import WorkerSeats
+from replayd.wire.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, ShortOfDraws
+from replayd.wire.frame_fields import CompressedFrames, compress_bound
 
 
 @dataclass(frozen=True)

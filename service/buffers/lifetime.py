@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from service.errors import NotFound
+from replayd.wire.errors import NotFound
 
 
 class Lifetime:

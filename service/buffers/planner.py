@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from service.buffers.arena import fits, place
-from service.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from replayd.server.buffers.arena import fits, place
+from replayd.wire.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 
 @dataclass(frozen=True)

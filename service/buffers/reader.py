@@ -12,18 +12,18 @@ import platform
 
 import numpy as np
 
-from service import components, kernels
-from service.buffers.lifetime import SharedReads
-from service.buffers.ring import EpisodicRing
-from service.buffers.stacking import Shipped
-from service.errors import FailedPrecondition, InvalidArgument, RingChanged
-from service.limiters import RateLimiter
-from service.modes.base import BatchMode
-from service.removers import Remover
-from service.samplers.base import Sampler
-from service.samplers.draw import Draw
-from service.storage.shared_arrays import SharedArrays
-from service.wire import components as options
+from replayd.server import components, kernels
+from replayd.server.buffers.lifetime import SharedReads
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.buffers.stacking import Shipped
+from replayd.server.limiters import RateLimiter
+from replayd.server.modes.base import BatchMode
+from replayd.server.removers import Remover
+from replayd.server.samplers.base import Sampler
+from replayd.server.samplers.draw import Draw
+from replayd.server.storage.shared_arrays import SharedArrays
+from replayd.wire import components as options
+from replayd.wire.errors import FailedPrecondition, InvalidArgument, RingChanged
 
 # A reader gives up after this many torn draws in a row (each needs an eviction during one gather).
 MAX_TORN_DRAWS = 100

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.buffers.arena import ARENA_HEAD, ARENA_STORED, Arena
-from service.buffers.planner import Extent
-from service.buffers.ring import (
+from replayd.server.buffers.arena import ARENA_HEAD, ARENA_STORED, Arena
+from replayd.server.buffers.planner import Extent
+from replayd.server.buffers.ring import (
     ALIVE,
     EPISODES,
     HEAD,
@@ -30,9 +30,9 @@ from service.buffers.ring import (
     TAIL_SEQ,
     EpisodicRing,
 )
-from service.errors import FailedPrecondition
-from service.removers import Remover
-from service.samplers.base import Sampler
+from replayd.server.removers import Remover
+from replayd.server.samplers.base import Sampler
+from replayd.wire.errors import FailedPrecondition
 
 
 @dataclass(frozen=True)

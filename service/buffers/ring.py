@@ -30,11 +30,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service import kernels
-from service.buffers.arena import Arena
-from service.kernels import Columns
-from service.schema import Field, check_instance_name
-from service.storage.shared_arrays import SharedArrays
+from replayd.server import kernels
+from replayd.server.buffers.arena import Arena
+from replayd.server.kernels import Columns
+from replayd.server.schema import Field, check_instance_name
+from replayd.server.storage.shared_arrays import SharedArrays
 
 OPEN, HOLE = kernels.OPEN, kernels.HOLE  # row_end of a row whose episode is open / that holds no episode
 NO_COUNTS = np.empty(0, dtype=np.int64)  # no remover counts draws

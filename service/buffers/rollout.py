@@ -8,7 +8,7 @@ Lifecycle of one rollout, all under one policy version v:
   push(v, ...) until every (step, env) cell is filled -> minibatches(...) (GAE runs on the first call)
   -> finish_rollout(v + k) clears the fill mask for the next rollout (the arrays are only overwritten).
 
-Error kinds (service.errors; the servicer maps them to gRPC codes):
+Error kinds (replayd.wire.errors; the servicer maps them to gRPC codes):
   InvalidArgument     malformed push or request: unknown/missing field, wrong dtype or shape, range
                       outside the buffer, bootstrap value missing/misplaced, bad minibatch arguments.
   FailedPrecondition  valid request, wrong buffer state: policy version older (stale, counted) or newer
@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from service.buffers.lifetime import Lifetime, LiveBuffer
-from service.buffers.ring import shm_name
-from service.errors import FailedPrecondition, InvalidArgument
-from service.gae import GaeWorkspace, compute_gae
-from service.schema import MAX_FIELDS, check_buffer_name, check_field_name, check_shape
-from service.storage.shared_arrays import ArraySpec, SharedArrays
-from service.wire.codec import CodecError, check_dtype
+from replayd.server.buffers.lifetime import Lifetime, LiveBuffer
+from replayd.server.buffers.ring import shm_name
+from replayd.server.gae import GaeWorkspace, compute_gae
+from replayd.server.schema import MAX_FIELDS, check_buffer_name, check_field_name, check_shape
+from replayd.server.storage.shared_arrays import ArraySpec, SharedArrays
+from replayd.wire.codec import CodecError, check_dtype
+from replayd.wire.errors import FailedPrecondition, InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service import kernels
-from service.buffers.arena import Arena
-from service.buffers.ring import EpisodicRing
-from service.errors import RingChanged
-from service.schema import Field
-from service.wire.frame_fields import CompressedFrames, FrameError, decompress_many
+from replayd.server import kernels
+from replayd.server.buffers.arena import Arena
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.schema import Field
+from replayd.wire.errors import RingChanged
+from replayd.wire.frame_fields import CompressedFrames, FrameError, decompress_many
 
 
 class FrameRead(NamedTuple):

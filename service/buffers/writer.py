@@ -26,9 +26,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from service.buffers.arena import ARENA_HEAD, ARENA_STORED, Arena
-from service.buffers.planner import Extent, Op, Spans
-from service.buffers.ring import (
+from replayd.server.buffers.arena import ARENA_HEAD, ARENA_STORED, Arena
+from replayd.server.buffers.planner import Extent, Op, Spans
+from replayd.server.buffers.ring import (
     ALIVE,
     EPISODES,
     HEAD,
@@ -43,10 +43,10 @@ from service.buffers.ring import (
     TERMINATED,
     EpisodicRing,
 )
-from service.buffers.stacking import frames_of
-from service.removers import Remover
-from service.samplers.base import Sampler
-from service.wire.frame_fields import CompressedFrames
+from replayd.server.buffers.stacking import frames_of
+from replayd.server.removers import Remover
+from replayd.server.samplers.base import Sampler
+from replayd.wire.frame_fields import CompressedFrames
 
 Columns = Mapping[str, np.ndarray | CompressedFrames]
 

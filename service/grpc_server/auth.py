@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from service.tokens import AUTHORIZATION, check_token, token_matches
+from replayd.server.tokens import AUTHORIZATION, check_token, token_matches
 
 
 def _denied(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:

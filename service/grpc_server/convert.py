@@ -1,6 +1,6 @@
 """Protobuf messages <-> server objects (schemas, components, modes, spans, buffer info).
 
-Components go through their typed options (service/wire/components.py), the one round trip every
+Components go through their typed options (proto/components.py), the one round trip every
 encoding shares; this module only moves them in and out of messages.
 """
 
@@ -10,17 +10,17 @@ import socket
 
 import numpy as np
 
-from service import components
-from service.buffers.episodic import EpisodicBuffer
-from service.buffers.planner import Spans
-from service.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
-from service.limiters import RateLimiter
-from service.modes.base import BatchMode
-from service.removers import Remover
-from service.samplers.base import Sampler
-from service.schema import Field
-from service.wire import components as options
-from service.wire import replay_pb2 as pb
+from replayd.server import components
+from replayd.server.buffers.episodic import EpisodicBuffer
+from replayd.server.buffers.planner import Spans
+from replayd.server.buffers.rollout import RolloutBuffer, RolloutConfig, RolloutField
+from replayd.server.limiters import RateLimiter
+from replayd.server.modes.base import BatchMode
+from replayd.server.removers import Remover
+from replayd.server.samplers.base import Sampler
+from replayd.server.schema import Field
+from replayd.wire import components as options
+from replayd.wire import replay_pb2 as pb
 
 HOST = socket.gethostname()
 

@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from service import kernels
-from service.buffers.stacking import Shipped
-from service.modes.base import BatchMode
-from service.samplers.draw import Draw
-from service.wire import codec
-from service.wire.frames import SAMPLE_RESPONSE_HEAD_BYTES, sample_response_head
+from replayd.server import kernels
+from replayd.server.buffers.stacking import Shipped
+from replayd.server.modes.base import BatchMode
+from replayd.server.samplers.draw import Draw
+from replayd.wire import codec
+from replayd.wire.frames import SAMPLE_RESPONSE_HEAD_BYTES, sample_response_head
 
 # Below this payload size, copying the batch once costs less than laying out the views (~20 µs).
 IN_PLACE_MIN_BYTES = 256 * 2**10

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from service.wire import replay_pb2 as pb
-from service.wire.frames import InsertFrame
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.frames import InsertFrame
 
 # 10 µs .. 10 s, about three per decade: a local Sample takes tens of µs, a blocked one up to its deadline.
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

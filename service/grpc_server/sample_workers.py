@@ -25,13 +25,12 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from service import errors
-from service.buffers.reader import RingReader
-from service.buffers.ring import shm_name
-from service.buffers.stacking import Shipped
-from service.grpc_server.auth import TokenAuthInterceptor
-from service.grpc_server.in_place import InPlaceMessages
-from service.grpc_server.servicer import (
+from replayd.server.buffers.reader import RingReader
+from replayd.server.buffers.ring import shm_name
+from replayd.server.buffers.stacking import Shipped
+from replayd.server.grpc_server.auth import TokenAuthInterceptor
+from replayd.server.grpc_server.in_place import InPlaceMessages
+from replayd.server.grpc_server.servicer import (
     SAMPLE_AHEAD,
     lenient,
     rpc,
@@ -41,11 +40,12 @@ from service.grpc_server.servicer import (
     stream_rpc,
     wait_seconds,
 )
-from service.modes.base import BatchMode
-from service.schema import check_buffer_name
-from service.wire import replay_pb2 as pb
-from service.wire.channel import channel_options
-from service.worker_seats import WorkerSeats
+from replayd.server.modes.base import BatchMode
+from replayd.server.schema import check_buffer_name
+from replayd.server.worker_seats import WorkerSeats
+from replayd.wire import errors
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.channel import channel_options
 
 log = logging.getLogger("replayd.sample_worker")
 

@@ -19,23 +19,23 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry
 
-from service import checkpoint, errors
-from service.buffers.episodic import EpisodicBuffer
-from service.buffers.reader import RingReader, check_importance_beta
-from service.buffers.rollout import RolloutBuffer
-from service.buffers.stacking import Shipped
-from service.grpc_server import convert
-from service.grpc_server.in_place import InPlaceMessages
-from service.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
-from service.modes.base import BatchMode
-from service.registry import BufferRegistry
-from service.weights import WeightStore
-from service.wire import codec
-from service.wire import replay_pb2 as pb
-from service.wire import replay_pb2_grpc as pb_grpc
-from service.wire.frame_fields import CompressedFrames
-from service.wire.frames import InsertFrame, sample_response, sample_response_bytes
-from service.worker_seats import WorkerSeats
+from replayd.server import checkpoint
+from replayd.server.buffers.episodic import EpisodicBuffer
+from replayd.server.buffers.reader import RingReader, check_importance_beta
+from replayd.server.buffers.rollout import RolloutBuffer
+from replayd.server.buffers.stacking import Shipped
+from replayd.server.grpc_server import convert
+from replayd.server.grpc_server.in_place import InPlaceMessages
+from replayd.server.grpc_server.metrics import RpcMetrics, buffer_of, request_bytes, response_bytes
+from replayd.server.modes.base import BatchMode
+from replayd.server.registry import BufferRegistry
+from replayd.server.weights import WeightStore
+from replayd.server.worker_seats import WorkerSeats
+from replayd.wire import codec, errors
+from replayd.wire import replay_pb2 as pb
+from replayd.wire import replay_pb2_grpc as pb_grpc
+from replayd.wire.frame_fields import CompressedFrames
+from replayd.wire.frames import InsertFrame, sample_response, sample_response_bytes
 
 log = logging.getLogger("replayd")
 

@@ -18,11 +18,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from service.errors import NotFound
-from service.http.history import History
-from service.http.stats import buffer_detail, buffer_stats
-from service.registry import BufferRegistry
-from service.tokens import token_matches
+from replayd.server.http.history import History
+from replayd.server.http.stats import buffer_detail, buffer_stats
+from replayd.server.registry import BufferRegistry
+from replayd.server.tokens import token_matches
+from replayd.wire.errors import NotFound
 
 STATIC = Path(__file__).parent / "static"  # the status page, its script and style, and uPlot (vendor/)
 

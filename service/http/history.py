@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from prometheus_client.registry import Collector
 
-from service.http.stats import buffer_stat
-from service.registry import Buffer, BufferRegistry
+from replayd.server.http.stats import buffer_stat
+from replayd.server.registry import Buffer, BufferRegistry
 
 log = logging.getLogger("replayd")
 

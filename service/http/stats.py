@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from service.buffers.episodic import EpisodicBuffer
-from service.buffers.rollout import RolloutBuffer
-from service.errors import NotFound
-from service.registry import Buffer, BufferRegistry
-from service.samplers.prioritized import PrioritizedSampler
+from replayd.server.buffers.episodic import EpisodicBuffer
+from replayd.server.buffers.rollout import RolloutBuffer
+from replayd.server.registry import Buffer, BufferRegistry
+from replayd.server.samplers.prioritized import PrioritizedSampler
+from replayd.wire.errors import NotFound
 
 PRIORITY_BINS = 20  # log-spaced bins of the detail view's priority histogram
 

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service.kernels import _kernels
-from service.kernels._kernels import (
+from replayd.server.kernels import _kernels
+from replayd.server.kernels._kernels import (
     bounds_kept,
     draw_uniform,
     drawn_live,
@@ -32,7 +32,7 @@ from service.kernels._kernels import (
     take_rows,
     transition_batch,
 )
-from service.schema import Field
+from replayd.server.schema import Field
 
 OPEN = _kernels.OPEN  # row_end of a row whose episode is still open
 HOLE = _kernels.HOLE  # row_end of a row that holds no episode

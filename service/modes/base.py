@@ -1,7 +1,7 @@
 """The batch-mode interface: turns a Draw of positions into named columns.
 
 A mode is chosen per request (its options travel in SampleRequest.mode) and holds no state, so one object
-serves a whole stream. Adding a mode is this class's subclass, its options class (service/wire/components.py)
+serves a whole stream. Adding a mode is this class's subclass, its options class (proto/components.py)
 and its wire message (proto/replay.proto); service/components.py lists the implementations.
 
 A mode's kernels gather the plain columns (`build`); the frames of stacked observation fields are assembled
@@ -15,11 +15,11 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from service.buffers.ring import EpisodicRing
-from service.buffers.stacking import FrameRead, Shipped, gather_frames
-from service.configured import Configured
-from service.samplers.draw import Draw
-from service.wire.components import ModeOptions
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.buffers.stacking import FrameRead, Shipped, gather_frames
+from replayd.server.configured import Configured
+from replayd.server.samplers.draw import Draw
+from replayd.wire.components import ModeOptions
 
 
 class BatchMode(Configured, ABC):

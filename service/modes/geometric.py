@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from service import kernels
-from service.buffers.ring import EpisodicRing
-from service.buffers.stacking import FrameRead
-from service.modes.base import BatchMode
-from service.samplers.draw import Draw
-from service.wire.components import Geometric
+from replayd.server import kernels
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.buffers.stacking import FrameRead
+from replayd.server.modes.base import BatchMode
+from replayd.server.samplers.draw import Draw
+from replayd.wire.components import Geometric
 
 
 class GeometricMode(BatchMode):

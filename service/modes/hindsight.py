@@ -26,13 +26,13 @@ import functools
 
 import numpy as np
 
-from service import kernels
-from service.buffers.ring import NO_REWARD, EpisodicRing
-from service.buffers.stacking import FrameRead
-from service.errors import InvalidArgument
-from service.modes.base import BatchMode
-from service.samplers.draw import Draw
-from service.wire.components import STRATEGIES, Hindsight
+from replayd.server import kernels
+from replayd.server.buffers.ring import NO_REWARD, EpisodicRing
+from replayd.server.buffers.stacking import FrameRead
+from replayd.server.modes.base import BatchMode
+from replayd.server.samplers.draw import Draw
+from replayd.wire.components import STRATEGIES, Hindsight
+from replayd.wire.errors import InvalidArgument
 
 ONE_STEP = np.ones(2)  # the powers of a 1-step window: transition_batch's `powers`
 NO_NAMES: tuple[str, ...] = ()

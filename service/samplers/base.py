@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from service.buffers.ring import EpisodicRing
-from service.configured import Configured
-from service.errors import FailedPrecondition
-from service.samplers.draw import Draw
-from service.storage.shared_arrays import ArraySpec
-from service.wire.components import SamplerOptions
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.configured import Configured
+from replayd.server.samplers.draw import Draw
+from replayd.server.storage.shared_arrays import ArraySpec
+from replayd.wire.components import SamplerOptions
+from replayd.wire.errors import FailedPrecondition
 
 
 class Sampler(Configured, ABC):

@@ -17,14 +17,14 @@ import math
 
 import numpy as np
 
-from service import kernels
-from service.buffers.ring import EpisodicRing
-from service.errors import FailedPrecondition, InvalidArgument
-from service.samplers.base import Sampler
-from service.samplers.draw import Draw
-from service.samplers.sum_tree import SumTree
-from service.storage.shared_arrays import ArraySpec
-from service.wire.components import Prioritized
+from replayd.server import kernels
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.samplers.base import Sampler
+from replayd.server.samplers.draw import Draw
+from replayd.server.samplers.sum_tree import SumTree
+from replayd.server.storage.shared_arrays import ArraySpec
+from replayd.wire.components import Prioritized
+from replayd.wire.errors import FailedPrecondition, InvalidArgument
 
 # Largest leaf (priority ** alpha) accepted: a sum over any ring stays far below float64's limit, where
 # one inf leaf would make every probability nan for good (new steps get the max priority).

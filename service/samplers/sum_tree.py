@@ -29,8 +29,8 @@ import itertools
 
 import numpy as np
 
-from service.kernels import _kernels
-from service.storage.shared_arrays import ArraySpec
+from replayd.server.kernels import _kernels
+from replayd.server.storage.shared_arrays import ArraySpec
 
 K = 8  # children per node; one row of K float64 children is one 64-byte cache line
 # The levels stop growing upward at the first level of at most this many nodes (the top level), which

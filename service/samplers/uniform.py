@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from service import kernels
-from service.buffers.ring import EpisodicRing
-from service.errors import RingChanged
-from service.samplers.base import Sampler
-from service.samplers.draw import Draw
-from service.wire.components import Uniform
+from replayd.server import kernels
+from replayd.server.buffers.ring import EpisodicRing
+from replayd.server.samplers.base import Sampler
+from replayd.server.samplers.draw import Draw
+from replayd.wire.components import Uniform
+from replayd.wire.errors import RingChanged
 
 # Below this fraction of sampleable positions in the live range, rejection would take many rounds,
 # so the sampler enumerates the sampleable positions instead (only tiny-episode or hole-ridden rings).

@@ -13,8 +13,8 @@ import fcntl
 import os
 import time
 
-from service.errors import FailedPrecondition
-from service.storage.shared_arrays import SHM_DIR
+from replayd.server.storage.shared_arrays import SHM_DIR
+from replayd.wire.errors import FailedPrecondition
 
 
 def lock_path(instance: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import FailedPrecondition, ResourceExhausted
+from replayd.wire.errors import FailedPrecondition, ResourceExhausted
 
 LAYOUT_VERSION = 1
 MAGIC = "replayd-shm"

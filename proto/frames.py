@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.message import Message
 
-from service.wire import replay_pb2 as pb
-from service.wire.codec import CodecError
-from service.wire.frame_fields import CompressedFrames
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.codec import CodecError
+from replayd.wire.frame_fields import CompressedFrames
 
 _LENGTH_DELIMITED = 2
 

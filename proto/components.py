@@ -21,8 +21,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from service.errors import InvalidArgument
-from service.wire import replay_pb2 as pb
+from replayd.wire import replay_pb2 as pb
+from replayd.wire.errors import InvalidArgument
 
 __all__ = [
     "BOUNDARIES",

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from service.wire import replay_pb2 as service_dot_wire_dot_replay__pb2
+from replayd.wire import replay_pb2 as replayd_dot_wire_dot_replay__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in service/wire/replay_pb2_grpc.py depends on'
+        + ' but the generated code in replayd/wire/replay_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,73 +36,73 @@ class ReplayStub:
         """
         self.CreateBuffer = channel.unary_unary(
                 '/replayd.v1.Replay/CreateBuffer',
-                request_serializer=service_dot_wire_dot_replay__pb2.CreateBufferRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.BufferInfo.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.CreateBufferRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.BufferInfo.FromString,
                 _registered_method=True)
         self.DeleteBuffer = channel.unary_unary(
                 '/replayd.v1.Replay/DeleteBuffer',
-                request_serializer=service_dot_wire_dot_replay__pb2.DeleteBufferRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.DeleteBufferResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.DeleteBufferRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.DeleteBufferResponse.FromString,
                 _registered_method=True)
         self.ListBuffers = channel.unary_unary(
                 '/replayd.v1.Replay/ListBuffers',
-                request_serializer=service_dot_wire_dot_replay__pb2.ListBuffersRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.ListBuffersResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.ListBuffersRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.ListBuffersResponse.FromString,
                 _registered_method=True)
         self.DescribeBuffer = channel.unary_unary(
                 '/replayd.v1.Replay/DescribeBuffer',
-                request_serializer=service_dot_wire_dot_replay__pb2.DescribeBufferRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.BufferInfo.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.DescribeBufferRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.BufferInfo.FromString,
                 _registered_method=True)
         self.Insert = channel.stream_unary(
                 '/replayd.v1.Replay/Insert',
-                request_serializer=service_dot_wire_dot_replay__pb2.InsertRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.InsertResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.InsertRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.InsertResponse.FromString,
                 _registered_method=True)
         self.Sample = channel.unary_unary(
                 '/replayd.v1.Replay/Sample',
-                request_serializer=service_dot_wire_dot_replay__pb2.SampleRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.SampleResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.SampleRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
         self.SampleStream = channel.unary_stream(
                 '/replayd.v1.Replay/SampleStream',
-                request_serializer=service_dot_wire_dot_replay__pb2.SampleStreamRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.SampleResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.SampleStreamRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
         self.UpdatePriorities = channel.unary_unary(
                 '/replayd.v1.Replay/UpdatePriorities',
-                request_serializer=service_dot_wire_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
                 _registered_method=True)
         self.PushRollout = channel.unary_unary(
                 '/replayd.v1.Replay/PushRollout',
-                request_serializer=service_dot_wire_dot_replay__pb2.PushRolloutRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.PushRolloutResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.PushRolloutRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.PushRolloutResponse.FromString,
                 _registered_method=True)
         self.RolloutMinibatches = channel.unary_stream(
                 '/replayd.v1.Replay/RolloutMinibatches',
-                request_serializer=service_dot_wire_dot_replay__pb2.RolloutMinibatchesRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.SampleResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.RolloutMinibatchesRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
         self.FinishRollout = channel.unary_unary(
                 '/replayd.v1.Replay/FinishRollout',
-                request_serializer=service_dot_wire_dot_replay__pb2.FinishRolloutRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.BufferInfo.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.FinishRolloutRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.BufferInfo.FromString,
                 _registered_method=True)
         self.PublishWeights = channel.unary_unary(
                 '/replayd.v1.Replay/PublishWeights',
-                request_serializer=service_dot_wire_dot_replay__pb2.PublishWeightsRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.PublishWeightsResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.PublishWeightsRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.PublishWeightsResponse.FromString,
                 _registered_method=True)
         self.FetchWeights = channel.unary_unary(
                 '/replayd.v1.Replay/FetchWeights',
-                request_serializer=service_dot_wire_dot_replay__pb2.FetchWeightsRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.FetchWeightsResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.FetchWeightsRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.FetchWeightsResponse.FromString,
                 _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/replayd.v1.Replay/Checkpoint',
-                request_serializer=service_dot_wire_dot_replay__pb2.CheckpointRequest.SerializeToString,
-                response_deserializer=service_dot_wire_dot_replay__pb2.CheckpointResponse.FromString,
+                request_serializer=replayd_dot_wire_dot_replay__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=replayd_dot_wire_dot_replay__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
 
 
@@ -205,73 +205,73 @@ def add_ReplayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'CreateBuffer': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateBuffer,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.CreateBufferRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.BufferInfo.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.CreateBufferRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.BufferInfo.SerializeToString,
             ),
             'DeleteBuffer': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteBuffer,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.DeleteBufferRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.DeleteBufferResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.DeleteBufferRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.DeleteBufferResponse.SerializeToString,
             ),
             'ListBuffers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListBuffers,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.ListBuffersRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.ListBuffersResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.ListBuffersRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.ListBuffersResponse.SerializeToString,
             ),
             'DescribeBuffer': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeBuffer,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.DescribeBufferRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.BufferInfo.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.DescribeBufferRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.BufferInfo.SerializeToString,
             ),
             'Insert': grpc.stream_unary_rpc_method_handler(
                     servicer.Insert,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.InsertRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.InsertResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.InsertRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.InsertResponse.SerializeToString,
             ),
             'Sample': grpc.unary_unary_rpc_method_handler(
                     servicer.Sample,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.SampleRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.SampleResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.SampleRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
             'SampleStream': grpc.unary_stream_rpc_method_handler(
                     servicer.SampleStream,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.SampleStreamRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.SampleResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.SampleStreamRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
             'UpdatePriorities': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdatePriorities,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.UpdatePrioritiesRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.UpdatePrioritiesResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.UpdatePrioritiesRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.UpdatePrioritiesResponse.SerializeToString,
             ),
             'PushRollout': grpc.unary_unary_rpc_method_handler(
                     servicer.PushRollout,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.PushRolloutRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.PushRolloutResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.PushRolloutRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.PushRolloutResponse.SerializeToString,
             ),
             'RolloutMinibatches': grpc.unary_stream_rpc_method_handler(
                     servicer.RolloutMinibatches,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.RolloutMinibatchesRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.SampleResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.RolloutMinibatchesRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
             'FinishRollout': grpc.unary_unary_rpc_method_handler(
                     servicer.FinishRollout,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.FinishRolloutRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.BufferInfo.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.FinishRolloutRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.BufferInfo.SerializeToString,
             ),
             'PublishWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishWeights,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.PublishWeightsRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.PublishWeightsResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.PublishWeightsResponse.SerializeToString,
             ),
             'FetchWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.FetchWeights,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.FetchWeightsRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.FetchWeightsResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.FetchWeightsRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.FetchWeightsResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
-                    request_deserializer=service_dot_wire_dot_replay__pb2.CheckpointRequest.FromString,
-                    response_serializer=service_dot_wire_dot_replay__pb2.CheckpointResponse.SerializeToString,
+                    request_deserializer=replayd_dot_wire_dot_replay__pb2.CheckpointRequest.FromString,
+                    response_serializer=replayd_dot_wire_dot_replay__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -299,8 +299,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/CreateBuffer',
-            service_dot_wire_dot_replay__pb2.CreateBufferRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.BufferInfo.FromString,
+            replayd_dot_wire_dot_replay__pb2.CreateBufferRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.BufferInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -326,8 +326,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/DeleteBuffer',
-            service_dot_wire_dot_replay__pb2.DeleteBufferRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.DeleteBufferResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.DeleteBufferRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.DeleteBufferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -353,8 +353,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/ListBuffers',
-            service_dot_wire_dot_replay__pb2.ListBuffersRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.ListBuffersResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.ListBuffersRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.ListBuffersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -380,8 +380,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/DescribeBuffer',
-            service_dot_wire_dot_replay__pb2.DescribeBufferRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.BufferInfo.FromString,
+            replayd_dot_wire_dot_replay__pb2.DescribeBufferRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.BufferInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -407,8 +407,8 @@ class Replay:
             request_iterator,
             target,
             '/replayd.v1.Replay/Insert',
-            service_dot_wire_dot_replay__pb2.InsertRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.InsertResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.InsertRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.InsertResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -434,8 +434,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/Sample',
-            service_dot_wire_dot_replay__pb2.SampleRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.SampleResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.SampleRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.SampleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -461,8 +461,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/SampleStream',
-            service_dot_wire_dot_replay__pb2.SampleStreamRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.SampleResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.SampleStreamRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.SampleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -488,8 +488,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/UpdatePriorities',
-            service_dot_wire_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -515,8 +515,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/PushRollout',
-            service_dot_wire_dot_replay__pb2.PushRolloutRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.PushRolloutResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.PushRolloutRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.PushRolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -542,8 +542,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/RolloutMinibatches',
-            service_dot_wire_dot_replay__pb2.RolloutMinibatchesRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.SampleResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.RolloutMinibatchesRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.SampleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -569,8 +569,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/FinishRollout',
-            service_dot_wire_dot_replay__pb2.FinishRolloutRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.BufferInfo.FromString,
+            replayd_dot_wire_dot_replay__pb2.FinishRolloutRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.BufferInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -596,8 +596,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/PublishWeights',
-            service_dot_wire_dot_replay__pb2.PublishWeightsRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.PublishWeightsResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.PublishWeightsRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.PublishWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -623,8 +623,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/FetchWeights',
-            service_dot_wire_dot_replay__pb2.FetchWeightsRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.FetchWeightsResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.FetchWeightsRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.FetchWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -650,8 +650,8 @@ class Replay:
             request,
             target,
             '/replayd.v1.Replay/Checkpoint',
-            service_dot_wire_dot_replay__pb2.CheckpointRequest.SerializeToString,
-            service_dot_wire_dot_replay__pb2.CheckpointResponse.FromString,
+            replayd_dot_wire_dot_replay__pb2.CheckpointRequest.SerializeToString,
+            replayd_dot_wire_dot_replay__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ import lz4.block
 import numpy as np
 import zstandard
 
-from service.errors import InvalidArgument
+from replayd.wire.errors import InvalidArgument
 
 STACK_AXES = (-1, 0)  # the stack's axis in a sampled column's row: last or first
 MAX_STACK = 64
