@@ -59,6 +59,23 @@ class ActorReport:
     pushed: int = 0
 
 
+@dataclass
+class EpsilonGreedyConfig:
+    """What configures every epsilon-greedy actor (dqn, drqn, her); each algorithm's config adds its network's
+    sizes and its own defaults."""
+
+    address: str
+    buffer: str = "cartpole"
+    weights: str = "q"
+    env_id: str = "CartPole-v1"
+    seed: int = 0
+    seconds: float = 3600.0
+    epsilon_start: float = 1.0
+    epsilon_end: float = 0.05
+    epsilon_decay_steps: int = 10_000
+    fetch_every: int = 100  # env steps between weight checks
+
+
 def stop_condition(seconds: float, stop: StopEvent | None) -> Callable[[], bool]:
     """True once `seconds` have passed or `stop` (e.g. a multiprocessing.Event of the demo) is set."""
     deadline = time.monotonic() + seconds
@@ -173,3 +190,41 @@ class EpisodeRecorder:
         wait_until(delivered, deadline, f"delivering the held spans of {self.writer.buffer!r}", delay=0.1,
                    max_delay=2.0)
         return self.writer.episodes_written
+
+
+@dataclass
+class EpisodeActorRun:
+    """An episode actor's connection, recorder and report from its start to its end: `learner_finished` between
+    steps, `close` at the end."""
+
+    config: EpsilonGreedyConfig
+    stopped: Callable[[], bool]
+    client: ReplayClient
+    recorder: EpisodeRecorder
+    report: ActorReport
+
+    @classmethod
+    def start(cls, config: EpsilonGreedyConfig, stop: StopEvent | None) -> EpisodeActorRun | None:
+        """Connected to the buffer and its weights; None when stopped before they were there."""
+        stopped = stop_condition(config.seconds, stop)
+        client = connect(config.address, config.buffer, stopped, weights=config.weights)
+        if client is None:
+            return None
+        recorder = EpisodeRecorder(client, config.buffer, retry_deadline=time.monotonic() + config.seconds)
+        return cls(config, stopped, client, recorder, ActorReport())
+
+    def learner_finished(self, steps: int, network: torch.nn.Module) -> bool:
+        """Every `fetch_every` env steps, loads newer weights into `network`; True once the learner's last
+        version is published (the actor stops)."""
+        if steps % self.config.fetch_every:
+            return False
+        self.report.weights_version, finished = refresh_weights(self.client, self.config.weights,
+                                                                self.report.weights_version, network)
+        return finished
+
+    def close(self, steps: int) -> ActorReport:
+        """Flushes the recorder's episodes and closes the connection; the run's report."""
+        self.report.pushed = self.recorder.close()
+        self.report.env_steps = steps
+        self.client.close()
+        return self.report

@@ -8,21 +8,18 @@ the learner starts each sampled sequence from the state stored at its first row 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from replayd.client.actors.common import (
     ActorReport,
-    EpisodeRecorder,
+    EpisodeActorRun,
+    EpsilonGreedyConfig,
     StopEvent,
     action_rng,
-    connect,
     epsilon_at,
     explores,
-    refresh_weights,
-    stop_condition,
 )
 from replayd.client.envs import CARTPOLE_POMDP
 from replayd.client.trainers.drqn import RecurrentQNetwork
@@ -34,17 +31,10 @@ ENCODER = (64,)
 
 
 @dataclass
-class DRQNActorConfig:
-    address: str
+class DRQNActorConfig(EpsilonGreedyConfig):
     buffer: str = BUFFER
     weights: str = WEIGHTS
     env_id: str = CARTPOLE_POMDP
-    seed: int = 0
-    seconds: float = 3600.0
-    epsilon_start: float = 1.0
-    epsilon_end: float = 0.05
-    epsilon_decay_steps: int = 10_000
-    fetch_every: int = 100  # env steps between weight checks
     hidden: int = HIDDEN
     encoder: tuple[int, ...] = ENCODER
 
@@ -59,21 +49,13 @@ def run_drqn_actor(config: DRQNActorConfig, stop: StopEvent | None = None) -> Ac
     rng = action_rng(config.seed)
     network = RecurrentQNetwork(int(env.observation_space.shape[0]), int(env.action_space.n), config.hidden,
                                 config.encoder)
-    report = ActorReport()
-    stopped = stop_condition(config.seconds, stop)
-    client = connect(config.address, config.buffer, stopped, weights=config.weights)
-    if client is None:
-        return report
-    recorder = EpisodeRecorder(client, config.buffer, retry_deadline=time.monotonic() + config.seconds)
+    run = EpisodeActorRun.start(config, stop)
+    if run is None:
+        return ActorReport()
     obs, _ = env.reset(seed=config.seed)
     state = network.initial_state(1)  # (1, H) before the episode's first observation
     steps = 0
-    while not stopped():
-        if steps % config.fetch_every == 0:
-            report.weights_version, learner_finished = refresh_weights(client, config.weights,
-                                                                       report.weights_version, network)
-            if learner_finished:
-                break
+    while not run.stopped() and not run.learner_finished(steps, network):
         with torch.no_grad():  # every step moves the state, a random action's too
             q, next_state = network(torch.as_tensor(obs, dtype=torch.float32)[None, None], state)  # (1, 1, A)
         if explores(rng, epsilon_at(steps, config)):
@@ -82,12 +64,9 @@ def run_drqn_actor(config: DRQNActorConfig, stop: StopEvent | None = None) -> Ac
             action = int(q[0, 0].argmax())
         next_obs, reward, terminated, truncated, _ = env.step(action)
         steps += 1
-        if recorder.record({"obs": obs}, {"action": action, "reward": reward, "h": state[0].numpy()},
-                           {"obs": next_obs}, terminated, truncated):
+        if run.recorder.record({"obs": obs}, {"action": action, "reward": reward, "h": state[0].numpy()},
+                               {"obs": next_obs}, terminated, truncated):
             next_obs, _ = env.reset()
             next_state = network.initial_state(1)
         obs, state = next_obs, next_state
-    report.pushed = recorder.close()
-    report.env_steps = steps
-    client.close()
-    return report
+    return run.close(steps)
