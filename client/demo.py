@@ -212,6 +212,7 @@ def run_algo(algo: Algo, args: dict[str, Any], address: str, label: str,
 
         try:
             summary = algo.learn(learner_config, report, actors.check)
+            actors.check()  # an actor may fail while the learner, fed by the others, still finishes
             if screenshot is not None:
                 screenshot.finish()  # a run shorter than the screenshot's moment: the server as the run ends
         except Exception as exc:  # the learner's error may only be what a failed actor left it (no data)

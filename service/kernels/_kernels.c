@@ -729,6 +729,12 @@ static PyArrayObject *new_matrix(PyObject *batch, PyObject *key, Py_ssize_t coun
 /* batch[name] = the `steps` rows of `source` from each ring row of `rows`, `held[i]` of them read (wrapping
  * round the ring's end: two copies) and the rest zeros: a (count, steps, *row) array, written into the one
  * batch[name] holds if any (given_output). */
+/* take_sequences prefetches the first PREFETCH_BYTES of the sequence SEQUENCE_PREFETCH ahead of the one it
+ * copies: each sequence starts at a random row, a cache (and, on large rings, TLB) miss that the copies of the
+ * sequences before it then hide; the hardware prefetcher streams the rest of each sequence. */
+#define SEQUENCE_PREFETCH 2
+#define PREFETCH_BYTES 256
+
 static int take_sequences(PyObject *batch, PyObject *name, PyArrayObject *source, const int64_t *rows,
                           const int64_t *held, Py_ssize_t count, Py_ssize_t steps, int64_t capacity) {
     npy_intp shape[NPY_MAXDIMS];
@@ -750,6 +756,9 @@ static int take_sequences(PyObject *batch, PyObject *name, PyArrayObject *source
     const char *from = PyArray_DATA(source);
     PyThreadState *released = release_gil_if(count * steps * row_bytes > RELEASE_GIL_BYTES);
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + SEQUENCE_PREFETCH < count) /* the start of a sequence ahead: its miss overlaps these copies */
+            for (Py_ssize_t b = 0; b < PREFETCH_BYTES && b < held[i + SEQUENCE_PREFETCH] * row_bytes; b += 64)
+                __builtin_prefetch(from + rows[i + SEQUENCE_PREFETCH] * row_bytes + b);
         char *sequence = out + i * steps * row_bytes;
         int64_t first = capacity - rows[i] < held[i] ? capacity - rows[i] : held[i]; /* rows before the ring's end */
         memcpy(sequence, from + rows[i] * row_bytes, first * row_bytes);
@@ -890,6 +899,7 @@ static int sequences_arg(PyObject *const *args, Sequences *q) {
     int64_t *starts = held + q->count;
     char *ended = (char *)(starts + q->count);
     for (Py_ssize_t i = 0; i < q->count; i++) {
+        if (i + SEQUENCE_PREFETCH < q->count) __builtin_prefetch(extents.row_seq + rows[i + SEQUENCE_PREFETCH]);
         int64_t rows_left = q->bounds[i] - q->positions[i] + 1; /* < 1 only for a torn read, discarded later */
         held[i] = rows_left < 0 ? 0 : rows_left > steps ? steps : rows_left; /* the final observation included */
         int64_t slot = extent_slot(&extents, rows[i], open_seq[i]);
