@@ -277,6 +277,24 @@ class WeightsPublisher:
                                "publishes under that name")
         return self.version
 
+    def publish_then_create(self, module: torch.nn.Module, create: Callable[[], object]) -> int:
+        """Publishes `module`'s first version, then runs `create` (the learner's buffer: actors wait for it, then
+        fetch the weights); if `create` fails, publishes them as final, so that the actors waiting stop. Returns
+        the version published."""
+        version = self.publish(module)
+        try:
+            create()
+        except BaseException:
+            self.publish(module, final=True)
+            raise
+        return version
+
+    def final_later(self, module: torch.nn.Module) -> tuple[int, Callable[[], int]]:
+        """The version the final weights will have, and the call that publishes them as that version (once the
+        run folder is written, see finish_learner)."""
+        version = self.version + 1
+        return version, lambda: self.publish(module, final=True, version=version)
+
 
 def start_learner(config: Any, score_key: str, report: Callable[[Progress], None],
                   waiting: Callable[[], None]) -> tuple[Tracker, ReplayClient]:

@@ -74,14 +74,9 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
                          target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device,
                          loss_strategy="compiled" if config.compile_loss else "auto")
     weights = WeightsPublisher(client, config.weights)
-    weights.publish(trainer.online)  # before the buffer: actors wait for it, then fetch the weights
-    try:
-        create_or_reuse(client, config.buffer,
-                        lambda: client.create_buffer(config.buffer, config.capacity_steps, schema),
-                        "episodic", config.capacity_steps, schema)
-    except BaseException:
-        weights.publish(trainer.online, final=True)  # the actors waiting for this learner stop
-        raise
+    weights.publish_then_create(trainer.online, lambda: create_or_reuse(
+        client, config.buffer, lambda: client.create_buffer(config.buffer, config.capacity_steps, schema),
+        "episodic", config.capacity_steps, schema))
     wait_for_steps(client, config.buffer, config.learning_starts, tracker)
 
     progress = tracker.progress
@@ -130,8 +125,7 @@ def learn_dqn(config: DQNLearnerConfig, report: Callable[[Progress], None] = lam
         evaluate()  # the final policy: the summary's final_eval_return is never a stale or missing score
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
                      f"DQN on {config.env_id} via replayd", config.target_return)
-    final_version = weights.version + 1  # the last weights, published once the run folder is written
+    final_version, publish_final = weights.final_later(trainer.online)
     return finish_learner(config, client, tracker, plot, {
         "solved": solved, "final_eval_return": progress.score, "target_return": config.target_return,
-        "weights_version": final_version}, finished,
-        lambda: weights.publish(trainer.online, final=True, version=final_version))
+        "weights_version": final_version}, finished, publish_final)

@@ -88,15 +88,10 @@ def learn_drqn(config: DRQNLearnerConfig, report: Callable[[Progress], None] = l
                           encoder=config.encoder, lr=config.lr, eta=config.eta,
                           target_update_every=config.target_update_every, device=config.device)
     weights = WeightsPublisher(client, config.weights)
-    weights.publish(trainer.online)  # before the buffer: actors wait for it, then fetch the weights
-    try:
-        create_or_reuse(client, config.buffer,
-                        lambda: client.create_buffer(config.buffer, config.capacity_steps, schema,
-                                                     sampler=Prioritized(config.priority_alpha)),
-                        "episodic", config.capacity_steps, schema)
-    except BaseException:
-        weights.publish(trainer.online, final=True)  # the actors waiting for this learner stop
-        raise
+    weights.publish_then_create(trainer.online, lambda: create_or_reuse(
+        client, config.buffer, lambda: client.create_buffer(config.buffer, config.capacity_steps, schema,
+                                                            sampler=Prioritized(config.priority_alpha)),
+        "episodic", config.capacity_steps, schema))
     wait_for_steps(client, config.buffer, config.learning_starts, tracker)
     train(config, client, trainer, tracker, weights)
     progress = tracker.progress
@@ -104,11 +99,10 @@ def learn_drqn(config: DRQNLearnerConfig, report: Callable[[Progress], None] = l
         evaluate(config, client, trainer, tracker)  # the final policy: final_eval_return is never stale
     plot = CurvePlot("eval_return", f"greedy return (mean of {config.eval_episodes} episodes)",
                      f"DRQN on {config.env_id} via replayd", config.target_return)
-    final_version = weights.version + 1  # the last weights, published once the run folder is written
+    final_version, publish_final = weights.final_later(trainer.online)
     return finish_learner(config, client, tracker, plot, {
         "solved": progress.score >= config.target_return, "final_eval_return": progress.score,
-        "target_return": config.target_return, "weights_version": final_version}, finished,
-        lambda: weights.publish(trainer.online, final=True, version=final_version))
+        "target_return": config.target_return, "weights_version": final_version}, finished, publish_final)
 
 
 def train(config: DRQNLearnerConfig, client: ReplayClient, trainer: DRQNTrainer, tracker: Tracker,

@@ -83,15 +83,11 @@ def learn_her(config: HERLearnerConfig, report: Callable[[Progress], None] = lam
     trainer = DQNTrainer(2 * bits, n_actions, hidden=config.hidden, lr=config.lr, double=True,
                          target_update_every=config.target_update_every, max_grad_norm=10.0, device=config.device)
     weights = WeightsPublisher(client, config.weights)
-    weights.publish(trainer.online)  # before the buffer: actors wait for it, then fetch the weights
-    try:
-        create_or_reuse(client, config.buffer,
-                        lambda: client.create_buffer(config.buffer, config.capacity_steps, schema,
-                                                     observation_fields=OBSERVATION_FIELDS, goal_fields=GOAL_FIELDS),
-                        "episodic", config.capacity_steps, schema, {"goal_fields": GOAL_FIELDS})
-    except BaseException:
-        weights.publish(trainer.online, final=True)  # the actors waiting for this learner stop
-        raise
+    weights.publish_then_create(trainer.online, lambda: create_or_reuse(
+        client, config.buffer, lambda: client.create_buffer(config.buffer, config.capacity_steps, schema,
+                                                            observation_fields=OBSERVATION_FIELDS,
+                                                            goal_fields=GOAL_FIELDS),
+        "episodic", config.capacity_steps, schema, {"goal_fields": GOAL_FIELDS}))
     wait_for_steps(client, config.buffer, config.learning_starts, tracker)
     loader = Loader(client.sample_stream(config.buffer, config.batch_size,
                                          Hindsight(config.strategy, config.relabel_ratio), wait=True,
@@ -105,11 +101,10 @@ def learn_her(config: HERLearnerConfig, report: Callable[[Progress], None] = lam
     relabeling = f"HER ({config.strategy}, ratio {config.relabel_ratio})" if config.relabel_ratio else "no relabeling"
     plot = CurvePlot("success_rate", f"greedy success rate ({config.eval_episodes} episodes)",
                      f"DQN, {relabeling}, on {config.env_id} via replayd", config.target_success)
-    final_version = weights.version + 1  # the last weights, published once the run folder is written
+    final_version, publish_final = weights.final_later(trainer.online)
     return finish_learner(config, client, tracker, plot, {
         "solved": progress.score >= config.target_success, "final_success_rate": progress.score,
-        "target_success": config.target_success, "weights_version": final_version}, finished,
-        lambda: weights.publish(trainer.online, final=True, version=final_version))
+        "target_success": config.target_success, "weights_version": final_version}, finished, publish_final)
 
 
 def train(config: HERLearnerConfig, client: ReplayClient, trainer: DQNTrainer, tracker: Tracker,

@@ -76,18 +76,13 @@ def learn_ppo(config: PPOLearnerConfig, report: Callable[[Progress], None] = lam
                          clip_coef=config.clip_coef, vf_coef=config.vf_coef, ent_coef=config.ent_coef,
                          norm_adv=False, max_grad_norm=config.max_grad_norm, device=config.device)
     weights = WeightsPublisher(client, config.weights)
-    # Before the buffer: actors wait for it, then fetch the weights (and wait for finish_rollout to reach them).
-    version = weights.publish(trainer.model)
-    try:
-        create_or_reuse(client, config.buffer,
-                        lambda: client.create_rollout_buffer(config.buffer, config.rollout_steps, slots, schema,
-                                                             config.gamma, config.gae_lambda),
-                        "rollout", config.rollout_steps * slots, schema,
-                        {"num_steps": config.rollout_steps, "num_envs": slots, "gamma": config.gamma,
-                         "gae_lambda": config.gae_lambda})
-    except BaseException:
-        weights.publish(trainer.model, final=True)  # the actors waiting for this learner stop
-        raise
+    # Actors fetch the weights once the buffer is there, and wait for finish_rollout to reach them.
+    version = weights.publish_then_create(trainer.model, lambda: create_or_reuse(
+        client, config.buffer, lambda: client.create_rollout_buffer(config.buffer, config.rollout_steps, slots,
+                                                                    schema, config.gamma, config.gae_lambda),
+        "rollout", config.rollout_steps * slots, schema,
+        {"num_steps": config.rollout_steps, "num_envs": slots, "gamma": config.gamma,
+         "gae_lambda": config.gae_lambda}))
     client.finish_rollout(config.buffer, version)
     minibatch_size = config.rollout_steps * slots // config.minibatches
     progress = tracker.progress
