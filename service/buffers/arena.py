@@ -36,7 +36,6 @@ ROW_SIZING_RATIO = 64
 class Arena(NamedTuple):
     """A compressed field's storage in the ring's shared arrays."""
 
-    index: int  # its row of `arena.state`
     field: Field
     offset: np.ndarray  # int64 (capacity,): each row's frame, as an absolute byte position
     length: np.ndarray  # int32 (capacity,)

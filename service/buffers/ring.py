@@ -96,7 +96,7 @@ class EpisodicRing:
         arrays = storage.arrays
         self.columns = {f.name: arrays[f"field.{f.name}"] for f in self.fields if not f.compressed}
         # The compressed fields' frames: byte arenas with a frame offset and length per row (arena.py).
-        self.arenas = {f.name: Arena(i, f, arrays[f"field.{f.name}.offset"], arrays[f"field.{f.name}.length"],
+        self.arenas = {f.name: Arena(f, arrays[f"field.{f.name}.offset"], arrays[f"field.{f.name}.length"],
                                      arrays[f"field.{f.name}.arena"], arrays["arena.state"][i])
                        for i, f in enumerate(f for f in self.fields if f.compressed)}
         # The columns the batch modes' kernels gather, looked up once: a sample pays per dict lookup.

@@ -137,9 +137,11 @@ def frame_spans(arena: Arena, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def frames_of(arena: Arena, rows: np.ndarray) -> CompressedFrames:
     """The compressed frames of ring `rows`, copied out of their arena."""
     starts, lengths = frame_spans(arena, rows)
-    ends = np.cumsum(lengths)
-    index = np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if lengths.size else 0)
-    return CompressedFrames(arena.data[index], lengths)
+    if not lengths.size:
+        return CompressedFrames(np.empty(0, np.uint8), lengths)
+    # A frame never crosses the arena's end (arena.py): each is one slice.
+    return CompressedFrames(np.concatenate([arena.data[start:start + length] for start, length
+                                            in zip(starts.tolist(), lengths.tolist(), strict=True)]), lengths)
 
 
 def decompressed(arena: Arena, rows: np.ndarray) -> np.ndarray:
