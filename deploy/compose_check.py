@@ -315,7 +315,7 @@ def link_wheels() -> list[Path]:
     return added
 
 
-def build(engine: Engine, compose: list[str], env: dict[str, str]) -> None:
+def build(compose: list[str], env: dict[str, str]) -> None:
     """The server image, then the client image (its build stage is the server's, cached)."""
     for service in ("server", "learner"):
         retried(2, f"building {service}'s image", lambda s=service: run([*compose, "build", s], env=env,
@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(engine, compose, env)
         stack.down()  # what an interrupted earlier run may have left
         built = time.monotonic()
-        build(engine, compose, env)
+        build(compose, env)
         timings["build"] = time.monotonic() - built
         log(f"build: server and client images in {timings['build']:.0f} s (base {base})")
         summary = check_stack(stack, timings)

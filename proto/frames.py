@@ -3,7 +3,7 @@
 Parsing a message with protobuf copies its bytes fields, and reading such a field copies it again;
 serializing copies once more. For inserts and samples (up to hundreds of MB) the payload instead stays
 where gRPC put it: `parse_with_payload` returns the other fields (parsed by protobuf as usual) and a
-memoryview of the payload; `join_bytes_field` appends a payload to a serialized message with one copy.
+memoryview of the payload, and a payload is joined into its serialized message with one copy.
 An insert's compressed frames (CompressedFrames messages, each with its own bytes field) stay where gRPC
 put them too, and are joined into a request with the payload in one copy; so are the frames a sample ships
 compressed (decompress="client"), after its batch.
@@ -130,14 +130,6 @@ def _parts(payload: bytes | memoryview | tuple) -> tuple[tuple, int]:
     """(the buffers of a payload, its size): a tuple of buffers (codec.encode_parts) or one buffer."""
     parts = payload if isinstance(payload, tuple) else (payload,)
     return parts, sum(memoryview(part).nbytes for part in parts)
-
-
-def join_bytes_field(message: bytes, field_number: int, payload: bytes | memoryview | tuple) -> bytes:
-    """`message` with a length-delimited field appended (protobuf: the last occurrence wins). `payload` may
-    be a tuple of buffers (codec.encode_parts): they are joined straight into the message, one copy."""
-    parts, size = _parts(payload)
-    header = _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(size)
-    return b"".join([message, header, *parts])
 
 
 def _field_head(field_number: int, size: int) -> bytes:

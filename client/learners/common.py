@@ -57,7 +57,7 @@ class Tracker:
     def _set_clock(self) -> None:
         self.started = time.monotonic()
         self.deadline = self.started + self.budget
-        self._window_start, self._window_steps, self._reported = self.started, 0, self.started
+        self._window_start, self._window_steps = self.started, 0
 
     def start_clock(self) -> None:
         """(Re)starts the budget. Learners call it once the first data is there: the server and the actors
@@ -92,7 +92,7 @@ class Tracker:
         self._report()
 
     def _report_when_due(self) -> None:
-        if time.monotonic() - self._reported >= REPORT_EVERY:
+        if time.monotonic() - self._window_start >= REPORT_EVERY:
             self._report()
 
     def _report(self) -> None:
@@ -102,7 +102,6 @@ class Tracker:
         progress.seconds = now - self.started if progress.training else 0.0
         self.report(progress)
         self._window_start, self._window_steps = time.monotonic(), 0
-        self._reported = self._window_start
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import ray
 
 from replayd.client.ray.resolver import connect_ray
 from replayd.client.ray.shards import RayShards
+from replayd.client.sharded import RAY_PREFIX
 
 
 @dataclass
@@ -83,7 +84,7 @@ def run_actors(shards: RayShards | str, algo: str = "dqn", actors: int = 2, *, l
         raise ValueError(f"actors: expected a count >= {1 if algo == 'ppo' else 0}, got {actors}")
     spec = ALGOS[algo]
     group = shards if isinstance(shards, RayShards) else None
-    address = group.address if group is not None else f"ray:{shards}"
+    address = group.address if group is not None else RAY_PREFIX + shards
     actor_options, learner_options = dict(actor_options or {}), dict(learner_options or {})
     token = group.token if group is not None else None
     env = {"env_vars": {"REPLAYD_TOKEN": token}} if token else None

@@ -51,7 +51,7 @@ from replayd.client.ray import STRATEGIES
 from replayd.client.ray.resolver import NAMESPACE, ShardAddresses, actor_name, connect_ray, lookup
 from replayd.client.replay_client import ReplayClient, Schema
 from replayd.client.shard_math import MAX_SHARDS, split_capacity, split_rate_limiter
-from replayd.client.sharded import RAY_RESOLVE_EVERY, ShardedReplayClient
+from replayd.client.sharded import RAY_PREFIX, RAY_RESOLVE_EVERY, ShardedReplayClient
 from replayd.server.checkpoint import has_checkpoint
 from replayd.server.storage.instance_lock import InstanceLock
 from replayd.server.storage.shared_arrays import SHM_DIR, remove_segment, segments
@@ -302,7 +302,7 @@ class RayShards:
     @property
     def address(self) -> str:
         """The address command lines take for these shards (`replayd learn --address ray:NAME`)."""
-        return f"ray:{self.name}"
+        return RAY_PREFIX + self.name
 
     def info(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Each shard's address, node, instance, how its life started and whether Ray restarted it."""
@@ -416,11 +416,10 @@ def start_shards(num_shards: int, buffers: Sequence[BufferSpec] = (), *, name: s
     if _exists(name):
         raise ValueError(f"replayd shards named {name!r} already run on this cluster: connect with "
                          f"replayd.ray.find_shards({name!r}) or stop them first (stop_shards, `replayd ray down`)")
-    bundle: dict[str, float] = {"CPU": cpus_per_shard}
-    if shm_bytes is not None:
-        bundle[SHM_RESOURCE] = float(shm_bytes)
+    resources = {SHM_RESOURCE: float(shm_bytes)} if shm_bytes is not None else {}
+    bundle = {"CPU": cpus_per_shard, **resources}
     lifetime = "detached" if detached else None
-    group = placement_group([dict(bundle)] * num_shards, strategy=strategy, name=f"replayd-{name}", lifetime=lifetime)
+    group = placement_group([bundle] * num_shards, strategy=strategy, name=f"replayd-{name}", lifetime=lifetime)
     try:
         ray.get(group.ready(), timeout=timeout)
     except GetTimeoutError:
@@ -431,7 +430,6 @@ def start_shards(num_shards: int, buffers: Sequence[BufferSpec] = (), *, name: s
                      checkpoint_keep, token, insecure_bind_all, tuple(serve_args), timeout)
     handles = []
     for index in range(num_shards):
-        resources = {SHM_RESOURCE: float(shm_bytes)} if shm_bytes is not None else {}
         handles.append(ShardActor.options(
             name=actor_name(name, index), namespace=NAMESPACE, lifetime=lifetime, max_restarts=max_restarts,
             max_task_retries=-1, num_cpus=cpus_per_shard, resources=resources,

@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from replayd.client.trainers.dqn_manual_grad import CompiledManualGradLoss, ManualGradLoss
-from replayd.client.trainers.q_network import QNetwork, as_dtype, check_action, check_loss
+from replayd.client.trainers.q_network import (
+    QNetwork,
+    as_dtype,
+    check_action,
+    check_epsilon,
+    check_loss,
+    epsilon_greedy,
+)
 from replayd.client.trainers.settings import check_max_grad_norm, check_positive
 
 __all__ = ["LOSS_STRATEGIES", "AutogradLoss", "DQNTrainer", "LossStrategy", "q_loss", "update_target"]
@@ -203,15 +210,8 @@ class DQNTrainer:
     @torch.no_grad()
     def act(self, obs: Tensor, epsilon: float = 0.0) -> Tensor:
         """Epsilon-greedy actions (B,) for obs (B, *S); ``epsilon`` in [0, 1]."""
-        if not 0.0 <= epsilon <= 1.0:  # NaN or below 0 acted greedily, above 1 as 1
-            raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
-        q = self.online(obs.to(self.device))
-        greedy = q.argmax(1)
-        if epsilon <= 0.0:
-            return greedy
-        random = torch.randint(q.shape[1], greedy.shape, device=q.device)
-        explore = torch.rand(greedy.shape, device=q.device) < epsilon
-        return torch.where(explore, random, greedy)
+        check_epsilon(epsilon)
+        return epsilon_greedy(self.online(obs.to(self.device)), epsilon)
 
 
 class LossStrategy(Protocol):

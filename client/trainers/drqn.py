@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from replayd.client.trainers.dqn import update_target
-from replayd.client.trainers.q_network import check_action, check_loss
+from replayd.client.trainers.q_network import check_action, check_epsilon, check_loss, epsilon_greedy
 from replayd.client.trainers.settings import check_max_grad_norm, check_positive
 
 __all__ = ["DRQNTrainer", "RecurrentQNetwork", "r2d2_loss"]
@@ -194,12 +194,6 @@ class DRQNTrainer:
     def act(self, obs: Tensor, state: Tensor, epsilon: float = 0.0) -> tuple[Tensor, Tensor]:
         """Epsilon-greedy actions (B,) for one step's obs (B, *S) from the states (B, H) held before it; returns
         them with the states after it (what the next step acts from)."""
-        if not 0.0 <= epsilon <= 1.0:
-            raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
+        check_epsilon(epsilon)
         q, next_state = self.online(obs.to(self.device).unsqueeze(1), state.to(self.device))  # (B, 1, A), (B, H)
-        greedy = q[:, 0].argmax(1)  # (B,)
-        if epsilon <= 0.0:
-            return greedy, next_state
-        random = torch.randint(q.shape[2], greedy.shape, device=q.device)  # (B,)
-        explore = torch.rand(greedy.shape, device=q.device) < epsilon  # (B,)
-        return torch.where(explore, random, greedy), next_state
+        return epsilon_greedy(q[:, 0], epsilon), next_state

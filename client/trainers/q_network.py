@@ -84,6 +84,23 @@ def _refresh_after_load(network: QNetwork, incompatible_keys: object) -> None:
     network._refresh_cache()
 
 
+def check_epsilon(epsilon: float) -> None:
+    """ValueError unless `epsilon` is in [0, 1] (NaN or below 0 would act greedily, above 1 as 1)."""
+    if not 0.0 <= epsilon <= 1.0:
+        raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
+
+
+def epsilon_greedy(q: Tensor, epsilon: float) -> Tensor:
+    """Actions (B,) from Q-values q (B, A): each a uniform random action with probability `epsilon`, else the
+    greedy one."""
+    greedy = q.argmax(1)  # (B,)
+    if epsilon <= 0.0:
+        return greedy
+    random = torch.randint(q.shape[1], greedy.shape, device=q.device)  # (B,)
+    explore = torch.rand(greedy.shape, device=q.device) < epsilon  # (B,)
+    return torch.where(explore, random, greedy)
+
+
 def check_loss(loss_type: str, huber_delta: float) -> None:
     """Refuses a ``loss_type`` other than "mse" or "huber" and a ``huber_delta`` that is not finite and > 0."""
     if loss_type not in ("mse", "huber"):
